@@ -1,0 +1,46 @@
+"""zerocore: ZeRO data parallelism and offload for PyTorch on a native runtime.
+
+The native runtime (``zerocore._native``) never links PyTorch; tensors cross
+as DLPack, zero-copy: ``zerocore.from_torch(t)`` wraps a torch tensor's
+memory and ``zerocore.to_torch(z)`` (or ``torch.from_dlpack(z)``) views a
+native tensor from torch. The CUDA kernels live in a separate module,
+``zerocore.cuda``, imported only on use, so this package imports on machines
+without CUDA.
+"""
+
+from zerocore._native import (
+    LayoutPlan,
+    Tensor,
+    cpu_features,
+    empty,
+    host_arena_bytes,
+    num_threads,
+    set_cpu_isa,
+    set_num_threads,
+)
+from zerocore._native import from_dlpack as from_torch
+from zerocore import ops
+
+__version__ = "0.1.0"
+
+
+def to_torch(tensor: Tensor):
+    """A torch tensor sharing ``tensor``'s memory (zero-copy)."""
+    import torch
+
+    return torch.from_dlpack(tensor)
+
+
+__all__ = [
+    "LayoutPlan",
+    "Tensor",
+    "cpu_features",
+    "empty",
+    "from_torch",
+    "host_arena_bytes",
+    "num_threads",
+    "ops",
+    "set_cpu_isa",
+    "set_num_threads",
+    "to_torch",
+]
