@@ -117,7 +117,7 @@ std::vector<Segment> LayoutPlan::segments(int rank) const {
       const int64_t lo = std::max(p.offset, lo_shard);
       const int64_t hi = std::min(p.offset + p.numel, hi_shard);
       if (lo >= hi) continue;
-      out.push_back(Segment{i, p.group, lo - p.offset, lo, partition_offset(b) + (lo - lo_shard), hi - lo});
+      out.push_back(Segment{i, p.group, b, lo - p.offset, lo, partition_offset(b) + (lo - lo_shard), hi - lo});
     }
   }
   return out;

@@ -25,6 +25,7 @@ void bind_layout(nb::module_& m) {
   nb::class_<Segment>(m, "Segment")
       .def_ro("param", &Segment::param)
       .def_ro("group", &Segment::group)
+      .def_ro("bucket", &Segment::bucket)
       .def_ro("param_offset", &Segment::param_offset)
       .def_ro("flat_offset", &Segment::flat_offset)
       .def_ro("partition_offset", &Segment::partition_offset)

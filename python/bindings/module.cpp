@@ -5,6 +5,9 @@
 
 NB_MODULE(_native, m) {
   using namespace zerocore::bindings;
+  // Engines hold plans in reference cycles with module hooks; those may
+  // outlive the interpreter's last collection, which is harmless.
+  nanobind::set_leak_warnings(false);
   register_error_translators();
   bind_tensor(m);
   bind_layout(m);

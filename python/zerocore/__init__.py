@@ -20,6 +20,9 @@ from zerocore._native import (
 )
 from zerocore._native import from_dlpack as from_torch
 from zerocore import ops
+from zerocore.config import Config
+from zerocore.engine import Engine, NonFiniteGradientError, wrap
+from zerocore.optim import SGD, Adam, AdamW
 
 __version__ = "0.1.0"
 
@@ -32,7 +35,13 @@ def to_torch(tensor: Tensor):
 
 
 __all__ = [
+    "Adam",
+    "AdamW",
+    "Config",
+    "Engine",
     "LayoutPlan",
+    "NonFiniteGradientError",
+    "SGD",
     "Tensor",
     "cpu_features",
     "empty",
@@ -43,4 +52,5 @@ __all__ = [
     "set_cpu_isa",
     "set_num_threads",
     "to_torch",
+    "wrap",
 ]

@@ -53,6 +53,7 @@ struct Bucket {
 struct Segment {
   int param = 0;
   int group = 0;
+  int bucket = 0;
   int64_t param_offset = 0;      // first element within the param
   int64_t flat_offset = 0;       // first element in the flat buffer
   int64_t partition_offset = 0;  // first element in the rank's partition

@@ -1,0 +1,96 @@
+"""zerocore.Config: the knobs of a wrapped model, checked up front.
+
+Every field has a default; a dict with the same keys works too. A wrong key
+or value raises ValueError naming it and the fix, before anything is
+allocated or communicated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Union
+
+DTYPES = ("fp32", "bf16", "fp16")
+_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def _dtype_name(value, field: str) -> Optional[str]:
+    if value is None:
+        return None
+    try:
+        import torch
+
+        if isinstance(value, torch.dtype):
+            value = str(value).replace("torch.", "")
+    except ImportError:  # pragma: no cover - torch is always there at run time
+        pass
+    name = _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+    if name not in DTYPES:
+        raise ValueError(f"zerocore.Config: {field}={value!r} is not supported; use one of {', '.join(DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Configuration of zerocore.wrap.
+
+    stage: 0 (plain data parallelism), 1 (optimizer states partitioned),
+        2 (+ gradients), 3 (+ parameters).
+    dtype: training dtype of params, activations and grads: "fp32", "bf16"
+        or "fp16". With 16 bits an fp32 master copy lives in the optimizer.
+    reduce_dtype: dtype of gradient buffers and reductions (default: dtype).
+    loss_scale: "dynamic" (fp16: start at 2**16, halve on overflow, double
+        after 2000 clean steps; other dtypes: no scaling) or a fixed number.
+    max_grad_norm: clip gradients to this global norm (None: no clipping).
+    bucket_bytes: size of the constant-size communication buckets.
+    prefetch_bytes: stage 3: how many bytes of upcoming units to gather
+        ahead of use (0: no prefetch).
+    persist_threshold: stage 3: params with fewer elements stay whole on
+        every rank (0 partitions all).
+    """
+
+    stage: int = 3
+    dtype: str = "fp32"
+    reduce_dtype: Optional[str] = None
+    loss_scale: Union[str, float] = "dynamic"
+    max_grad_norm: Optional[float] = None
+    bucket_bytes: int = 25 * 2**20
+    prefetch_bytes: int = 64 * 2**20
+    persist_threshold: int = 0
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+            raise ValueError(f"zerocore.Config: stage={self.stage!r}; use 0, 1, 2 or 3")
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))
+        object.__setattr__(self, "reduce_dtype", _dtype_name(self.reduce_dtype, "reduce_dtype") or self.dtype)
+        ls = self.loss_scale
+        if not (ls == "dynamic" or (isinstance(ls, (int, float)) and not isinstance(ls, bool)
+                                    and math.isfinite(ls) and ls > 0)):
+            raise ValueError(f"zerocore.Config: loss_scale={ls!r}; use 'dynamic' or a positive number")
+        mgn = self.max_grad_norm
+        if mgn is not None and not (isinstance(mgn, (int, float)) and math.isfinite(mgn) and mgn > 0):
+            raise ValueError(f"zerocore.Config: max_grad_norm={mgn!r}; use a positive number or None")
+        for name, lo in (("bucket_bytes", 1), ("prefetch_bytes", 0), ("persist_threshold", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"zerocore.Config: {name}={v!r}; use an integer >= {lo}")
+
+    @classmethod
+    def from_any(cls, config) -> "Config":
+        """A Config from a Config, a dict of its fields, or None (defaults)."""
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(config) - fields)
+            if unknown:
+                raise ValueError(f"zerocore.Config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                                 f"valid keys are {', '.join(sorted(fields))}")
+            return cls(**config)
+        raise TypeError(f"zerocore.wrap: config must be a zerocore.Config or a dict, got {type(config).__name__}")
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.loss_scale != "dynamic" or self.dtype == "fp16"

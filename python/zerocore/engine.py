@@ -1,0 +1,322 @@
+"""zerocore.wrap and the Engine it returns: a module trained with ZeRO.
+
+The engine owns the model states (see flat_group.py for where they live per
+stage), runs forward through the module, backward through autograd with
+hooks that reduce gradients (grad_reducer.py) and, in stage 3, gather and
+free parameters (stage3.py), and steps the partitioned native optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerocore.comm import Communicator
+from zerocore.config import Config
+from zerocore.flat_group import TORCH_DTYPES, FlatGroup
+from zerocore.grad_reducer import FullGradReducer, StagedReducer
+from zerocore.loss_scale import LossScaler
+from zerocore.optim import ZeroOptimizer, read_optimizer
+from zerocore.stage3 import Unit, UnitScheduler, find_units
+
+_STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq")}
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Raised (on every rank) when gradients hold inf/NaN and no dynamic loss
+    scaling is there to absorb it; params and optimizer state are untouched."""
+
+
+def _default_group(group, stage):
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    if stage > 0:
+        raise ValueError(f"zerocore.wrap: stage {stage} partitions across ranks and needs a process group; "
+                         "call torch.distributed.init_process_group() first (or torchrun), or pass group=")
+    return None
+
+
+def _param_names(module):
+    """id(param) -> every name under which the module holds it (tied weights
+    have several), in registration order."""
+    names = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            lst = names.setdefault(id(p), [])
+            if full not in lst:
+                lst.append(full)
+    return names
+
+
+class Engine:
+    def __init__(self, module, optimizer, config=None, *, group=None, units=None):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"zerocore.wrap: expected a torch.nn.Module, got {type(module).__name__}")
+        if getattr(module, "_zerocore_engine", None) is not None:
+            raise ValueError("zerocore.wrap: this module is already wrapped; wrap the original module once")
+        self.config = cfg = Config.from_any(config)
+        spec = read_optimizer(optimizer)
+        self.module = module
+        self.comm = Communicator(_default_group(group, cfg.stage))
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
+        self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
+        self.kind = spec.kind
+        self.step_count = 0
+
+        params = list(module.parameters())
+        bad = [n for p in params for n in _param_names(module)[id(p)][:1] if not p.is_floating_point()]
+        if bad:
+            raise TypeError(f"zerocore.wrap: parameter(s) {', '.join(bad)} are not floating point")
+        opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
+        names = _param_names(module)
+        missing = [names[id(p)][0] for p in params if p.requires_grad and id(p) not in opt_group]
+        if missing:
+            raise ValueError(f"zerocore.wrap: parameter(s) {', '.join(missing)} require grad but are not in the "
+                             "optimizer; pass them to it or set requires_grad=False")
+        unknown = [i for i, g in enumerate(spec.param_groups) for p in g["params"] if id(p) not in names]
+        if unknown:
+            raise ValueError(f"zerocore.wrap: optimizer param group {unknown[0]} holds a tensor that is not a "
+                             "parameter of this module")
+
+        self._check_same_model(spec, params, names)
+        self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units)
+        self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
+        self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
+        self._cast_buffers()
+
+        self.scheduler = UnitScheduler(self.units, cfg.prefetch_bytes) if cfg.stage == 3 else None
+        self.reducer = (FullGradReducer(self.groups, self.comm, cfg.stage) if cfg.stage <= 1 else
+                        StagedReducer(self.groups, self.comm, self.scheduler.on_param_done if self.scheduler else None))
+        self.optimizer = ZeroOptimizer(spec, self._step, self.zero_grad)
+        self._backward_calls = 0
+        module._zerocore_engine = self
+
+    # Construction ----------------------------------------------------------
+    def _check_same_model(self, spec, params, names):
+        """Ranks compare a hash of config, optimizer, names, shapes and
+        trainability before any other collective: a different model on one
+        rank fails on every rank with this message instead of deadlocking."""
+        desc = repr((self.config, spec.kind, len(spec.param_groups),
+                     [(names[id(p)], tuple(p.shape), p.requires_grad) for p in params]))
+        h = 1469598103934665603
+        for byte in desc.encode():
+            h = ((h ^ byte) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
+        hashes = self.comm.gather_ints(h)
+        if len(set(hashes)) > 1:
+            odd = [r for r, x in enumerate(hashes) if x != hashes[0]]
+            raise ValueError(f"zerocore.wrap: ranks disagree on the model, config or optimizer: rank(s) {odd} "
+                             "differ from rank 0; every rank must wrap the same model with the same config")
+
+    def _build_groups(self, module, params, names, opt_group, spec, unit_spec):
+        cfg = self.config
+        unit_modules = find_units(module, unit_spec) if cfg.stage == 3 else [module]
+        owner = {id(p): self._owning_unit(unit_modules, p) for p in params}
+        momentum = any(g.get("momentum", 0) for g in spec.param_groups)
+        state_names = ("momentum_buffer",) if spec.kind == "sgd" and momentum else \
+            () if spec.kind == "sgd" else ("exp_avg", "exp_avg_sq")
+
+        def make(ps, trainable, sharded):
+            ps = ps[::-1]  # backward order: the reverse of registration
+            return FlatGroup(ps, [names[id(p)] for p in ps], [opt_group.get(id(p), 0) for p in ps],
+                             stage=cfg.stage, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
+                             trainable=trainable, sharded=sharded, bucket_bytes=cfg.bucket_bytes,
+                             comm=self.comm, state_names=state_names if trainable else ())
+
+        def split(ps, sharded):
+            return [make(sub, t, sharded) for t in (True, False)
+                    for sub in [[p for p in ps if p.requires_grad == t]] if sub]
+
+        units, persistent = [], []
+        for index, m in enumerate(unit_modules):
+            members = [p for p in params if owner[id(p)] == index]
+            if cfg.stage == 3:
+                persistent += [p for p in members if p.numel() < cfg.persist_threshold]
+                members = [p for p in members if p.numel() >= cfg.persist_threshold]
+            units.append(Unit(index, m, split(members, sharded=cfg.stage == 3)))
+        # Reduction order, the same on every rank: units in backward order
+        # (last registered first, the root, whose embeddings finish last,
+        # at the end), then the params kept whole.
+        groups = [g for u in units[1:][::-1] + units[:1] for g in u.groups] + split(persistent, sharded=False)
+        return groups, (units if cfg.stage == 3 else [])
+
+    @staticmethod
+    def _owning_unit(unit_modules, p) -> int:
+        """The innermost unit holding p; the root when several unrelated
+        units hold it (weights tied across units)."""
+        holders = [i for i, m in enumerate(unit_modules)
+                   if i > 0 and any(q is p for q in m.parameters())]
+        inner = [i for i in holders if not any(j != i and unit_modules[j] in unit_modules[i].modules()
+                                                for j in holders)]
+        return inner[0] if len(inner) == 1 else 0
+
+    def _cast_buffers(self):
+        for mod in self.module.modules():
+            for name, b in list(mod.named_buffers(recurse=False)):
+                if b is not None and b.is_floating_point() and b.dtype != self.dtype:
+                    setattr(mod, name, b.to(self.dtype))
+
+    def _sync_buffers(self):
+        """Every rank takes rank 0's buffers (running statistics...), as DDP does."""
+        for b in self.module.buffers():
+            self.comm.broadcast(b)
+
+    # Training --------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Runs the module. Floating-point inputs are cast to the training
+        dtype; buffers come from rank 0, as DDP does."""
+        self._sync_buffers()
+        if self.dtype != torch.float32:
+            cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            args = torch.utils._pytree.tree_map(cast, args)
+            kwargs = torch.utils._pytree.tree_map(cast, kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            if self.scheduler:
+                self.scheduler.end_forward()
+
+    def backward(self, loss: torch.Tensor):
+        """loss.backward() with gradient reduction. Call it k times before
+        step() to accumulate: grads sum over calls and average over ranks."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward: loss must be a scalar tensor")
+        self.reducer.before_backward()
+        if self.scheduler:
+            self.scheduler.begin_backward()
+        try:
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        finally:
+            self.reducer.after_backward()
+            if self.scheduler:
+                self.scheduler.end_backward()
+        self._backward_calls += 1
+
+    def step(self) -> bool:
+        """Applies the accumulated gradients. Returns False when an fp16
+        overflow on any rank skipped the step (on every rank)."""
+        return self.optimizer.step()
+
+    def _step(self) -> bool:
+        if self._backward_calls == 0:
+            raise RuntimeError("engine.step: no gradients; call engine.backward(loss) first")
+        self.reducer.reduce()
+        groups = [g for g in self.groups if g.trainable]
+        local = sum(g.grad_sum_of_squares() for g in groups)
+        # Stage 0 holds the same all-reduced grads on every rank; otherwise
+        # each rank holds a disjoint part of them.
+        total = local if self.config.stage == 0 else self.comm.sum_scalars([local])[0]
+        world = self.comm.world_size
+        if not math.isfinite(total):
+            self.scaler.update(overflow=True)
+            if self.scaler.dynamic:
+                self._end_step()
+                return False
+            raise NonFiniteGradientError(
+                f"zerocore: gradients hold inf/NaN at step {self.step_count + 1} (a NaN or inf loss?); the step "
+                "was not applied and params and optimizer state are unchanged. Use dtype='fp16' with dynamic "
+                "loss scaling to skip such steps instead.")
+        # Grads hold the sum over ranks of loss-scaled grads.
+        grad_scale = 1.0 / (world * self.scaler.scale)
+        norm = math.sqrt(total) * grad_scale
+        self.last_grad_norm = norm
+        if self.config.max_grad_norm is not None:
+            grad_scale *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+        self.step_count += 1
+        hyper = [self.optimizer.hyperparameters(i) for i in range(len(self.optimizer.param_groups))]
+        for g in groups:
+            g.step(self.kind, hyper, self.step_count, grad_scale)
+        works = [w for g in groups for w in g.all_gather_params_async()]
+        for w in works:
+            w.wait()
+        self.scaler.update(overflow=False)
+        self._end_step()
+        return True
+
+    def _end_step(self):
+        self._backward_calls = 0
+        if self.scheduler:
+            self.scheduler.end_step()
+
+    def zero_grad(self):
+        for g in self.groups:
+            g.zero_grad()
+        for p in self.module.parameters():
+            if self.config.stage >= 2:
+                p.grad = None
+
+    # Inspection ------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def memory_report(self) -> dict:
+        """Bytes of model states held on this rank: params, grads, optimizer
+        states (fp32 master, moments), module buffers; plus the staging
+        buffers of gradient reduction (comm_buffers), which are not model
+        states. Stage 3 params count their shard (between steps)."""
+        out = {"param": 0, "grad": 0, "optim": 0}
+        for g in self.groups:
+            for k, v in g.memory().items():
+                out[k] += v
+        out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        out["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0)
+        return out
+
+    def comm_stats(self) -> dict:
+        return dict(self.comm.stats)
+
+    def reset_comm_stats(self):
+        self.comm.reset_stats()
+
+    def full_state_dict(self) -> dict:
+        """Full fp32 params under every name the module gives them, and the
+        module's buffers, on every rank; loadable by module.load_state_dict."""
+        self._sync_buffers()
+        out = {}
+        for g in self.groups:
+            flat = g.full_fp32()
+            for p_names, slot, shape in zip(g.names, g.slots, g.shapes):
+                value = flat[slot.offset:slot.offset + slot.numel].view(shape).clone()
+                for name in p_names:
+                    out[name] = value
+        for name, b in self.module.named_buffers():
+            out[name] = b.detach().clone()
+        return {k: out[k] for k in self.module.state_dict(keep_vars=True)}
+
+    @contextlib.contextmanager
+    def gathered_params(self):
+        """Full params visible on the module (stage 3 gathers them; other
+        stages hold them already). Edits made inside are kept: changed
+        elements go to the shards and fp32 masters on exit."""
+        if self.scheduler:
+            self.scheduler.gather_all()
+        before = [g.snapshot_partition() for g in self.groups]
+        try:
+            yield self.module
+        finally:
+            for g, snap in zip(self.groups, before):
+                g.write_back(snap)
+            if self.scheduler:
+                self.scheduler.free_all()
+
+
+def wrap(module, optimizer, config=None, *, group=None, units=None) -> Engine:
+    """Wraps `module` for ZeRO training with `optimizer`'s algorithm and
+    hyperparameters (which it takes over: train with engine.optimizer).
+
+    config: a zerocore.Config or a dict of its fields.
+    group: the torch.distributed process group (default: the world).
+    units: stage 3: module classes or modules to gather as units (default:
+        the children of the outermost ModuleList/Sequential containers).
+    """
+    return Engine(module, optimizer, config, group=group, units=units)

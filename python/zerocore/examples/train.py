@@ -1,0 +1,352 @@
+"""Train a small GPT-style model with ZeRO on CPU ranks (gloo).
+
+    python -m zerocore.examples.train                 # stage 3, 2 ranks, bf16
+    python -m zerocore.examples.train --stage 1 --ranks 4 --dtype fp32 --steps 50
+    torchrun --nproc-per-node 2 -m zerocore.examples.train --stage 2
+
+With ``--ranks N`` the job starts N local processes itself (gloo over
+127.0.0.1, a free port); under torchrun (RANK/WORLD_SIZE set) it uses the
+launcher's environment instead. Rank 0 prints the loss and tokens/s of every
+step. At the end every rank's measured model-state memory
+(``engine.memory_report()``) is printed beside DESIGN.md's formula
+(``zerocore.accounting.predicted_memory``), and the elements moved by each
+kind of collective in one step (``engine.comm_stats()``) beside
+``zerocore.accounting.predicted_comm``.
+
+The job exits non-zero with a message on any failure; every collective and
+the rendezvous have a timeout (``--timeout``), so no rank waits forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class JobError(RuntimeError):
+    """A failure with a message meant for the user (no traceback needed)."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m zerocore.examples.train",
+        description="Train a small GPT-style LM with zerocore ZeRO stages on CPU ranks (gloo).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage")
+    p.add_argument("--ranks", type=int, default=2, help="local processes to start (ignored under torchrun)")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES, help="training dtype (fp32 master weights for bf16/fp16)")
+    p.add_argument("--reduce-dtype", default=None, choices=DTYPES, help="dtype of gradient reduction (engine default if unset)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--accum", type=int, default=1, help="backward calls (micro-batches) per optimizer step")
+    p.add_argument("--batch", type=int, default=16, help="global micro-batch size in sequences (split over ranks)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip by global grad norm (off if unset)")
+    p.add_argument("--bucket-bytes", type=int, default=None, help="engine bucket size in bytes (engine default if unset)")
+    p.add_argument("--prefetch-bytes", type=int, default=None, help="stage 3 prefetch window (engine default if unset)")
+    p.add_argument("--persist-threshold", type=int, default=None,
+                   help="stage 3: params smaller than this stay whole on every rank (engine default if unset; "
+                        "0 partitions all, which makes memory and comm match the formulas exactly)")
+    p.add_argument("--loss-scale", default=None, help='fp16 loss scale: "dynamic" or a number (engine default if unset)')
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / local ranks)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rendezvous/collective fails")
+    p.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
+                   help="how --ranks processes start (default: fork on Linux, spawn elsewhere)")
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    args = p.parse_args(argv)
+    for name in ("ranks", "steps", "accum", "batch", "seq_len", "layers", "heads", "d_model"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        p.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
+    if args.loss_scale is not None and args.loss_scale != "dynamic":
+        try:
+            args.loss_scale = float(args.loss_scale)
+        except ValueError:
+            p.error(f'--loss-scale must be "dynamic" or a number, got {args.loss_scale!r}')
+    return args
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not x.is_integer():
+        return f"{x:,.1f}"
+    return f"{int(x):,}"
+
+
+def _ratio(measured, predicted) -> str:
+    if predicted is None or measured is None:
+        return "-"
+    if predicted == 0:
+        return "exact" if measured == 0 else "n/a"
+    return f"{measured / predicted:.4f}"
+
+
+def _engine_config(args) -> dict:
+    cfg = {"stage": args.stage, "dtype": args.dtype}
+    optional = {
+        "reduce_dtype": args.reduce_dtype,
+        "bucket_bytes": args.bucket_bytes,
+        "prefetch_bytes": args.prefetch_bytes,
+        "persist_threshold": args.persist_threshold,
+        "max_grad_norm": args.max_grad_norm,
+        "loss_scale": args.loss_scale,
+    }
+    cfg.update({k: v for k, v in optional.items() if v is not None})
+    return cfg
+
+
+def _param_groups(model, weight_decay: float):
+    """Weight decay on matrices only (embeddings and linear weights), none on biases and LayerNorms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ------------------------------------------------------------------ one rank
+
+
+def train(args, rank: int, world: int) -> dict:
+    """Run the job on this rank (process group already initialised). Returns this rank's summary."""
+    import torch
+    import torch.distributed as dist
+
+    import zerocore
+    from zerocore import accounting
+    from zerocore.examples.gpt import GPT, GPTConfig, TextData
+
+    if not hasattr(zerocore, "wrap"):
+        raise JobError("this zerocore build has no engine (zerocore.wrap is missing)")
+
+    data, tok = TextData.from_corpus(args.seq_len, args.batch, seed=args.seed)
+    if args.batch % world:
+        raise JobError(f"--batch {args.batch} does not split evenly over {world} ranks")
+    cfg = GPTConfig(vocab=tok.vocab_size, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model, seq_len=args.seq_len)
+    model = GPT(cfg, seed=args.seed)  # same init on every rank
+    opt = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    engine_cfg = _engine_config(args)
+    engine = zerocore.wrap(model, opt, zerocore.Config(**engine_cfg))
+    numel = int(engine.num_trainable_params)
+
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 and not args.quiet else (lambda *a: None)
+    say(f"zerocore: stage {args.stage}, {world} rank(s), {args.dtype}, "
+        f"GPT {args.layers}x{args.d_model} (heads {args.heads}, seq {args.seq_len}, vocab {tok.vocab_size}), "
+        f"{numel:,} trainable params, global batch {args.batch}x{args.accum}, "
+        f"{torch.get_num_threads()} thread(s)/rank, engine config {engine_cfg}")
+
+    tokens_per_step = args.batch * args.seq_len * args.accum
+    losses, step_times, comm = [], [], None
+    for step in range(args.steps):
+        measure = step == args.steps - 1  # communication of one whole step: the last
+        if measure:
+            engine.reset_comm_stats()
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for micro in range(args.accum):
+            x, y = data.batch(step * args.accum + micro, rank, world)
+            out = engine(x, y)
+            loss = out["loss"] / args.accum
+            engine.backward(loss)
+            loss_sum += float(loss.detach())
+        applied = engine.step()
+        engine.zero_grad()
+        dt = time.perf_counter() - t0
+        if measure:
+            comm = {k: int(v) for k, v in engine.comm_stats().items()}
+        # The logged loss is averaged over ranks: a plain all-reduce outside the engine's counters.
+        lt = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(lt)
+        mean_loss = lt.item() / world
+        if not math.isfinite(mean_loss):
+            raise JobError(f"loss is {mean_loss} at step {step}")
+        losses.append(mean_loss)
+        step_times.append(dt)
+        say(f"step {step + 1:4d}/{args.steps}  loss {mean_loss:.4f}  "
+            f"{tokens_per_step / dt:9,.0f} tok/s  {dt * 1e3:7.1f} ms"
+            + ("" if applied else "  (step skipped: fp16 overflow)"))
+
+    mem = {k: int(v) for k, v in engine.memory_report().items()}
+    k_bytes = accounting.optimizer_state_bytes("adamw", args.dtype)
+    return {
+        "rank": rank,
+        "numel": numel,
+        "k_bytes": k_bytes,
+        "memory": mem,
+        "memory_pred": accounting.predicted_memory(args.stage, numel, world, args.dtype, k_bytes),
+        "comm": comm,
+        "comm_pred": accounting.predicted_comm(args.stage, numel, args.accum),
+        "losses": losses,
+        "step_times": step_times,
+        "tokens_per_step": tokens_per_step,
+        "engine_config": engine_cfg,
+    }
+
+
+def report(args, results: list) -> str:
+    """The end-of-run summary (rank 0 prints it, for all ranks)."""
+    r0 = results[0]
+    world = len(results)
+    lines = []
+    times = r0["step_times"][1:] or r0["step_times"]  # leave out the warm-up step
+    times_sorted = sorted(times)
+    med = times_sorted[len(times_sorted) // 2]
+    lines.append(
+        f"\nloss {r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f} over {len(r0['losses'])} steps; "
+        f"median step {med * 1e3:.1f} ms, {r0['tokens_per_step'] / med:,.0f} tok/s (all ranks)"
+    )
+    lines.append(
+        f"\nmodel-state memory per rank, bytes  (formula: DESIGN.md / zerocore.accounting, "
+        f"stage {args.stage}, Ψ={r0['numel']:,}, N={world}, dtype {args.dtype}, K={r0['k_bytes']})"
+    )
+    lines.append(f"  {'rank':>4}  {'category':<10} {'measured':>14} {'predicted':>14} {'meas/pred':>10}")
+    for r in results:
+        keys = list(r["memory_pred"]) + [k for k in r["memory"] if k not in r["memory_pred"]]
+        for k in keys:
+            m, p = r["memory"].get(k), r["memory_pred"].get(k)
+            lines.append(f"  {r['rank']:>4}  {k:<10} {_fmt(m):>14} {_fmt(p):>14} {_ratio(m, p):>10}")
+    lines.append(
+        f"\ncommunication in one optimizer step, elements per collective kind  "
+        f"(formula: stage {args.stage}, Ψ={r0['numel']:,}, k={args.accum} backward call(s))"
+    )
+    lines.append(f"  {'rank':>4}  {'collective':<15} {'measured':>14} {'predicted':>14} {'meas/pred':>10}")
+    for r in results:
+        comm = r["comm"] or {}
+        keys = list(r["comm_pred"]) + [k for k in comm if k not in r["comm_pred"]]
+        for k in keys:
+            m, p = comm.get(k), r["comm_pred"].get(k)
+            lines.append(f"  {r['rank']:>4}  {k:<15} {_fmt(m):>14} {_fmt(p):>14} {_ratio(m, p):>10}")
+    lines.append("  (measured memory may exceed the formula by alignment padding; stage 3 params under "
+                 "--persist-threshold stay whole on every rank and add to all three counts)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ process plumbing
+
+
+def _init_threads(args, local_world: int) -> None:
+    import torch
+
+    n = args.threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
+    torch.set_num_threads(n)
+    try:
+        import zerocore
+
+        zerocore.set_num_threads(n)
+    except (ImportError, AttributeError):
+        pass
+
+
+def _run_rank(args, rank: int, world: int, local_world: int, init_method: str) -> None:
+    """Initialise the process group, train, gather summaries to rank 0 and print them."""
+    import torch.distributed as dist
+
+    _init_threads(args, local_world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        summary = train(args, rank, world)
+        results = [None] * world
+        dist.all_gather_object(results, summary)
+        if rank == 0:
+            print(report(args, results), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(local_rank: int, args, world: int, port: int) -> None:
+    """Entry point of a process started by --ranks."""
+    try:
+        _run_rank(args, local_rank, world, world, f"tcp://127.0.0.1:{port}")
+    except JobError as e:
+        print(f"error (rank {local_rank}): {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun / another launcher
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        try:
+            _run_rank(args, rank, world, local_world, "env://")
+        except JobError as e:
+            print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # everything is local
+    if args.ranks == 1:
+        try:
+            _run_rank(args, 0, 1, 1, f"tcp://127.0.0.1:{_free_port()}")
+        except JobError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+
+    import torch.multiprocessing as mp
+
+    method = args.start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
+    port = _free_port()
+    ctx = mp.start_processes(_spawned, args=(args, args.ranks, port), nprocs=args.ranks,
+                             join=False, start_method=method)
+    # The collectives time out after --timeout; this is a backstop for a rank stuck elsewhere.
+    deadline = time.monotonic() + args.timeout + 30.0 * args.steps * args.accum + 60.0
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise JobError("the job ran past its deadline; ranks terminated")
+    except mp.ProcessExitedException as e:
+        print(f"error: rank {e.error_index} exited with code {e.exit_code}"
+              + ("" if e.exit_code == 1 else " (killed or crashed)"), file=sys.stderr, flush=True)
+        return 1
+    except mp.ProcessRaisedException as e:
+        print(f"error: rank {e.error_index} failed:\n{e}", file=sys.stderr, flush=True)
+        return 1
+    except (JobError, KeyboardInterrupt) as e:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        print(f"error: {e or 'interrupted'}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)

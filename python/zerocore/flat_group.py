@@ -1,0 +1,270 @@
+"""FlatGroup: the params of one unit that share trainability, laid out in
+one flat buffer by the native planner, and everything the engine keeps for
+them on this rank.
+
+Layout (zerocore.LayoutPlan): params in backward order, aligned, cut into
+constant-size buckets that split evenly over the partition ranks; rank r
+owns block r of every bucket, and its partition is those blocks end to end.
+What lives where, per stage (P: partition, F: full flat buffer):
+
+    stage   params (dtype)      grads (reduce dtype)   fp32 master, states
+    0       F, replicated       F, all-reduced         F (world size 1 plan)
+    1       F, all-gathered     F, reduce-scattered    P
+    2       F, all-gathered     P (staged buckets)     P
+    3       P shard; F only     P (staged buckets)     P
+            while gathered
+
+The module's nn.Parameters keep their identity; their .data are views into
+F, created once. A sharded group frees F by resizing its storage to zero
+and gathers by resizing it back: the views, and any view autograd saved in
+forward, stay valid across a free/gather cycle instead of pointing at
+recycled memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import zerocore
+from zerocore.comm import Communicator
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NATIVE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+ALIGN_BYTES = 64  # params and shards start on cache lines
+
+
+def arena_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed 1-D tensor in its own native arena (huge pages when large)."""
+    t = zerocore.to_torch(zerocore.empty([numel], _NATIVE_NAMES[dtype]))
+    return t.zero_()
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A stretch of this rank's partition inside one bucket whose params all
+    belong to one optimizer group: the unit of a native optimizer call."""
+
+    bucket: int
+    group: int
+    part: slice  # in the partition
+    flat: slice  # in the flat buffer
+
+
+class FlatGroup:
+    def __init__(self, params, names, opt_groups, *, stage, dtype, reduce_dtype, trainable, sharded,
+                 bucket_bytes, comm: Communicator, state_names=()):
+        self.params = params  # backward order
+        self.names = names  # per param: every name it has in the module
+        self.shapes = [p.shape for p in params]
+        self.stage = stage
+        self.dtype = dtype
+        self.reduce_dtype = reduce_dtype
+        self.trainable = trainable
+        self.sharded = sharded
+        self.comm = comm
+        self.partitioned = stage > 0
+        world = comm.world_size if self.partitioned else 1
+        self.rank = comm.rank if self.partitioned else 0
+        elem = torch.finfo(dtype).bits // 8
+        self.plan = zerocore.LayoutPlan.make(
+            [p.numel() for p in params], groups=opt_groups, world_size=world,
+            align_elems=ALIGN_BYTES // elem, bucket_elems=max(1, bucket_bytes // elem))
+        # The plan's lists, converted from native once.
+        self.slots = self.plan.params
+        self.buckets = self.plan.buckets
+        self.runs = self._runs() if trainable else []
+        self.full = None
+        self.shard = None
+        self.master = None
+        self.state = {}
+        self.grad_full = None
+        self.grad_part = None
+        self._allocate(state_names)
+
+    # Layout --------------------------------------------------------------
+    def _runs(self):
+        runs = []
+        for seg in self.plan.segments(self.rank):
+            last = runs[-1] if runs else None
+            if last and last.bucket == seg.bucket and last.group == seg.group:
+                runs[-1] = Run(seg.bucket, seg.group, slice(last.part.start, seg.partition_offset + seg.numel),
+                               slice(last.flat.start, seg.flat_offset + seg.numel))
+            else:
+                runs.append(Run(seg.bucket, seg.group, slice(seg.partition_offset, seg.partition_offset + seg.numel),
+                                slice(seg.flat_offset, seg.flat_offset + seg.numel)))
+        return runs
+
+    def shard_slice(self, bucket: int) -> slice:
+        lo = self.plan.shard_offset(bucket, self.rank)
+        return slice(lo, lo + self.plan.shard_elems(bucket))
+
+    def partition_slice(self, bucket: int) -> slice:
+        lo = self.plan.partition_offset(bucket)
+        return slice(lo, lo + self.plan.shard_elems(bucket))
+
+    def bucket_slice(self, bucket: int) -> slice:
+        b = self.buckets[bucket]
+        return slice(b.offset, b.offset + b.numel)
+
+    def partition_from_flat(self, flat: torch.Tensor, out: torch.Tensor):
+        for b in range(len(self.buckets)):
+            out[self.partition_slice(b)].copy_(flat[self.shard_slice(b)])
+
+    # Allocation and initial values --------------------------------------
+    def _allocate(self, state_names):
+        plan = self.plan
+        # Every rank starts from rank 0's values, as DDP does.
+        flat32 = torch.zeros(plan.total_elems, dtype=torch.float32)
+        for p, slot in zip(self.params, self.slots):
+            flat32[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        self.comm.broadcast(flat32)
+        if self.sharded:
+            self.shard = arena_zeros(plan.partition_elems, self.dtype)
+            self.partition_from_flat(flat32, self.shard)
+            self.full = torch.empty(plan.total_elems, dtype=self.dtype)
+        else:
+            self.full = arena_zeros(plan.total_elems, self.dtype)
+            self.full.copy_(flat32)
+        for p, slot, shape in zip(self.params, self.slots, self.shapes):
+            p.data = self.full[slot.offset:slot.offset + slot.numel].view(shape)
+        if self.sharded:
+            self.free()
+        if not self.trainable:
+            return
+        if self.dtype != torch.float32:
+            self.master = arena_zeros(plan.partition_elems, torch.float32)
+            self.partition_from_flat(flat32, self.master)
+        for name in state_names:
+            self.state[name] = arena_zeros(plan.partition_elems, torch.float32)
+        if self.stage <= 1:
+            self.grad_full = arena_zeros(plan.total_elems, self.reduce_dtype)
+        else:
+            self.grad_part = arena_zeros(plan.partition_elems, self.reduce_dtype)
+
+    # Stage 3: gather and free -------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def gather_async(self, count=True) -> list:
+        """Starts the all-gathers that fill F; wait on the returned handles."""
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        return [self.comm.all_gather(self.full[self.bucket_slice(b)], self.shard[self.partition_slice(b)],
+                                     async_op=True, count=count)
+                for b in range(len(self.buckets))]
+
+    def free(self):
+        self.full.untyped_storage().resize_(0)
+
+    # Gradients -------------------------------------------------------------
+    def attach_grad_views(self):
+        """Stages 0-1: each param's .grad is its view into the flat grad
+        buffer, so autograd accumulates in place. A grad the user set to None
+        counts as zero; one they replaced is taken over."""
+        for p, slot, shape in zip(self.params, self.slots, self.shapes):
+            view = self.grad_full[slot.offset:slot.offset + slot.numel].view(shape)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            else:
+                continue
+            p.grad = view
+
+    def zero_grad(self):
+        for g in (self.grad_full, self.grad_part):
+            if g is not None:
+                g.zero_()
+
+    def owned_grad(self, run: Run) -> torch.Tensor:
+        return self.grad_full[run.flat] if self.grad_full is not None else self.grad_part[run.part]
+
+    def grad_sum_of_squares(self) -> float:
+        total = 0.0
+        for run in self.runs:
+            total += float(torch.linalg.vector_norm(self.owned_grad(run), dtype=torch.float32) ** 2)
+        return total
+
+    # Optimizer -------------------------------------------------------------
+    def step(self, kind: str, hyper: list, step: int, grad_scale: float):
+        """One native update of this rank's partition, run by run."""
+        for run in self.runs:
+            hp = hyper[run.group]
+            if self.master is not None:
+                param = self.master[run.part]
+                copy = self.shard[run.part] if self.sharded else self.full[run.flat]
+            else:
+                param = self.shard[run.part] if self.sharded else self.full[run.flat]
+                copy = None
+            grad = self.owned_grad(run)
+            if kind == "sgd":
+                buf = self.state["momentum_buffer"][run.part] if hp["momentum"] else None
+                zerocore.ops.sgd_(param, grad, buf, step=step, lr=hp["lr"], momentum=hp["momentum"],
+                                  dampening=hp["dampening"], weight_decay=hp["weight_decay"],
+                                  nesterov=hp["nesterov"], grad_scale=grad_scale, param_copy=copy)
+            else:
+                zerocore.ops.adam_(param, grad, self.state["exp_avg"][run.part], self.state["exp_avg_sq"][run.part],
+                                   step=step, lr=hp["lr"], beta1=hp["betas"][0], beta2=hp["betas"][1],
+                                   eps=hp["eps"], weight_decay=hp["weight_decay"], adamw=kind == "adamw",
+                                   grad_scale=grad_scale, param_copy=copy)
+
+    def all_gather_params_async(self) -> list:
+        """Stages 1-2: every rank's updated blocks into every rank's F, in place."""
+        if self.sharded or self.plan.world_size == 1:
+            return []
+        return [self.comm.all_gather(self.full[self.bucket_slice(b)], self.full[self.shard_slice(b)], async_op=True)
+                for b in range(len(self.buckets))]
+
+    # Whole-model views -----------------------------------------------------
+    def fp32_partition(self) -> torch.Tensor:
+        """This rank's partition of the params in fp32 (the master if any)."""
+        if self.master is not None:
+            return self.master
+        if self.sharded:
+            return self.shard.float()
+        out = torch.empty(self.plan.partition_elems, dtype=torch.float32)
+        self.partition_from_flat(self.full.float(), out)
+        return out
+
+    def full_fp32(self) -> torch.Tensor:
+        """The whole flat buffer in fp32, on every rank (uncounted gather)."""
+        part = self.fp32_partition()
+        world, plan = self.plan.world_size, self.plan
+        if world == 1:
+            return part
+        parts = torch.empty(world * plan.partition_elems, dtype=torch.float32)
+        self.comm.all_gather(parts, part, count=False).wait()
+        flat = torch.empty(plan.total_elems, dtype=torch.float32)
+        for r in range(world):
+            for b in range(len(self.buckets)):
+                lo, n = plan.shard_offset(b, r), plan.shard_elems(b)
+                src = r * plan.partition_elems + plan.partition_offset(b)
+                flat[lo:lo + n].copy_(parts[src:src + n])
+        return flat
+
+    def write_back(self, before: torch.Tensor):
+        """After the user edited params in place (gathered_params): carry the
+        elements of this rank's blocks that changed into the shard and the
+        fp32 master, leaving unchanged elements' master precision intact."""
+        now = torch.empty_like(before)
+        self.partition_from_flat(self.full, now)
+        changed = now != before
+        if self.sharded:
+            self.shard.copy_(now)
+        if self.master is not None:
+            self.master[changed] = now[changed].float()
+
+    def snapshot_partition(self) -> torch.Tensor:
+        out = torch.empty(self.plan.partition_elems, dtype=self.dtype)
+        self.partition_from_flat(self.full, out)
+        return out
+
+    # Accounting ------------------------------------------------------------
+    def memory(self) -> dict:
+        def nbytes(*ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        param = nbytes(self.shard) if self.sharded else nbytes(self.full)
+        return {"param": param, "grad": nbytes(self.grad_full, self.grad_part),
+                "optim": nbytes(self.master, *self.state.values())}

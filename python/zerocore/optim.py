@@ -1,0 +1,157 @@
+"""Optimizers: what zerocore.wrap accepts, and what it hands back.
+
+wrap() reads the user's optimizer (torch.optim.Adam, AdamW, SGD, or
+zerocore's own classes below) into an OptimizerSpec: the kind and each param
+group's hyperparameters. It then replaces the optimizer with a
+ZeroOptimizer, a torch.optim.Optimizer whose param_groups hold the same
+params and hyperparameters (so torch.optim.lr_scheduler works on it) and
+whose step() runs the engine's partitioned native update.
+
+zerocore.Adam/AdamW/SGD also work on their own, on ordinary fp32 CPU
+params, with the SIMD kernels of zerocore.ops.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from zerocore import ops
+
+KINDS = ("adam", "adamw", "sgd")
+
+
+class _NativeOptimizer(torch.optim.Optimizer):
+    """Base of zerocore's standalone optimizers: per-param native updates."""
+
+    kind = ""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+                    raise TypeError(f"zerocore.{type(self).__name__} updates contiguous float32 CPU params; "
+                                    f"got {p.dtype} on {p.device} (wrap the model with zerocore.wrap for "
+                                    "16-bit or partitioned training)")
+                self._update(group, p, self.state[p])
+        return loss
+
+
+class Adam(_NativeOptimizer):
+    kind = "adam"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _update(self, group, p, state):
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        ops.adam_(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                  step=state["step"], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                  eps=group["eps"], weight_decay=group["weight_decay"], adamw=self.kind == "adamw")
+
+
+class AdamW(Adam):
+    kind = "adamw"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+class SGD(_NativeOptimizer):
+    kind = "sgd"
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov))
+
+    def _update(self, group, p, state):
+        state["step"] = state.get("step", 0) + 1
+        buf = None
+        if group["momentum"]:
+            buf = state.setdefault("momentum_buffer", torch.zeros_like(p)).view(-1)
+        ops.sgd_(p.view(-1), p.grad.view(-1), buf, step=state["step"], lr=group["lr"],
+                 momentum=group["momentum"], dampening=group["dampening"], weight_decay=group["weight_decay"],
+                 nesterov=group["nesterov"])
+
+
+# Hyperparameters each kind reads from a param group, and options whose
+# non-default values zerocore does not implement.
+_HYPER = {"adam": ("lr", "betas", "eps", "weight_decay"), "adamw": ("lr", "betas", "eps", "weight_decay"),
+          "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
+_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+
+
+@dataclasses.dataclass
+class OptimizerSpec:
+    kind: str
+    param_groups: list  # dicts: "params" (list of Parameters) and the hyperparameters
+
+
+def _kind_of(optimizer) -> str:
+    if isinstance(optimizer, _NativeOptimizer):
+        return optimizer.kind
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        decoupled = any(g.get("decoupled_weight_decay", False) for g in optimizer.param_groups)
+        return "adamw" if decoupled else "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    raise TypeError(f"zerocore.wrap: optimizer {type(optimizer).__name__} is not supported; use torch.optim.Adam, "
+                    "AdamW or SGD (or zerocore.Adam/AdamW/SGD)")
+
+
+def read_optimizer(optimizer) -> OptimizerSpec:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"zerocore.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    kind = _kind_of(optimizer)
+    groups = []
+    for i, g in enumerate(optimizer.param_groups):
+        for key, default in _UNSUPPORTED.items():
+            if g.get(key, default) != default:
+                raise ValueError(f"zerocore.wrap: {type(optimizer).__name__} param group {i} sets {key}="
+                                 f"{g[key]!r}, which zerocore does not implement")
+        if any(not isinstance(v, (int, float)) for k, v in g.items() if k in ("lr", "eps", "weight_decay")):
+            raise ValueError(f"zerocore.wrap: param group {i} has a tensor hyperparameter; use Python floats")
+        groups.append({"params": list(g["params"]), **{k: g[k] for k in _HYPER[kind]}})
+    return OptimizerSpec(kind, groups)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """The optimizer a wrapped model trains with (engine.optimizer).
+
+    Its param_groups are the user's (same params, same hyperparameters), so
+    learning-rate schedulers work on it; step() and zero_grad() run the
+    engine's partitioned update. State lives in the engine's flat buffers.
+    """
+
+    def __init__(self, spec: OptimizerSpec, engine_step, engine_zero_grad):
+        defaults = {k: v for k, v in spec.param_groups[0].items() if k != "params"}
+        super().__init__([dict(g) for g in spec.param_groups], defaults)
+        self.kind = spec.kind
+        self._engine_step = engine_step
+        self._engine_zero_grad = engine_zero_grad
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Runs the update; returns False when an fp16 overflow skipped it."""
+        if closure is not None:
+            raise ValueError("zerocore: step(closure) is not supported; call engine.backward(loss) first")
+        return self._engine_step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self._engine_zero_grad()
+
+    def hyperparameters(self, group: int) -> dict:
+        return {k: v for k, v in self.param_groups[group].items() if k != "params"}

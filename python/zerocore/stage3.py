@@ -1,0 +1,178 @@
+"""Stage 3: parameters live as shards; a unit's params are gathered just
+before the unit runs (forward, and again in backward) and freed after.
+
+A unit is a module whose params are gathered together: by default the
+children of the outermost nn.ModuleList/nn.Sequential containers (the
+transformer blocks of a typical model), plus the root for everything else.
+Every rank must run the same units in the same order; what happens inside a
+unit may differ between ranks (mixture-of-experts routing), since the unit
+is gathered and reduced whole.
+
+Schedule, with no recorded trace:
+- forward: a unit's pre-hook gathers it (waiting for a prefetch if one is
+  in flight) and prefetches the units that followed it in the previous
+  step's forward, up to prefetch_bytes; its post-hook frees it and, when
+  its outputs need grads, hooks them so that backward gathers it again
+  before its grads are computed, prefetching the unit that ran before it in
+  this step's forward;
+- backward: a unit is freed as soon as every trainable param in it has its
+  grad, and any unit still gathered is freed when backward ends;
+- a forward under no_grad (eval) frees each unit after it runs.
+Prefetch is only ever a guess: a wrong one costs a gather, never a wrong
+result, and every rank makes the same guesses.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+
+def find_units(module: nn.Module, units=None) -> list:
+    """The unit modules, root first. `units` may list module classes or
+    modules to use instead of the default policy."""
+    if units is not None:
+        classes = tuple(u for u in units if isinstance(u, type))
+        chosen = {id(u) for u in units if isinstance(u, nn.Module)}
+        picked = [m for m in module.modules() if m is not module and (id(m) in chosen or isinstance(m, classes))]
+        return [module] + picked
+
+    picked = []
+
+    def visit(m):
+        for child in m.children():
+            if isinstance(m, (nn.ModuleList, nn.Sequential)) and any(True for _ in child.parameters()):
+                picked.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return [module] + picked
+
+
+class Unit:
+    def __init__(self, index, module, groups):
+        self.index = index
+        self.module = module
+        self.groups = groups  # FlatGroups of sharded params
+        self.pending = []  # all-gather handles in flight
+        self.trainable_params = {id(p) for g in groups if g.trainable for p in g.params}
+        self.params_left = set()
+        self.nbytes = sum(g.full.numel() * g.full.element_size() for g in groups)
+
+    @property
+    def gathered(self) -> bool:
+        return bool(self.pending) or any(g.gathered for g in self.groups)
+
+    def start_gather(self, count=True):
+        if not self.gathered:
+            self.pending = [w for g in self.groups for w in g.gather_async(count)]
+
+    def wait(self):
+        for w in self.pending:
+            w.wait()
+        self.pending = []
+
+    def free(self):
+        self.wait()
+        for g in self.groups:
+            if g.gathered:
+                g.free()
+
+
+class UnitScheduler:
+    def __init__(self, units, prefetch_bytes: int):
+        self.units = units
+        self.prefetch_bytes = prefetch_bytes
+        self.in_backward = False
+        self.forward_order = []  # this step's first-run order
+        self.last_forward_order = []
+        self.unit_of_param = {pid: u for u in units for pid in u.trainable_params}
+        self.handles = []
+        for u in units:
+            self.handles.append(u.module.register_forward_pre_hook(self._pre_forward(u)))
+            self.handles.append(u.module.register_forward_hook(self._post_forward(u)))
+
+    # Forward ---------------------------------------------------------------
+    def _pre_forward(self, unit):
+        def hook(module, args):
+            unit.start_gather()
+            unit.wait()
+            if not self.in_backward:
+                if unit not in self.forward_order:
+                    self.forward_order.append(unit)
+                self._prefetch_after(unit, self.last_forward_order)
+        return hook
+
+    def _post_forward(self, unit):
+        def hook(module, args, output):
+            if self.in_backward:  # recomputation for checkpointing
+                return output
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
+            unit.free()
+            return output
+        return hook
+
+    def _prefetch_after(self, unit, order):
+        """Starts gathering the units after `unit` in `order`, within the
+        prefetch byte budget."""
+        if unit not in order or self.prefetch_bytes <= 0:
+            return
+        budget = self.prefetch_bytes
+        for nxt in order[order.index(unit) + 1:]:
+            if nxt.nbytes > budget:
+                break
+            budget -= nxt.nbytes
+            nxt.start_gather()
+
+    def end_forward(self):
+        """After the root's forward: drop prefetches that were not used."""
+        if not self.in_backward:
+            for u in self.units:
+                u.free()
+
+    # Backward --------------------------------------------------------------
+    def begin_backward(self):
+        self.in_backward = True
+        for u in self.units:
+            u.params_left = set(u.trainable_params)
+
+    def _pre_backward(self, unit):
+        def hook(_grad):
+            unit.start_gather()
+            unit.wait()
+            backward_order = self.forward_order[::-1]
+            self._prefetch_after(unit, backward_order)
+        return hook
+
+    def on_param_done(self, param):
+        unit = self.unit_of_param.get(id(param))
+        if unit is None:
+            return
+        unit.params_left.discard(id(param))
+        if not unit.params_left:
+            unit.free()
+
+    def end_backward(self):
+        for u in self.units:
+            u.free()
+        self.in_backward = False
+
+    def end_step(self):
+        """Called once per optimizer step: this step's order guides the next."""
+        if self.forward_order:
+            self.last_forward_order = self.forward_order
+        self.forward_order = []
+
+    def gather_all(self):
+        """Every unit, for gathered_params (not counted as training traffic)."""
+        for u in self.units:
+            u.start_gather(count=False)
+        for u in self.units:
+            u.wait()
+
+    def free_all(self):
+        for u in self.units:
+            u.free()
