@@ -3,9 +3,13 @@ and returns each rank's result. A rank that raises has its traceback
 returned as a RankError; ranks still running at the deadline are killed and
 reported as hung, so a deadlock fails the test instead of stalling it."""
 import datetime
+import faulthandler
 import io
 import multiprocessing
+import os
+import signal
 import socket
+import time
 import traceback
 
 import torch
@@ -25,6 +29,7 @@ def _free_port():
 
 
 def _worker(rank, world, port, fn, args, queue):
+    faulthandler.register(signal.SIGUSR1)  # the parent asks hung ranks for their stacks
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
@@ -54,6 +59,9 @@ def run_ranks(fn, world, *args, timeout=60.0, raise_errors=True):
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
                 hung = sorted(set(range(world)) - set(results))
+                for r in hung:
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+                time.sleep(1)
                 raise TimeoutError(f"rank(s) {hung} did not finish within {timeout}s (hang)")
             try:
                 rank, status, payload = queue.get(timeout=min(left, 1.0))

@@ -198,3 +198,25 @@ def test_cpu_features_names_the_active_path():
     assert f["isa"] in ("scalar", "avx2", "avx512") and f["isa"] in f["supported"]
     assert f["supported"][0] == "scalar" and f["isa"] == f["supported"][-1]
     assert f["threads"] >= 1
+
+
+def test_optimizer_works_in_a_forked_child():
+    # A child inherits the thread pool object but not its threads; it must
+    # build its own instead of waiting on threads that do not exist.
+    import os
+    import time
+
+    p, g, m, v = torch.zeros(1 << 16), torch.ones(1 << 16), torch.zeros(1 << 16), torch.zeros(1 << 16)
+    ops.adam_(p, g, m, v, step=1, lr=0.1)  # the parent's pool now has live workers
+    pid = os.fork()
+    if pid == 0:
+        ops.adam_(p, g, m, v, step=2, lr=0.1)
+        os._exit(0 if float(p[0]) < -0.1 else 1)
+    for _ in range(100):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert status == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the optimizer hung in a forked child")

@@ -1,9 +1,11 @@
 #include "zerocore/thread_pool.h"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
 #include <memory>
+#include <new>
 
 #include "zerocore/error.h"
 
@@ -79,15 +81,27 @@ int available_cpus() {
 std::mutex g_pool_mutex;
 std::unique_ptr<ThreadPool> g_pool;
 
+// A forked child inherits the pool object but none of its threads: waiting
+// on them would hang. The child abandons the object (joining threads that
+// do not exist is not possible) and builds a fresh pool on first use.
+void abandon_pool_in_child() {
+  g_pool.release();  // NOLINT: deliberately leaked
+  new (&g_pool_mutex) std::mutex;
+}
+
+std::once_flag g_atfork_once;
+
 }  // namespace
 
 ThreadPool& default_thread_pool() {
+  std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, abandon_pool_in_child); });
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (!g_pool) g_pool = std::make_unique<ThreadPool>(available_cpus());
   return *g_pool;
 }
 
 void set_num_threads(int threads) {
+  default_thread_pool();  // registers the fork handler
   if (threads < 1) throw InvalidArgument("num_threads must be at least 1, got " + std::to_string(threads));
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   g_pool = std::make_unique<ThreadPool>(threads);

@@ -211,7 +211,7 @@ class FlatGroup:
 
     def all_gather_params_async(self) -> list:
         """Stages 1-2: every rank's updated blocks into every rank's F, in place."""
-        if self.sharded or self.plan.world_size == 1:
+        if self.sharded or not self.partitioned:
             return []
         return [self.comm.all_gather(self.full[self.bucket_slice(b)], self.full[self.shard_slice(b)], async_op=True)
                 for b in range(len(self.buckets))]
@@ -265,6 +265,9 @@ class FlatGroup:
         def nbytes(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-        param = nbytes(self.shard) if self.sharded else nbytes(self.full)
+        # A sharded group's full buffer counts only while gathered (between
+        # steps it should not be: a leak shows up here).
+        param = nbytes(self.full) if not self.sharded else \
+            nbytes(self.shard) + (nbytes(self.full) if self.gathered else 0)
         return {"param": param, "grad": nbytes(self.grad_full, self.grad_part),
                 "optim": nbytes(self.master, *self.state.values())}

@@ -2,11 +2,14 @@
 before the unit runs (forward, and again in backward) and freed after.
 
 A unit is a module whose params are gathered together: by default the
-children of the outermost nn.ModuleList/nn.Sequential containers (the
-transformer blocks of a typical model), plus the root for everything else.
-Every rank must run the same units in the same order; what happens inside a
-unit may differ between ranks (mixture-of-experts routing), since the unit
-is gathered and reduced whole.
+modules held directly by the outermost nn.ModuleList/nn.Sequential
+containers (the transformer blocks of a typical model; ModuleDicts and
+nested lists are looked through, having no forward of their own), plus the
+root for everything else. Every rank must run the same units in the same
+order; what happens inside a unit may differ between ranks (mixture-of-
+experts routing inside a block), since the unit is gathered and reduced
+whole. A model whose ranks skip whole units (experts held directly by a
+top-level list) must name coarser units with wrap(..., units=[...]).
 
 Schedule, with no recorded trace:
 - forward: a unit's pre-hook gathers it (waiting for a prefetch if one is
@@ -38,10 +41,12 @@ def find_units(module: nn.Module, units=None) -> list:
         return [module] + picked
 
     picked = []
+    containers = (nn.ModuleList, nn.ModuleDict)  # hold modules, have no forward
 
     def visit(m):
         for child in m.children():
-            if isinstance(m, (nn.ModuleList, nn.Sequential)) and any(True for _ in child.parameters()):
+            in_list = isinstance(m, (nn.ModuleList, nn.Sequential))
+            if in_list and not isinstance(child, containers) and any(True for _ in child.parameters()):
                 picked.append(child)
             else:
                 visit(child)

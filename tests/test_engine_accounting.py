@@ -1,0 +1,64 @@
+"""Model-state memory and communication volume equal the ZeRO formulas
+(zerocore.accounting, DESIGN.md section 1) up to alignment padding."""
+import pytest
+import torch
+
+import zerocore
+from dist_harness import run_ranks
+from models import lm_batch, lm_loss, local, make
+from zerocore import accounting
+
+KEYS = ("param", "grad", "optim")
+
+
+def measure(rank, world, dtype, accum):
+    out = {}
+    for stage in range(4):
+        model = make(layers=3)
+        arena_before = zerocore.host_arena_bytes()
+        engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               zerocore.Config(stage=stage, dtype=dtype, persist_threshold=0, bucket_bytes=1024))
+        arena = zerocore.host_arena_bytes() - arena_before
+        engine.reset_comm_stats()
+        for step in range(2):
+            for micro in range(accum):
+                x, y = lm_batch(step, micro, world)
+                engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+            engine.step()
+            engine.zero_grad()
+            if step == 0:
+                comm = engine.comm_stats()  # the first step's volume
+        out[stage] = dict(memory=engine.memory_report(), arena=arena, comm=comm,
+                          numel=engine.num_trainable_params, padding=engine.padding_elems)
+    return out
+
+
+def within(measured, low, high, what):
+    assert low <= measured <= high, f"{what}: measured {measured}, formula {low} (up to padding: {high})"
+
+
+@pytest.mark.parametrize("world,dtype,accum", [(2, "bf16", 1), (4, "bf16", 2), (2, "fp32", 2), (1, "fp32", 1)])
+def test_memory_and_comm_match_formulas(world, dtype, accum):
+    results = run_ranks(measure, world, dtype, accum, timeout=120)
+    state_bytes = accounting.optimizer_state_bytes("adamw", dtype)
+    for rank, per_stage in enumerate(results):
+        for stage, r in per_stage.items():
+            numel, padded = r["numel"], r["numel"] + r["padding"]
+            lo = accounting.predicted_memory(stage, numel, world, dtype, state_bytes)
+            hi = accounting.predicted_memory(stage, padded, world, dtype, state_bytes)
+            for k in KEYS:
+                within(r["memory"][k], lo[k], hi[k], f"rank {rank} stage {stage} {k} memory")
+            # The report is what the native arenas really hold.
+            assert r["arena"] == sum(r["memory"][k] for k in KEYS), f"stage {stage}: arenas disagree with report"
+            lo_c = accounting.predicted_comm(stage, numel, accum)
+            hi_c = accounting.predicted_comm(stage, padded, accum)
+            for k in lo_c:
+                within(r["comm"][k], lo_c[k], hi_c[k], f"rank {rank} stage {stage} {k} elements")
+
+
+def test_stage3_memory_shrinks_with_world_size():
+    one = run_ranks(measure, 1, "bf16", 1)[0]
+    four = run_ranks(measure, 4, "bf16", 1)[0]
+    for k in KEYS:
+        assert four[3]["memory"][k] * 4 <= one[3]["memory"][k] + 4 * 2 * four[3]["padding"] * 12
+        assert four[3]["memory"][k] < one[3]["memory"][k]

@@ -1,0 +1,357 @@
+"""The model shapes users bring, each trained with every stage on 2 ranks and
+compared with single-process PyTorch on the same global batch."""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zerocore
+from dist_harness import run_ranks
+from models import DIM, VOCAB, Block, TinyLM, assert_state_close, engine_train, lm_batch, lm_loss, make, reference_train
+
+STAGES = (0, 1, 2, 3)
+STEPS = 4
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def _train_stages(rank, world, model_fn, opt_fn, config, forward, steps, accum, sched_fn):
+    out = {}
+    for stage in STAGES:
+        model = model_fn()
+        engine = zerocore.wrap(model, opt_fn([p for p in model.parameters() if p.requires_grad]),
+                               dict(config, stage=stage))
+        scheduler = sched_fn(engine.optimizer) if sched_fn else None
+        out[stage] = engine_train(engine, rank, world, steps, accum, forward=forward, scheduler=scheduler)
+    return out
+
+
+def check_against_reference(model_fn, *, opt_fn=adamw, config=None, forward=None, steps=STEPS, accum=1,
+                            world=2, sched_fn=None, rtol=1e-5, atol=1e-6):
+    """Trains every stage on `world` ranks and the reference on one process;
+    returns the engines' state dicts for further checks."""
+    results = run_ranks(_train_stages, world, model_fn, opt_fn, config or {"bucket_bytes": 512},
+                        forward and (lambda e, x, step: forward(e, x, step)), steps, accum, sched_fn, timeout=60)
+    model = model_fn()
+    opt = opt_fn([p for p in model.parameters() if p.requires_grad])
+    ref = reference_train(model, opt, steps, accum, world, forward=forward and (lambda m, x, s: forward(m, x, s)),
+                          scheduler=sched_fn(opt) if sched_fn else None)
+    for stage in STAGES:
+        for rank in range(world):
+            assert_state_close(results[rank][stage], ref, rtol=rtol, atol=atol, what=f"stage {stage} rank {rank}")
+    return results
+
+
+# Shapes --------------------------------------------------------------------
+
+class CrossUnitTie(TinyLM):
+    """A weight shared by two units (blocks), not only by root modules."""
+
+    def __init__(self):
+        super().__init__(layers=2, tied=False)
+        self.blocks[1].up.weight = self.blocks[0].up.weight
+
+
+def test_weights_tied_within_root_and_across_units():
+    check_against_reference(functools.partial(make, TinyLM, tied=True))
+    results = check_against_reference(functools.partial(make, CrossUnitTie))
+    sd = results[0][3]
+    assert torch.equal(sd["blocks.0.up.weight"], sd["blocks.1.up.weight"])
+
+
+def frozen_embedding():
+    m = make(TinyLM, tied=False)
+    m.embed.weight.requires_grad_(False)
+    return m
+
+
+def test_frozen_params_stay_put_and_others_train():
+    results = check_against_reference(frozen_embedding)
+    start = frozen_embedding().state_dict()["embed.weight"]
+    for stage in STAGES:
+        assert torch.equal(results[0][stage]["embed.weight"], start)
+
+
+class SometimesUnused(TinyLM):
+    """An extra projection used on even steps only."""
+
+    def __init__(self):
+        super().__init__(layers=2)
+        self.extra = nn.Linear(DIM, DIM)
+
+    def forward(self, idx, use_extra=False):
+        x = self.embed(idx)
+        if use_extra:
+            x = self.extra(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def test_params_unused_in_some_steps():
+    check_against_reference(functools.partial(make, SometimesUnused),
+                            forward=lambda m, x, step: m(x, use_extra=step % 2 == 0))
+
+
+class CalledTwice(TinyLM):
+    def forward(self, idx):
+        x = self.embed(idx)
+        x = self.blocks[0](self.blocks[0](x))  # one module, two calls
+        return self.head(self.norm(self.blocks[1](x)))
+
+
+def test_module_called_twice_in_one_forward():
+    check_against_reference(functools.partial(make, CalledTwice))
+
+
+class Nested(nn.Module):
+    """Blocks that hold their own ModuleList of sub-blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.stages = nn.ModuleList(nn.ModuleDict({"inner": nn.ModuleList([Block(), Block()]),
+                                                   "norm": nn.LayerNorm(DIM)}) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for stage in self.stages:
+            for b in stage["inner"]:
+                x = b(x)
+            x = stage["norm"](x)
+        return self.head(x)
+
+
+def test_nested_modules():
+    check_against_reference(functools.partial(make, Nested))
+
+
+class Checkpointed(TinyLM):
+    def __init__(self, reentrant):
+        super().__init__(layers=2)
+        self.reentrant = reentrant
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=self.reentrant)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    check_against_reference(functools.partial(make, Checkpointed, reentrant=reentrant))
+
+
+class DictOutput(TinyLM):
+    def forward(self, idx):
+        logits = super().forward(idx)
+        return {"logits": logits, "extras": (logits.mean(), [logits.shape[0]])}
+
+
+def test_dict_and_tuple_outputs():
+    check_against_reference(functools.partial(make, DictOutput), forward=lambda m, x, step: m(x)["logits"])
+
+
+class MoEBlock(nn.Module):
+    """Mixture of experts: each sample picks an expert from its first token,
+    so ranks (holding different samples) take different paths inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x, choice):
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().flatten()
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
+class Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(MoEBlock() for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for blk in self.blocks:
+            x = blk(x, idx[:, 0] % 3)
+        return self.head(x)
+
+
+def routed_batch(step, micro, world):
+    # Rank 0's samples use expert 0 only, rank 1's experts 1 and 2.
+    x, y = lm_batch(step, micro, world)
+    x[: x.shape[0] // world, 0] = 3 * torch.arange(x.shape[0] // world)
+    x[x.shape[0] // world:, 0] = 1 + torch.arange(x.shape[0] - x.shape[0] // world) % 2
+    return x, y
+
+
+def test_ranks_taking_different_paths_inside_a_unit():
+    results = run_ranks(_train_routed, 2, timeout=120)
+    model = make(Routed)
+    ref = reference_train(model, adamw(model.parameters()), STEPS, 1, 2, batch=routed_batch)
+    for stage in STAGES:
+        assert_state_close(results[0][stage], ref, rtol=1e-5, atol=1e-6, what=f"stage {stage}")
+
+
+def _train_routed(rank, world):
+    out = {}
+    for stage in STAGES:
+        model = make(Routed)
+        engine = zerocore.wrap(model, adamw(model.parameters()), dict(stage=stage, bucket_bytes=512))
+        out[stage] = engine_train(engine, rank, world, STEPS, 1, batch=routed_batch)
+    return out
+
+
+class Reordered(TinyLM):
+    """The blocks run in the opposite order on odd steps."""
+
+    def forward(self, idx, flip=False):
+        x = self.embed(idx)
+        for b in (reversed(self.blocks) if flip else self.blocks):
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def test_unit_order_changing_between_steps():
+    check_against_reference(functools.partial(make, Reordered, layers=3), config={"bucket_bytes": 512,
+                            "prefetch_bytes": 1 << 20}, forward=lambda m, x, step: m(x, flip=step % 2 == 1),
+                            steps=5)
+
+
+# Optimizers, schedules, clipping ------------------------------------------
+
+def two_groups(params):
+    params = list(params)
+    return torch.optim.AdamW([{"params": params[::2], "lr": 3e-3, "weight_decay": 0.0},
+                              {"params": params[1::2]}], lr=1e-3, weight_decay=0.2)
+
+
+def test_param_groups_keep_their_hyperparameters():
+    check_against_reference(functools.partial(make, TinyLM, tied=False), opt_fn=two_groups)
+
+
+@pytest.mark.parametrize("opt_fn", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.05),
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    lambda ps: torch.optim.SGD(ps, lr=0.05),
+    lambda ps: zerocore.AdamW(ps, lr=1e-3),
+], ids=["adam", "sgd-nesterov", "sgd", "zerocore-adamw"])
+def test_other_optimizers(opt_fn):
+    reference_opt = opt_fn
+    if "zerocore" in repr(opt_fn(list(nn.Linear(1, 1).parameters()))):
+        reference_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731 - same algorithm
+    results = run_ranks(_train_stages, 2, make, opt_fn, {"bucket_bytes": 512}, None, STEPS, 1, None)
+    model = make()
+    ref = reference_train(model, reference_opt(model.parameters()), STEPS, 1, 2)
+    for stage in STAGES:
+        assert_state_close(results[0][stage], ref, rtol=1e-5, atol=1e-6, what=f"stage {stage}")
+
+
+def test_lr_scheduler_drives_engine_optimizer():
+    check_against_reference(make, sched_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+
+
+def test_gradient_clipping_by_global_norm():
+    results = run_ranks(_train_stages, 2, make, adamw, {"bucket_bytes": 512, "max_grad_norm": 0.05}, None,
+                        STEPS, 2, None)
+    model = make()
+    opt = adamw(model.parameters())
+
+    class Clipped:
+        def step(self):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+
+        def zero_grad(self):
+            opt.zero_grad()
+
+    ref = reference_train(model, Clipped(), STEPS, 2, 2)
+    for stage in STAGES:
+        assert_state_close(results[0][stage], ref, rtol=1e-5, atol=1e-6, what=f"stage {stage}")
+
+
+# Buffers, eval, no_grad ----------------------------------------------------
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def _buffers_follow_rank_0(rank, world):
+    out = {}
+    for stage in STAGES:
+        model = make(WithBatchNorm)
+        engine = zerocore.wrap(model, adamw(model.parameters()), dict(stage=stage))
+        model.bn.running_mean.fill_(float(rank))  # ranks drift apart...
+        model.eval()
+        y = engine(torch.ones(2, 4))  # ...and forward takes rank 0's again, as DDP does
+        out[stage] = (model.bn.running_mean.clone(), y.detach(), engine.full_state_dict()["bn.running_mean"])
+    return out
+
+
+def test_buffers_are_kept_in_sync_from_rank_0():
+    results = run_ranks(_buffers_follow_rank_0, 2)
+    for stage in STAGES:
+        for rank in range(2):
+            mean, y, sd_mean = results[rank][stage]
+            assert torch.equal(mean, torch.zeros(4)) and torch.equal(sd_mean, torch.zeros(4))
+            assert torch.equal(y, results[0][stage][1])
+
+
+def _eval_frees(rank, world):
+    model = make()
+    engine = zerocore.wrap(model, adamw(model.parameters()), dict(stage=3))
+    at_rest = engine.memory_report()["param"]
+    x, _ = lm_batch(0, 0, world)
+    model.eval()
+    with torch.no_grad():
+        y = engine(x)
+    after = engine.memory_report()["param"]
+    with engine.gathered_params():
+        full = {k: v.clone() for k, v in model.state_dict().items()}
+    return y, at_rest, after, full, [g.gathered for g in engine.groups]
+
+
+def test_no_grad_eval_forward_frees_stage3_params():
+    results = run_ranks(_eval_frees, 2)
+    ref_model = make()
+    ref = ref_model(lm_batch(0, 0, 2)[0])
+    for y, at_rest, after, full, gathered in results:
+        assert after == at_rest and not any(gathered)
+        torch.testing.assert_close(y, ref.detach(), rtol=1e-6, atol=1e-6)
+        assert_state_close(full, ref_model.state_dict(), rtol=0, atol=0, what="gathered params")
+
+
+def _edit_inside_gathered(rank, world):
+    model = make()
+    engine = zerocore.wrap(model, adamw(model.parameters()), dict(stage=3, dtype="bf16"))
+    with engine.gathered_params(), torch.no_grad():
+        model.head.weight.mul_(0)  # tied: the embedding too
+        model.blocks[0].up.bias.fill_(0.5)
+    return engine.full_state_dict()
+
+
+def test_edits_inside_gathered_params_are_kept():
+    sd = run_ranks(_edit_inside_gathered, 2)[1]
+    assert torch.equal(sd["embed.weight"], torch.zeros(VOCAB, DIM))
+    assert torch.equal(sd["blocks.0.up.bias"], torch.full((2 * DIM,), 0.5))
+    # Untouched params keep their fp32 master values, not a bf16 rounding.
+    assert torch.equal(sd["blocks.1.up.weight"], make().state_dict()["blocks.1.up.weight"])
