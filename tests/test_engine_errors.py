@@ -1,0 +1,160 @@
+"""Bad input gets a clear error naming the problem, on every rank, with
+nothing a user had lost and no rank hung; fp16 overflow skips the step."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+from dist_harness import RankError, run_ranks
+from models import TinyLM, lm_batch, lm_loss, local, make
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+# Single process, stage 0 (the only stage that needs no process group).
+
+@pytest.mark.parametrize("config,match", [
+    ({"stgae": 1}, "unknown key.*'stgae'"),
+    ({"stage": 5}, "stage=5"),
+    ({"dtype": "fp8"}, "dtype='fp8'"),
+    ({"reduce_dtype": "int8"}, "reduce_dtype"),
+    ({"loss_scale": -1}, "loss_scale"),
+    ({"max_grad_norm": 0}, "max_grad_norm"),
+    ({"bucket_bytes": 0}, "bucket_bytes"),
+    ({"prefetch_bytes": -1}, "prefetch_bytes"),
+    ({"persist_threshold": 1.5}, "persist_threshold"),
+])
+def test_bad_config_values(config, match):
+    model = make()
+    with pytest.raises(ValueError, match=match):
+        zerocore.wrap(model, adamw(model), dict({"stage": 0}, **config))
+
+
+def test_config_accepts_torch_dtypes_and_aliases():
+    assert zerocore.Config(dtype=torch.bfloat16).dtype == "bf16"
+    assert zerocore.Config(dtype="float16").reduce_dtype == "fp16"
+    with pytest.raises(TypeError, match="Config or a dict"):
+        zerocore.Config.from_any([("stage", 1)])
+
+
+def test_partitioned_stage_without_process_group():
+    model = make()
+    with pytest.raises(ValueError, match="needs a process group.*init_process_group"):
+        zerocore.wrap(model, adamw(model), {"stage": 2})
+
+
+def test_non_module_and_wrapping_twice():
+    model = make()
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        zerocore.wrap(lambda x: x, adamw(model), {"stage": 0})
+    zerocore.wrap(model, adamw(model), {"stage": 0})
+    with pytest.raises(ValueError, match="already wrapped"):
+        zerocore.wrap(model, adamw(model), {"stage": 0})
+
+
+def test_unsupported_optimizers():
+    model = make()
+    with pytest.raises(TypeError, match="RMSprop is not supported"):
+        zerocore.wrap(model, torch.optim.RMSprop(model.parameters()), {"stage": 0})
+    with pytest.raises(ValueError, match="amsgrad"):
+        zerocore.wrap(model, torch.optim.Adam(model.parameters(), amsgrad=True), {"stage": 0})
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        zerocore.wrap(model, "adam", {"stage": 0})
+
+
+def test_param_missing_from_optimizer():
+    model = make()
+    with pytest.raises(ValueError, match="head.weight|embed.weight.*not in the optimizer"):
+        zerocore.wrap(model, torch.optim.AdamW(model.blocks.parameters()), {"stage": 0})
+
+
+def test_step_before_backward():
+    model = make()
+    engine = zerocore.wrap(model, adamw(model), {"stage": 0})
+    with pytest.raises(RuntimeError, match="call engine.backward"):
+        engine.step()
+
+
+# Across ranks.
+
+def _mismatched(rank, world):
+    model = make(TinyLM, layers=2 + rank)  # rank 1 has one more block
+    zerocore.wrap(model, adamw(model), {"stage": 3})
+
+
+def test_different_model_on_one_rank_fails_everywhere():
+    results = run_ranks(_mismatched, 2, raise_errors=False, timeout=30)
+    for r in results:
+        assert isinstance(r, RankError) and r.exc_type == "ValueError"
+        assert "ranks disagree on the model" in r.message and "[1]" in r.message
+
+
+def _snapshot(engine):
+    state = [(g.master, *g.state.values()) for g in engine.groups if g.trainable]
+    return engine.full_state_dict(), [[t.clone() for t in ts if t is not None] for ts in state]
+
+
+def _poisoned_step(rank, world, stage, dtype, poison):
+    """Trains until a step applies (fp16 starts with a scale that overflows
+    and halves it until it fits), then multiplies rank 1's loss by `poison`
+    for one step, then trains one more step. Returns what each rank saw."""
+    model = make()
+    engine = zerocore.wrap(model, adamw(model), {"stage": stage, "dtype": dtype, "bucket_bytes": 512})
+    out = {"warmup": 0}
+
+    def train_step(step, factor=1.0):
+        x, y = lm_batch(step, 0, world)
+        loss = lm_loss(engine(local(x, rank, world)), local(y, rank, world))
+        engine.backward(loss * factor if rank == 1 else loss)
+        applied = engine.step()
+        engine.zero_grad()
+        return applied
+
+    while not train_step(out["warmup"]):
+        out["warmup"] += 1
+        assert out["warmup"] < 30, "dynamic loss scaling never found a scale that fits"
+    out["scale_before"] = engine.loss_scale
+    out["unchanged"] = _snapshot(engine)
+    try:
+        out["applied_poisoned"] = train_step(100, poison)
+    except zerocore.NonFiniteGradientError as e:
+        out["error"] = str(e)
+    out["after"] = _snapshot(engine)
+    out["scale_after"] = engine.loss_scale
+    if "error" not in out:
+        out["applied_next"] = train_step(101)
+    return out
+
+
+def _assert_same_snapshot(a, b):
+    sd_a, st_a = a
+    sd_b, st_b = b
+    for k in sd_a:
+        assert torch.equal(sd_a[k], sd_b[k]), k
+    for ts_a, ts_b in zip(st_a, st_b):
+        for x, y in zip(ts_a, ts_b):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_overflow_skips_the_step_on_every_rank(stage):
+    results = run_ranks(_poisoned_step, 2, stage, "fp16", math.inf)
+    for r in results:
+        assert r["warmup"] == results[0]["warmup"]  # every rank skipped the same steps
+        assert r["applied_poisoned"] is False and r["applied_next"] is True
+        assert r["scale_after"] == r["scale_before"] / 2
+        _assert_same_snapshot(r["unchanged"], r["after"])  # params and optimizer state untouched
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_nan_loss_raises_on_every_rank_and_changes_nothing(stage, dtype):
+    results = run_ranks(_poisoned_step, 2, stage, dtype, math.nan)
+    for r in results:
+        assert r["warmup"] == 0
+        assert "inf/NaN at step 2" in r["error"]
+        _assert_same_snapshot(r["unchanged"], r["after"])
