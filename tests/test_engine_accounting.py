@@ -62,3 +62,26 @@ def test_stage3_memory_shrinks_with_world_size():
     for k in KEYS:
         assert four[3]["memory"][k] * 4 <= one[3]["memory"][k] + 4 * 2 * four[3]["padding"] * 12
         assert four[3]["memory"][k] < one[3]["memory"][k]
+
+
+def _freed_after_del(rank, world):
+    import gc
+
+    out = []
+    for stage in range(4):
+        base = zerocore.host_arena_bytes()
+        model = make()
+        engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters()), {"stage": stage})
+        x, y = lm_batch(0, 0, world)
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        engine.step()
+        held = zerocore.host_arena_bytes() - base
+        del engine, model
+        gc.collect()
+        out.append((held, zerocore.host_arena_bytes() - base))
+    return out
+
+
+def test_engine_memory_is_freed_when_dropped():
+    for held, left in run_ranks(_freed_after_del, 2)[0]:
+        assert held > 0 and left == 0

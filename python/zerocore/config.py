@@ -55,7 +55,7 @@ class Config:
     loss_scale: Union[str, float] = "dynamic"
     max_grad_norm: Optional[float] = None
     bucket_bytes: int = 25 * 2**20
-    prefetch_bytes: int = 64 * 2**20
+    prefetch_bytes: int = 16 * 2**20
     persist_threshold: int = 0
 
     def __post_init__(self):

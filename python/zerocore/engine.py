@@ -71,11 +71,11 @@ class Engine:
         self.step_count = 0
 
         params = list(module.parameters())
-        bad = [n for p in params for n in _param_names(module)[id(p)][:1] if not p.is_floating_point()]
+        names = _param_names(module)
+        bad = [names[id(p)][0] for p in params if not p.is_floating_point()]
         if bad:
             raise TypeError(f"zerocore.wrap: parameter(s) {', '.join(bad)} are not floating point")
         opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
-        names = _param_names(module)
         missing = [names[id(p)][0] for p in params if p.requires_grad and id(p) not in opt_group]
         if missing:
             raise ValueError(f"zerocore.wrap: parameter(s) {', '.join(missing)} require grad but are not in the "
@@ -91,9 +91,13 @@ class Engine:
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
         self._cast_buffers()
 
-        self.scheduler = UnitScheduler(self.units, cfg.prefetch_bytes) if cfg.stage == 3 else None
-        self.reducer = (FullGradReducer(self.groups, self.comm, cfg.stage) if cfg.stage <= 1 else
-                        StagedReducer(self.groups, self.comm, self.scheduler.on_param_done if self.scheduler else None))
+        if cfg.stage <= 1:
+            self.reducer, self.scheduler = FullGradReducer(self.groups, self.comm, cfg.stage), None
+        elif cfg.stage == 2:
+            self.reducer, self.scheduler = StagedReducer(self.groups, self.comm), None
+        else:
+            self.scheduler = UnitScheduler(self.units, cfg.prefetch_bytes, self._attach_unit_grads)
+            self.reducer = StagedReducer(self.groups, self.comm, self.scheduler.on_param_done)
         self.optimizer = ZeroOptimizer(spec, self._step, self.zero_grad)
         self._backward_calls = 0
         module._zerocore_engine = self
@@ -155,6 +159,11 @@ class Engine:
         inner = [i for i in holders if not any(j != i and unit_modules[j] in unit_modules[i].modules()
                                                 for j in holders)]
         return inner[0] if len(inner) == 1 else 0
+
+    def _attach_unit_grads(self, unit):
+        for g in unit.groups:
+            if g.trainable:
+                self.reducer.attach_grad_views(g)
 
     def _cast_buffers(self):
         for mod in self.module.modules():

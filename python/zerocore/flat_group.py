@@ -114,33 +114,41 @@ class FlatGroup:
     # Allocation and initial values --------------------------------------
     def _allocate(self, state_names):
         plan = self.plan
-        # Every rank starts from rank 0's values, as DDP does.
-        flat32 = torch.zeros(plan.total_elems, dtype=torch.float32)
-        for p, slot in zip(self.params, self.slots):
-            flat32[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-        self.comm.broadcast(flat32)
+        # Every rank starts from rank 0's values, as DDP does; buffers are
+        # filled straight from the params, with no full-size temporary.
+        for p in self.params:
+            self.comm.broadcast(p.data)
+        sources = [p.detach().reshape(-1) for p in self.params]
         if self.sharded:
             self.shard = arena_zeros(plan.partition_elems, self.dtype)
-            self.partition_from_flat(flat32, self.shard)
+            self._fill_partition(self.shard, sources)
             self.full = torch.empty(plan.total_elems, dtype=self.dtype)
         else:
             self.full = arena_zeros(plan.total_elems, self.dtype)
-            self.full.copy_(flat32)
+            for src, slot in zip(sources, self.slots):
+                self.full[slot.offset:slot.offset + slot.numel].copy_(src)
+        if self.trainable and self.dtype != torch.float32:
+            self.master = arena_zeros(plan.partition_elems, torch.float32)
+            self._fill_partition(self.master, sources)
+        del sources
         for p, slot, shape in zip(self.params, self.slots, self.shapes):
             p.data = self.full[slot.offset:slot.offset + slot.numel].view(shape)
         if self.sharded:
             self.free()
         if not self.trainable:
             return
-        if self.dtype != torch.float32:
-            self.master = arena_zeros(plan.partition_elems, torch.float32)
-            self.partition_from_flat(flat32, self.master)
         for name in state_names:
             self.state[name] = arena_zeros(plan.partition_elems, torch.float32)
         if self.stage <= 1:
             self.grad_full = arena_zeros(plan.total_elems, self.reduce_dtype)
         else:
             self.grad_part = arena_zeros(plan.partition_elems, self.reduce_dtype)
+
+    def _fill_partition(self, out, sources):
+        """This rank's partition of the flat buffer, from each param's values."""
+        for seg in self.plan.segments(self.rank):
+            out[seg.partition_offset:seg.partition_offset + seg.numel].copy_(
+                sources[seg.param][seg.param_offset:seg.param_offset + seg.numel])
 
     # Stage 3: gather and free -------------------------------------------
     @property

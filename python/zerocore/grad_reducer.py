@@ -21,6 +21,8 @@ checkpointing) gets its bucket reduced again at the end of backward.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from zerocore.comm import Communicator
@@ -87,7 +89,10 @@ class StagedReducer:
                     lo, hi = max(s.offset, bucket.offset), min(s.offset + s.numel, bucket.offset + bucket.numel)
                     self.pieces.setdefault(id(g.params[i]), []).append(
                         (slot, slice(lo - s.offset, hi - s.offset), slice(lo - bucket.offset, hi - bucket.offset)))
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+        # The hooks live on the params, where the garbage collector cannot
+        # see them: they hold the reducer weakly, or it would never be freed.
+        on_grad = weakref.WeakMethod(self._on_grad)
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda p: on_grad() and on_grad()(p))
                       for g in groups if g.trainable for p in g.params]
         self._reset()
 
@@ -95,6 +100,7 @@ class StagedReducer:
         self.next = 0
         self.in_flight = []
         self.reported = set()
+        self.viewed = []  # params whose .grad is a view into a staging buffer
         for s in self.slots:
             s.waiting = set(s.params)
             s.issued = s.dirty = False
@@ -111,12 +117,29 @@ class StagedReducer:
     def before_backward(self):
         pass
 
+    def attach_grad_views(self, group):
+        """Stage 3, before a unit's backward: each param's .grad becomes its
+        view into its bucket's staging buffer, so autograd accumulates there
+        in place (no per-param allocation, no copy). Params that straddle
+        buckets, and buckets already reduced, keep the copy path."""
+        for p, shape in zip(group.params, group.shapes):
+            pieces = self.pieces.get(id(p), ())
+            if p.grad is not None or len(pieces) != 1 or pieces[0][0].issued:
+                continue
+            slot, _, dst = pieces[0]
+            if slot.staging is None:
+                slot.staging = self._take(slot)
+            p.grad = slot.staging[dst].view(shape)
+            self.viewed.append(p)
+
     def _on_grad(self, p):
         grad = p.grad.reshape(-1)
         for slot, src, dst in self.pieces[id(p)]:
             if slot.staging is None:
                 slot.staging = self._take(slot)
-            slot.staging[dst].add_(grad[src])
+            target = slot.staging[dst]
+            if grad.data_ptr() != target.data_ptr():  # not accumulated in place
+                target.add_(grad[src])
             if slot.issued:
                 slot.dirty = True
             slot.waiting.discard(id(p))
@@ -154,6 +177,9 @@ class StagedReducer:
     def after_backward(self):
         """End of backward: reduce every bucket not yet reduced (params that
         got no grad count as zero), then buckets that got late grads."""
+        # Views of params that got no grad must not outlive their buffers.
+        for p in self.viewed:
+            p.grad = None
         for slot in self.slots[self.next:]:
             slot.waiting.clear()
         self._issue_ready()

@@ -86,9 +86,10 @@ class Unit:
 
 
 class UnitScheduler:
-    def __init__(self, units, prefetch_bytes: int):
+    def __init__(self, units, prefetch_bytes: int, on_unit_backward=None):
         self.units = units
         self.prefetch_bytes = prefetch_bytes
+        self.on_unit_backward = on_unit_backward or (lambda unit: None)
         self.in_backward = False
         self.forward_order = []  # this step's first-run order
         self.last_forward_order = []
@@ -148,6 +149,7 @@ class UnitScheduler:
         def hook(_grad):
             unit.start_gather()
             unit.wait()
+            self.on_unit_backward(unit)
             backward_order = self.forward_order[::-1]
             self._prefetch_after(unit, backward_order)
         return hook

@@ -1,0 +1,336 @@
+"""Training-step benchmark: zerocore stages 0-3 vs DDP vs FSDP2 on CPU ranks (gloo).
+
+    python bench/train_step_bench.py                       # 2 ranks, fp32, all configs
+    python bench/train_step_bench.py --dtype bf16 --steps 6
+    python bench/train_step_bench.py --configs zero3,fsdp2 --repeats 3
+
+The same GPT-style model (zerocore.examples.gpt), the same data and the same
+world size are trained a few steps under each configuration:
+
+    zero0..zero3  zerocore.wrap(model, AdamW, Config(stage=s, dtype=...))
+    ddp           torch DistributedDataParallel + torch.optim.AdamW
+                  (16-bit: torch.autocast over fp32 params, as DDP users do)
+    fsdp2         torch.distributed.fsdp.fully_shard per block and on the root
+                  + torch.optim.AdamW (16-bit: MixedPrecisionPolicy with
+                  param_dtype = reduce_dtype = the dtype, like zerocore's
+                  default reduce_dtype)
+
+Every configuration runs in fresh processes (one per rank), so the peak
+resident set size (getrusage ru_maxrss) is that configuration's own. Step
+time is the median over the steps after --warmup, each measured from a
+barrier, and with --repeats R the lowest of the R medians (configurations
+interleave, so a noisy neighbour hits them alike). Peak memory is the
+largest peak RSS over ranks (median over repeats); "train" memory is the
+peak minus the RSS right after start-up (imports and process group), i.e.
+what the model, optimizer and training added. The default model (6 x 384,
+10.7M params) makes model states, not activations, the bulk of "train".
+16-bit runs are slow on CPUs without native bf16 (AVX2 only: ~7x fp32),
+hence fp32 by default; --dtype bf16 compares like for like in bf16.
+
+Targets (issue 3): zero3 step time <= FSDP2's and peak memory <= FSDP2's;
+zero1 and zero2 step time within 10% of DDP's. Each prints PASS or MISS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = ("zero0", "zero1", "zero2", "zero3", "ddp", "fsdp2")
+RESULT_TAG = "BENCH_RESULT "
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--steps", type=int, default=8, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each config (lowest median step time, median memory); configs interleave")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
+    p.add_argument("--bucket-bytes", type=int, default=None, help="zerocore bucket_bytes (engine default if unset)")
+    p.add_argument("--torch-optim", default="fused", choices=("fused", "foreach", "forloop"),
+                   help="implementation of torch.optim.AdamW for DDP and FSDP2")
+    p.add_argument("--threads", type=int, default=None, help="threads per rank (default cores / ranks)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration before it is killed")
+    p.add_argument("--json", default=None, help="also write all results to this file")
+    p.add_argument("--phases", action="store_true", help="print rank 0's RSS / peak RSS after each phase")
+    # internal: one rank of one configuration
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ one rank
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def worker(args) -> None:
+    import resource
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from zerocore.examples.gpt import GPT, GPTConfig, TextData
+
+    name, rank, world = args.worker, args.rank, args.ranks
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=args.timeout))
+    dist.barrier()
+    base_kb = _rss_kb()
+    phases = {}  # RSS (and peak so far) after each phase, MB: where the memory goes
+
+    def mark(phase):
+        phases[phase] = (round(_rss_kb() / 1024, 1),
+                         round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+
+    data, tok = TextData.from_corpus(args.seq_len, args.batch, seed=0)
+    cfg = GPTConfig(vocab=tok.vocab_size, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model, seq_len=args.seq_len)
+    model = GPT(cfg, seed=0)
+    lowp = {"fp32": None, "bf16": torch.bfloat16}[args.dtype]
+    mark("model")
+
+    def torch_opt(params):
+        kw = {"fused": args.torch_optim == "fused", "foreach": args.torch_optim == "foreach"}
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **kw)
+
+    if name.startswith("zero"):
+        import zerocore
+
+        zerocore.set_num_threads(threads)
+        cfg_kw = {"stage": int(name[4:]), "dtype": args.dtype}
+        if args.bucket_bytes:
+            cfg_kw["bucket_bytes"] = args.bucket_bytes
+        engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
+                               zerocore.Config(**cfg_kw))
+
+        def step(x, y):
+            loss = engine(x, y)["loss"]
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            return loss
+    elif name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model)
+        opt = torch_opt(model.parameters())
+
+        def step(x, y):
+            with torch.autocast("cpu", dtype=lowp, enabled=lowp is not None):
+                loss = ddp(x, y)["loss"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    elif name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        kw = {"mesh": mesh}
+        if lowp is not None:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=lowp, reduce_dtype=lowp)
+        for block in model.blocks:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        opt = torch_opt(model.parameters())
+
+        def step(x, y):
+            loss = model(x, y)["loss"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        raise SystemExit(f"unknown config {name!r}; use one of {', '.join(CONFIGS)}")
+
+    mark("wrapped")
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        x, y = data.batch(i, rank, world)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        dt = time.perf_counter() - t0
+        losses.append(float(loss.detach()))
+        if i >= args.warmup:
+            times.append(dt)
+        if i < 2:
+            mark(f"step{i + 1}")
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = {"config": name, "rank": rank, "median_s": statistics.median(times), "times": times,
+              "losses": losses, "base_kb": base_kb, "phases": phases, "peak_kb": peak_kb,
+              "params": sum(p.numel() for p in model.parameters())}
+    dist.barrier()
+    dist.destroy_process_group()
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------ driver
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(args, name: str) -> dict:
+    """Run one configuration in fresh processes; return the per-config summary or raise."""
+    port = _free_port()
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    base = [sys.executable, os.path.abspath(__file__), "--worker", name, "--port", str(port)]
+    passthrough = ["--ranks", str(args.ranks), "--dtype", args.dtype, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--layers", str(args.layers), "--d-model", str(args.d_model),
+                   "--heads", str(args.heads), "--seq-len", str(args.seq_len), "--batch", str(args.batch),
+                   "--torch-optim", args.torch_optim, "--timeout", str(args.timeout)]
+    if args.bucket_bytes:
+        passthrough += ["--bucket-bytes", str(args.bucket_bytes)]
+    if args.threads:
+        passthrough += ["--threads", str(args.threads)]
+    procs = [subprocess.Popen(base + ["--rank", str(r)] + passthrough, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
+    deadline = time.monotonic() + args.timeout + 60
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append((p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"{name}: timed out after {args.timeout + 60:.0f}s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    ranks = []
+    for r, (rc, out, err) in enumerate(outs):
+        lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
+        if rc != 0 or not lines:
+            tail = "\n".join((err or out).strip().splitlines()[-25:])
+            raise RuntimeError(f"{name}: rank {r} exited with {rc}\n{tail}")
+        ranks.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    return {
+        "config": name,
+        "median_s": max(r["median_s"] for r in ranks),
+        "peak_mb": max(r["peak_kb"] for r in ranks) / 1024,
+        "train_mb": max(r["peak_kb"] - r["base_kb"] for r in ranks) / 1024,
+        "final_loss": ranks[0]["losses"][-1],
+        "params": ranks[0]["params"],
+        "ranks": ranks,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad:
+        print(f"error: unknown config(s) {bad}; use {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    print(f"train_step_bench: {args.ranks} CPU ranks (gloo), {args.dtype}, GPT {args.layers}x{args.d_model} "
+          f"heads {args.heads} seq {args.seq_len} global batch {args.batch}, {args.steps} timed steps "
+          f"after {args.warmup} warm-up, torch {torch.__version__} AdamW {args.torch_optim}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", flush=True)
+    runs, failed = {}, {}
+    for rep in range(args.repeats):
+        for name in names:
+            if name in failed:
+                continue
+            try:
+                res = run_config(args, name)
+            except RuntimeError as e:
+                failed[name] = str(e)
+                print(f"  {name:<6} FAILED: {e}", flush=True)
+                continue
+            runs.setdefault(name, []).append(res)
+            print(f"  [{rep + 1}/{args.repeats}] {name:<6} median step {res['median_s'] * 1e3:8.1f} ms   "
+                  f"peak RSS {res['peak_mb']:7.1f} MB   train {res['train_mb']:6.1f} MB   "
+                  f"loss {res['final_loss']:.4f}", flush=True)
+            if args.phases:
+                ph = res["ranks"][0]["phases"]
+                print("         rank 0 RSS/peak MB: " + "  ".join(f"{k} {v[0]:.0f}/{v[1]:.0f}" for k, v in ph.items()),
+                      flush=True)
+    # Time: the best (lowest) median over repeats, since interference only adds.
+    # Memory: the median over repeats (allocator noise goes both ways).
+    best = {}
+    for name, rs in runs.items():
+        best[name] = dict(min(rs, key=lambda r: r["median_s"]),
+                          peak_mb=statistics.median(r["peak_mb"] for r in rs),
+                          train_mb=statistics.median(r["train_mb"] for r in rs))
+
+    if best:
+        params = next(iter(best.values()))["params"]
+        print(f"\nresults ({params:,} params; step: best median of {args.repeats} run(s); memory: max over ranks, "
+              f"median over runs)")
+        print(f"  {'config':<7} {'step ms':>9} {'peak RSS MB':>12} {'train MB':>9}")
+        for name in names:
+            if name in best:
+                r = best[name]
+                print(f"  {name:<7} {r['median_s'] * 1e3:9.1f} {r['peak_mb']:12.1f} {r['train_mb']:9.1f}")
+
+    checks = []
+
+    def check(label, a, b, limit, key):
+        if a in best and b in best:
+            ratio = best[a][key] / best[b][key]
+            checks.append(ratio <= limit)
+            verdict = "PASS" if ratio <= limit else "MISS"
+            print(f"  {label:<44} {ratio:6.3f}  (target <= {limit:g})  {verdict}")
+        else:
+            print(f"  {label:<44} n/a (missing {', '.join(c for c in (a, b) if c not in best)})")
+            checks.append(False)
+
+    print("\nratios")
+    check("zero3 / fsdp2 step time", "zero3", "fsdp2", 1.0, "median_s")
+    check("zero3 / fsdp2 peak RSS", "zero3", "fsdp2", 1.0, "peak_mb")
+    check("zero1 / ddp step time", "zero1", "ddp", 1.10, "median_s")
+    check("zero2 / ddp step time", "zero2", "ddp", 1.10, "median_s")
+    for a, b, key, label in (("zero3", "fsdp2", "train_mb", "zero3 / fsdp2 train memory (info)"),
+                             ("zero0", "ddp", "median_s", "zero0 / ddp step time (info)")):
+        if a in best and b in best:
+            print(f"  {label:<44} {best[a][key] / best[b][key]:6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": best, "runs": runs, "failed": failed}, f, indent=1)
+    if failed:
+        print(f"\n{len(failed)} configuration(s) failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

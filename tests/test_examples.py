@@ -1,0 +1,113 @@
+"""The example GPT model, its data source and the main training job."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from zerocore.examples.gpt import CORPUS_PATH, GPT, CharTokenizer, GPTConfig, TextData, load_corpus  # noqa: E402
+
+TINY = dict(n_layer=2, n_head=2, d_model=32, seq_len=16)
+
+
+def _model(seed=0):
+    data, tok = TextData.from_corpus(seq_len=16, global_batch=8, seed=0)
+    return GPT(GPTConfig(vocab=tok.vocab_size, **TINY), seed=seed), data
+
+
+def test_corpus_ships_with_package():
+    text = load_corpus()
+    assert CORPUS_PATH.is_file() and len(text) > 4000
+    tok = CharTokenizer(text)
+    assert tok.decode(tok.encode(text[:200])) == text[:200]
+
+
+def test_tied_weights_and_param_count():
+    model, _ = _model()
+    assert model.lm_head.weight is model.tok_emb.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "tok_emb.weight" in names and "lm_head.weight" not in names  # counted once
+    assert model.num_params() == sum(p.numel() for p in model.parameters())
+    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == TINY["n_layer"]
+    # one gradient, from both uses
+    x = torch.randint(0, model.cfg.vocab, (2, 8))
+    model(x, x)["loss"].backward()
+    assert model.tok_emb.weight.grad is not None and model.lm_head.weight.grad is model.tok_emb.weight.grad
+
+
+def test_deterministic_init_and_dict_output():
+    a, data = _model(seed=1)
+    b, _ = _model(seed=1)
+    c, _ = _model(seed=2)
+    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(p, q), n
+    assert not torch.equal(a.blocks[0].attn.qkv.weight, c.blocks[0].attn.qkv.weight)
+    x, y = data.batch(0)
+    out = a(x, y)
+    assert set(out) == {"logits", "loss"} and out["logits"].shape == (*x.shape, a.cfg.vocab)
+    assert a(x)["loss"] is None
+
+
+def test_loss_decreases():
+    torch.manual_seed(0)
+    model, data = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(12):
+        x, y = data.batch(step)
+        loss = model(x, y)["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
+
+
+def test_rank_slices_are_disjoint_and_deterministic():
+    data, _ = TextData.from_corpus(seq_len=16, global_batch=8, seed=3)
+    gx, gy = data.global_batch_at(5)
+    assert torch.equal(gx[:, 1:], gy[:, :-1])  # targets are inputs shifted by one
+    parts = [data.batch(5, r, 4) for r in range(4)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), gx)
+    assert torch.equal(torch.cat([p[1] for p in parts]), gy)
+    for i in range(4):
+        assert parts[i][0].shape == (2, 16)
+        for j in range(i + 1, 4):
+            assert not torch.equal(parts[i][0], parts[j][0])
+    again = TextData.from_corpus(seq_len=16, global_batch=8, seed=3)[0].batch(5, 2, 4)
+    assert torch.equal(again[0], parts[2][0])
+    assert not torch.equal(data.batch(6, 2, 4)[0], parts[2][0])  # a new step, new data
+    with pytest.raises(ValueError, match="split evenly"):
+        data.batch(0, 0, 3)
+    it = data.batches(rank=1, world=2)
+    assert torch.equal(next(it)[0], data.batch(0, 1, 2)[0])
+    assert torch.equal(next(it)[0], data.batch(1, 1, 2)[0])
+
+
+def _has_engine():
+    import zerocore
+
+    return hasattr(zerocore, "wrap")
+
+
+@pytest.mark.skipif(not _has_engine(), reason="zerocore.wrap (the engine) is not built yet")
+def test_train_job_runs():
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "zerocore.examples.train", "--steps", "3", "--ranks", "2", "--timeout", "60"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step    3/3" in proc.stdout
+    assert "model-state memory per rank" in proc.stdout and "communication in one optimizer step" in proc.stdout
+
+
+def test_train_job_rejects_bad_flags(capsys):
+    from zerocore.examples.train import parse_args
+
+    for argv, msg in ((["--d-model", "30", "--heads", "4"], "divisible"), (["--steps", "0"], "--steps"),
+                      (["--loss-scale", "big"], "loss-scale"), (["--stage", "4"], "invalid choice")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code != 0 and msg in capsys.readouterr().err
