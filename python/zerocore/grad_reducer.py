@@ -33,10 +33,24 @@ class FullGradReducer:
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
         self.stage = stage
+        # A .grad must have its param's dtype: with another reduce dtype,
+        # each grad is added into the buffer (converted) once accumulated.
+        self.converted = {id(p): (g, i) for g in self.groups if g.reduce_dtype != g.dtype
+                          for i, p in enumerate(g.params)}
+        on_grad = weakref.WeakMethod(self._on_grad)
+        self.hooks = [g.params[i].register_post_accumulate_grad_hook(lambda p: on_grad() and on_grad()(p))
+                      for g, i in self.converted.values()]
 
     def before_backward(self):
         for g in self.groups:
-            g.attach_grad_views()
+            if g.reduce_dtype == g.dtype:
+                g.attach_grad_views()
+
+    def _on_grad(self, p):
+        g, i = self.converted[id(p)]
+        slot = g.slots[i]
+        g.grad_full[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+        p.grad = None
 
     def after_backward(self):
         pass
@@ -124,7 +138,7 @@ class StagedReducer:
         buckets, and buckets already reduced, keep the copy path."""
         for p, shape in zip(group.params, group.shapes):
             pieces = self.pieces.get(id(p), ())
-            if p.grad is not None or len(pieces) != 1 or pieces[0][0].issued:
+            if p.grad is not None or len(pieces) != 1 or pieces[0][0].issued or group.reduce_dtype != group.dtype:
                 continue
             slot, _, dst = pieces[0]
             if slot.staging is None:
