@@ -22,7 +22,12 @@ from zerocore.loss_scale import LossScaler
 from zerocore.optim import ZeroOptimizer, read_optimizer
 from zerocore.stage3 import Unit, UnitScheduler, find_units
 
-_STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq")}
+
+def _state_names(spec) -> tuple:
+    """The fp32 optimizer-state arrays each partition needs."""
+    if spec.kind == "sgd":
+        return ("momentum_buffer",) if any(g["momentum"] for g in spec.param_groups) else ()
+    return ("exp_avg", "exp_avg_sq")
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -121,10 +126,12 @@ class Engine:
     def _build_groups(self, module, params, names, opt_group, spec, unit_spec):
         cfg = self.config
         unit_modules = find_units(module, unit_spec) if cfg.stage == 3 else [module]
-        owner = {id(p): self._owning_unit(unit_modules, p) for p in params}
-        momentum = any(g.get("momentum", 0) for g in spec.param_groups)
-        state_names = ("momentum_buffer",) if spec.kind == "sgd" and momentum else \
-            () if spec.kind == "sgd" else ("exp_avg", "exp_avg_sq")
+        holders = {}
+        for i, m in enumerate(unit_modules[1:], 1):
+            for p in m.parameters():
+                holders.setdefault(id(p), []).append(i)
+        owner = {id(p): self._owning_unit(unit_modules, holders.get(id(p), [])) for p in params}
+        state_names = _state_names(spec)
 
         def make(ps, trainable, sharded):
             ps = ps[::-1]  # backward order: the reverse of registration
@@ -151,11 +158,10 @@ class Engine:
         return groups, (units if cfg.stage == 3 else [])
 
     @staticmethod
-    def _owning_unit(unit_modules, p) -> int:
-        """The innermost unit holding p; the root when several unrelated
-        units hold it (weights tied across units)."""
-        holders = [i for i, m in enumerate(unit_modules)
-                   if i > 0 and any(q is p for q in m.parameters())]
+    def _owning_unit(unit_modules, holders) -> int:
+        """The innermost of the (non-root) units holding a param; the root
+        when none does, or several unrelated ones do (weights tied across
+        units)."""
         inner = [i for i in holders if not any(j != i and unit_modules[j] in unit_modules[i].modules()
                                                 for j in holders)]
         return inner[0] if len(inner) == 1 else 0
