@@ -148,7 +148,8 @@ def deepspeed_contestant():
 # Pause before each timed step. torch's OpenMP (libgomp) workers spin for a
 # few ms after each parallel region; a step that starts inside that window
 # shares its CPUs with them (measured on 2 cores: zerocore 15-20% slower right
-# after a torch step, unaffected 10 ms later).
+# after a torch step, unaffected 10 ms later, or at once with
+# OMP_WAIT_POLICY=PASSIVE).
 SETTLE_S = 0.02
 
 
@@ -232,11 +233,17 @@ def main():
     (busy1, self1), wall = cpu_seconds(), time.perf_counter() - wall0
     others = (busy1 - busy0) - (self1 - self0)
 
-    print(f"\n{'update':<10}{'contestant':<13}{'best ms':>9}{'median ms':>11}{'Gparam/s':>10}{'GB/s':>8}")
+    # GB/s counts the update's 28 B/param for every contestant (the bytes the
+    # work needs, not the extra passes a peer makes); "zerocore x" is the
+    # peer's best time over zerocore's.
+    print(f"\n{'update':<10}{'contestant':<13}{'best ms':>9}{'median ms':>11}{'Gparam/s':>10}{'GB/s':>8}"
+          f"{'zerocore x':>12}")
     for offload, label in ((False, "fp32"), (True, "offload")):
+        zc_best = results[offload]["zerocore"][0]
         for name, (best, median) in results[offload].items():
+            speedup = "" if name == "zerocore" else f"{best / zc_best:.2f}"
             print(f"{label:<10}{name:<13}{best * 1e3:>9.2f}{median * 1e3:>11.2f}"
-                  f"{n / best / 1e9:>10.3f}{BYTES_PER_PARAM * n / best / 1e9:>8.1f}")
+                  f"{n / best / 1e9:>10.3f}{BYTES_PER_PARAM * n / best / 1e9:>8.1f}{speedup:>12}")
 
     shared = " (machine shared: numbers are low)" if others > 0.02 * wall * args.threads else ""
     print(f"other processes: {others:.2f} CPU-s during the {wall:.1f} s measured{shared}")

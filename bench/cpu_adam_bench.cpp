@@ -11,13 +11,13 @@
 //                         p, g, m, v and write p, m, v, 28 B/param;
 //   adam offload          bf16 grad in, bf16 param copy out, 28 B/param;
 // and prints the offload update's bandwidth as a fraction of the offload
-// stream's. --stream-only prints just the stream lines (compare_cpu_adam.py
-// runs it that way for its reference).
+// stream's, and the CPU time other processes took meanwhile (on a shared
+// machine that makes every number low). --stream-only prints just the stream
+// lines (compare_cpu_adam.py runs it that way for its reference).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -67,11 +67,13 @@ Options parse_args(int argc, char** argv) {
       o.isa = value();
     } else if (arg == "--stream-only") {
       o.stream_only = true;
+    } else if (arg == "--help" || arg == "-h") {
+      usage("cpu_adam_bench: CPU Adam update vs stream bandwidth");
     } else {
       usage(("unknown argument " + arg).c_str());
     }
   }
-  if (o.params < 1 || o.iters < 1 || o.threads < 0) usage("--params and --iters must be >= 1");
+  if (o.params < 1 || o.iters < 1 || o.threads < 0) usage("--params and --iters must be >= 1, --threads >= 0");
   return o;
 }
 

@@ -23,9 +23,10 @@ std::shared_ptr<HostArena> HostArena::create(size_t bytes) {
 
 HostArena::HostArena(size_t bytes) : bytes_(bytes) {
   if (bytes >= kHugePageBytes) {
-    // mmap gives page-aligned zeroed memory; round to whole huge pages so
-    // the kernel can back all of it with 2 MiB pages.
-    mapped_bytes_ = round_up(bytes, kHugePageBytes);
+    // mmap gives page-aligned zeroed memory. The start is 2 MiB aligned so
+    // every whole 2 MiB stretch can be a huge page; the tail stays in 4 KiB
+    // pages rather than rounding the arena up (up to 2 MiB wasted each).
+    mapped_bytes_ = round_up(bytes, 4096);
     void* p = mmap(nullptr, mapped_bytes_ + kHugePageBytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();

@@ -115,15 +115,22 @@ inline void for_each_element(const FlatArgs& a, int64_t begin, int64_t end, At&&
   });
 }
 
+// Both kernels copy their arguments: they store through float pointers,
+// which the compiler must assume may alias the caller's structs, and would
+// otherwise reload every coefficient on every vector.
 template <class V>
-void adam_kernel(const AdamCoefs& c, const FlatArgs& a, int64_t begin, int64_t end) {
+void adam_kernel(const AdamCoefs& coefs, const FlatArgs& args, int64_t begin, int64_t end) {
+  const AdamCoefs c = coefs;
+  const FlatArgs a = args;
   for_each_element<V>(a, begin, end, [&](auto vec, auto g, auto copy, int64_t i) {
     adam_at<decltype(vec)>(c, a.param, g, a.state0, a.state1, copy, i);
   });
 }
 
 template <class V>
-void sgd_kernel(const SgdCoefs& c, const FlatArgs& a, int64_t begin, int64_t end) {
+void sgd_kernel(const SgdCoefs& coefs, const FlatArgs& args, int64_t begin, int64_t end) {
+  const SgdCoefs c = coefs;
+  const FlatArgs a = args;
   for_each_element<V>(a, begin, end, [&](auto vec, auto g, auto copy, int64_t i) {
     sgd_at<decltype(vec)>(c, a.param, g, a.state0, copy, i);
   });

@@ -43,8 +43,9 @@ class Config:
         after 2000 clean steps; other dtypes: no scaling) or a fixed number.
     max_grad_norm: clip gradients to this global norm (None: no clipping).
     bucket_bytes: size of the constant-size communication buckets.
-    prefetch_bytes: stage 3: how many bytes of upcoming units to gather
-        ahead of use (0: no prefetch).
+    prefetch_bytes: stage 3: bytes of upcoming units to gather ahead of
+        use; the next unit is always prefetched when this is > 0 (0: no
+        prefetch).
     persist_threshold: stage 3: params with fewer elements stay whole on
         every rank (0 partitions all).
     """
@@ -55,7 +56,7 @@ class Config:
     loss_scale: Union[str, float] = "dynamic"
     max_grad_norm: Optional[float] = None
     bucket_bytes: int = 25 * 2**20
-    prefetch_bytes: int = 16 * 2**20
+    prefetch_bytes: int = 8 * 2**20
     persist_threshold: int = 0
 
     def __post_init__(self):

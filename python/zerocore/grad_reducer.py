@@ -82,9 +82,10 @@ class _Slot:
 
 
 class StagedReducer:
-    # Reductions allowed in flight before the oldest is completed: bounds
-    # the staging memory to a few buckets while keeping comm overlapped.
-    MAX_IN_FLIGHT = 2
+    # Reductions allowed in flight before the oldest is completed: one keeps
+    # each reduction overlapped with the next bucket's backward while the
+    # staging memory stays at two buckets.
+    MAX_IN_FLIGHT = 1
 
     def __init__(self, groups, comm: Communicator, on_param_done=None):
         self.comm = comm

@@ -122,13 +122,13 @@ class UnitScheduler:
         return hook
 
     def _prefetch_after(self, unit, order):
-        """Starts gathering the units after `unit` in `order`, within the
-        prefetch byte budget."""
+        """Starts gathering the unit after `unit` in `order`, and the ones
+        after it while they fit in the prefetch byte budget."""
         if unit not in order or self.prefetch_bytes <= 0:
             return
         budget = self.prefetch_bytes
-        for nxt in order[order.index(unit) + 1:]:
-            if nxt.nbytes > budget:
+        for i, nxt in enumerate(order[order.index(unit) + 1:]):
+            if i > 0 and nxt.nbytes > budget:
                 break
             budget -= nxt.nbytes
             nxt.start_gather()
