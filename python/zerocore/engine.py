@@ -150,7 +150,7 @@ class Engine:
             if cfg.stage == 3:
                 persistent += [p for p in members if p.numel() < cfg.persist_threshold]
                 members = [p for p in members if p.numel() >= cfg.persist_threshold]
-            units.append(Unit(index, m, split(members, sharded=cfg.stage == 3)))
+            units.append(Unit(m, split(members, sharded=cfg.stage == 3)))
         # Reduction order, the same on every rank: units in backward order
         # (last registered first, the root, whose embeddings finish last,
         # at the end), then the params kept whole.
@@ -243,7 +243,6 @@ class Engine:
         # Grads hold the sum over ranks of loss-scaled grads.
         grad_scale = 1.0 / (world * self.scaler.scale)
         norm = math.sqrt(total) * grad_scale
-        self.last_grad_norm = norm
         if self.config.max_grad_norm is not None:
             grad_scale *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
         self.step_count += 1

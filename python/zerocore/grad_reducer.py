@@ -28,6 +28,14 @@ import torch
 from zerocore.comm import Communicator
 
 
+def _hook_each(params, method):
+    """Registers method as every param's post-accumulate-grad hook. The hooks
+    live on the params, where the garbage collector cannot see them, so they
+    hold the reducer weakly, or it would never be freed."""
+    ref = weakref.WeakMethod(method)
+    return [p.register_post_accumulate_grad_hook(lambda p: ref() and ref()(p)) for p in params]
+
+
 class FullGradReducer:
     def __init__(self, groups, comm: Communicator, stage: int):
         self.groups = [g for g in groups if g.trainable]
@@ -37,9 +45,7 @@ class FullGradReducer:
         # each grad is added into the buffer (converted) once accumulated.
         self.converted = {id(p): (g, i) for g in self.groups if g.reduce_dtype != g.dtype
                           for i, p in enumerate(g.params)}
-        on_grad = weakref.WeakMethod(self._on_grad)
-        self.hooks = [g.params[i].register_post_accumulate_grad_hook(lambda p: on_grad() and on_grad()(p))
-                      for g, i in self.converted.values()]
+        self.hooks = _hook_each([g.params[i] for g, i in self.converted.values()], self._on_grad)
 
     def before_backward(self):
         for g in self.groups:
@@ -104,11 +110,7 @@ class StagedReducer:
                     lo, hi = max(s.offset, bucket.offset), min(s.offset + s.numel, bucket.offset + bucket.numel)
                     self.pieces.setdefault(id(g.params[i]), []).append(
                         (slot, slice(lo - s.offset, hi - s.offset), slice(lo - bucket.offset, hi - bucket.offset)))
-        # The hooks live on the params, where the garbage collector cannot
-        # see them: they hold the reducer weakly, or it would never be freed.
-        on_grad = weakref.WeakMethod(self._on_grad)
-        self.hooks = [p.register_post_accumulate_grad_hook(lambda p: on_grad() and on_grad()(p))
-                      for g in groups if g.trainable for p in g.params]
+        self.hooks = _hook_each([p for g in groups if g.trainable for p in g.params], self._on_grad)
         self._reset()
 
     def _reset(self):

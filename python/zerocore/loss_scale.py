@@ -28,6 +28,3 @@ class LossScaler:
             if self._clean_steps >= self.growth_interval:
                 self.scale *= 2.0
                 self._clean_steps = 0
-
-    def state_dict(self):
-        return {"scale": self.scale, "clean_steps": self._clean_steps}

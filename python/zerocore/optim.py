@@ -18,9 +18,6 @@ import torch
 
 from zerocore import ops
 
-KINDS = ("adam", "adamw", "sgd")
-
-
 class _NativeOptimizer(torch.optim.Optimizer):
     """Base of zerocore's standalone optimizers: per-param native updates."""
 

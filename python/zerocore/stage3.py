@@ -56,8 +56,7 @@ def find_units(module: nn.Module, units=None) -> list:
 
 
 class Unit:
-    def __init__(self, index, module, groups):
-        self.index = index
+    def __init__(self, module, groups):
         self.module = module
         self.groups = groups  # FlatGroups of sharded params
         self.pending = []  # all-gather handles in flight
