@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# Every zerocore test from a fresh clone, set-up included: installs the CPU
-# build of torch and the build tools, builds and installs the package (the
-# CUDA module too when nvcc is found), then runs the C++ tests (ctest) and
-# the Python tests (pytest). GPU tests skip without a GPU.
+# Every zerocore test from a fresh clone, set-up included. It makes a new
+# virtual environment in a temporary directory and installs into it only
+# what the project's own files declare (pyproject.toml: the package, its
+# `test` extra, torch pinned to the CPU build), so a dependency the project
+# forgot to declare fails here instead of hiding behind the machine's own
+# packages. Then it runs the C++ tests (ctest) and the Python tests (pytest);
+# GPU tests skip without a GPU. Extra arguments go to pytest.
+#
+#   PYTHON=python3.12 bash tests/run.sh       # another interpreter
+#   bash tests/run.sh -k engine -x            # a subset of the Python tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-"$PYTHON" -m pip install -q torch==2.13.0 "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.21" ninja pytest
-"$PYTHON" -m pip install -q --no-build-isolation .
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/zerocore-tests.XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
+"$PYTHON" -m venv "$scratch/venv"
+venv="$scratch/venv/bin"
 
-cmake -S . -B build/native -G Ninja -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF
-cmake --build build/native
-ctest --test-dir build/native --output-on-failure
+# The build runs isolated, from pyproject.toml's build-system requirements.
+"$venv/python" -m pip install -q torch==2.13.0 ".[test]"
 
-# Run from tests/ so `import zerocore` finds the installed package.
-"$PYTHON" -m pytest -q -p no:cacheprovider tests "$@"
+"$venv/cmake" -S . -B "$scratch/native" -G Ninja -DCMAKE_MAKE_PROGRAM="$venv/ninja" \
+  -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF
+"$venv/cmake" --build "$scratch/native"
+"$venv/ctest" --test-dir "$scratch/native" --output-on-failure
+
+# From the repository root `python/zerocore` is not on the path, so the
+# tests import the installed package.
+"$venv/python" -m pytest -q -p no:cacheprovider tests "$@"
