@@ -1,5 +1,5 @@
 """Model-state memory and communication volume equal the ZeRO formulas
-(zerocore.accounting, DESIGN.md section 1) up to alignment padding."""
+(zerocore.accounting, docs/design.md) up to alignment padding."""
 import pytest
 import torch
 

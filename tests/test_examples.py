@@ -99,8 +99,29 @@ def test_train_job_runs():
     cmd = [sys.executable, "-m", "zerocore.examples.train", "--steps", "3", "--ranks", "2", "--timeout", "60"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "step    3/3" in proc.stdout
-    assert "model-state memory per rank" in proc.stdout and "communication in one optimizer step" in proc.stdout
+    out = proc.stdout
+    assert "step    3/3" in out
+    assert "model-state memory per rank" in out and "communication in one optimizer step" in out
+    # It says what it trains on, what loss means, and what every symbol and column is.
+    assert "tiny_corpus.txt" in out and "ln(" in out and "uniform guess" in out
+    for symbol in ("Ψ = trainable params", "N = data-parallel ranks", "K = bytes of optimizer state",
+                   "comm_buffers  ", "plain DP  ", "formula  ", "Elements (not bytes)"):
+        assert symbol in out, symbol
+    assert "DESIGN.md" not in out and "../shared" not in out  # the docs it names ship with the repo
+    # What ZeRO saved: stage 3 on 2 ranks holds half of plain data parallelism's model states.
+    saved = [line for line in out.splitlines() if line.strip().startswith("saved by ZeRO")]
+    assert saved and "2.00x less" in saved[0], saved
+
+
+def test_train_job_help_shows_each_default_once():
+    from zerocore.examples.train import _HelpFormatter, build_parser
+
+    parser = build_parser()
+    assert "None" not in parser.format_help()
+    fmt = _HelpFormatter(parser.prog)
+    for action in parser._actions:
+        if action.option_strings and action.nargs != 0:  # every flag that takes a value
+            assert fmt._expand_help(action).count("default") == 1, action.option_strings
 
 
 def test_train_job_rejects_bad_flags(capsys):

@@ -8,6 +8,15 @@ native tensor from torch. The CUDA kernels live in a separate module,
 without CUDA.
 """
 
+import warnings
+
+# torch warns at import when numpy is missing. zerocore never uses numpy, so
+# it is no dependency, and a fresh environment should not greet its user with
+# that warning: silenced here, for this first import of torch only.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch  # noqa: F401
+
 from zerocore._native import (
     LayoutPlan,
     Tensor,

@@ -36,8 +36,9 @@ class Config:
 
     stage: 0 (plain data parallelism), 1 (optimizer states partitioned),
         2 (+ gradients), 3 (+ parameters).
-    dtype: training dtype of params, activations and grads: "fp32", "bf16"
-        or "fp16". With 16 bits an fp32 master copy lives in the optimizer.
+    dtype: training dtype of params, activations and grads: "fp32" (the
+        default: wrapping changes no numerics unless asked), "bf16" or
+        "fp16". With 16 bits an fp32 master copy lives in the optimizer.
     reduce_dtype: dtype of gradient buffers and reductions (default: dtype).
     loss_scale: "dynamic" (fp16: start at 2**16, halve on overflow, double
         after 2000 clean steps; other dtypes: no scaling) or a fixed number.

@@ -59,6 +59,30 @@ def _param_names(module):
     return names
 
 
+def _model_problem(params, names, spec):
+    """The error this rank's model or optimizer earns before wrapping, or None."""
+    meta = [names[id(p)][0] for p in params if p.is_meta]
+    if meta:
+        return ValueError(
+            f"zerocore.wrap: parameter(s) {', '.join(meta[:5])}{' ...' if len(meta) > 5 else ''} are on the meta "
+            "device and hold no values; zerocore cannot initialise meta tensors yet. Build the model on a real "
+            "device, or materialise it before wrapping: module.to_empty(device='cpu'), then initialise it "
+            "(reset_parameters) or load its weights (load_state_dict).")
+    bad = [names[id(p)][0] for p in params if not p.is_floating_point()]
+    if bad:
+        return TypeError(f"zerocore.wrap: parameter(s) {', '.join(bad)} are not floating point")
+    opt_group = {id(p) for g in spec.param_groups for p in g["params"]}
+    missing = [names[id(p)][0] for p in params if p.requires_grad and id(p) not in opt_group]
+    if missing:
+        return ValueError(f"zerocore.wrap: parameter(s) {', '.join(missing)} require grad but are not in the "
+                          "optimizer; pass them to it or set requires_grad=False")
+    unknown = [i for i, g in enumerate(spec.param_groups) for p in g["params"] if id(p) not in names]
+    if unknown:
+        return ValueError(f"zerocore.wrap: optimizer param group {unknown[0]} holds a tensor that is not a "
+                          "parameter of this module")
+    return None
+
+
 class Engine:
     def __init__(self, module, optimizer, config=None, *, group=None, units=None):
         if not isinstance(module, nn.Module):
@@ -77,20 +101,11 @@ class Engine:
 
         params = list(module.parameters())
         names = _param_names(module)
-        bad = [names[id(p)][0] for p in params if not p.is_floating_point()]
-        if bad:
-            raise TypeError(f"zerocore.wrap: parameter(s) {', '.join(bad)} are not floating point")
+        problem = _model_problem(params, names, spec)
+        self._check_same_model(spec, params, names, failed=problem is not None)
+        if problem is not None:
+            raise problem
         opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
-        missing = [names[id(p)][0] for p in params if p.requires_grad and id(p) not in opt_group]
-        if missing:
-            raise ValueError(f"zerocore.wrap: parameter(s) {', '.join(missing)} require grad but are not in the "
-                             "optimizer; pass them to it or set requires_grad=False")
-        unknown = [i for i, g in enumerate(spec.param_groups) for p in g["params"] if id(p) not in names]
-        if unknown:
-            raise ValueError(f"zerocore.wrap: optimizer param group {unknown[0]} holds a tensor that is not a "
-                             "parameter of this module")
-
-        self._check_same_model(spec, params, names)
         self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units)
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
@@ -108,16 +123,24 @@ class Engine:
         module._zerocore_engine = self
 
     # Construction ----------------------------------------------------------
-    def _check_same_model(self, spec, params, names):
+    def _check_same_model(self, spec, params, names, failed):
         """Ranks compare a hash of config, optimizer, names, shapes and
         trainability before any other collective: a different model on one
-        rank fails on every rank with this message instead of deadlocking."""
+        rank fails on every rank with this message instead of deadlocking.
+        A rank that `failed` its own checks sends -1, so the others raise
+        too instead of waiting for it in the next collective."""
         desc = repr((self.config, spec.kind, len(spec.param_groups),
                      [(names[id(p)], tuple(p.shape), p.requires_grad) for p in params]))
         h = 1469598103934665603
         for byte in desc.encode():
             h = ((h ^ byte) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
-        hashes = self.comm.gather_ints(h)
+        hashes = self.comm.gather_ints(-1 if failed else h)
+        if failed:
+            return
+        rejected = [r for r, x in enumerate(hashes) if x == -1]
+        if rejected:
+            raise ValueError(f"zerocore.wrap: rank(s) {rejected} rejected the model (their error says why); "
+                             "no rank wrapped it")
         if len(set(hashes)) > 1:
             odd = [r for r, x in enumerate(hashes) if x != hashes[0]]
             raise ValueError(f"zerocore.wrap: ranks disagree on the model, config or optimizer: rank(s) {odd} "
@@ -287,9 +310,16 @@ class Engine:
         return out
 
     def comm_stats(self) -> dict:
+        """Elements moved by each kind of collective ({"all_gather",
+        "reduce_scatter", "all_reduce"}), each counted at its full,
+        unpartitioned size, since wrap or the last reset_comm_stats(): reset
+        before a step to measure one step (zerocore.accounting.predicted_comm
+        gives the formula). Control traffic (the start-up model check, the
+        norm and overflow all-reduce, buffer broadcasts) is not counted."""
         return dict(self.comm.stats)
 
     def reset_comm_stats(self):
+        """Starts a new comm_stats() window at zero."""
         self.comm.reset_stats()
 
     def full_state_dict(self) -> dict:

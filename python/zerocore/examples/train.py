@@ -4,13 +4,16 @@
     python -m zerocore.examples.train --stage 1 --ranks 4 --dtype fp32 --steps 50
     torchrun --nproc-per-node 2 -m zerocore.examples.train --stage 2
 
-With ``--ranks N`` the job starts N local processes itself (gloo over
-127.0.0.1, a free port); under torchrun (RANK/WORLD_SIZE set) it uses the
-launcher's environment instead. Rank 0 prints the loss and tokens/s of every
-step. At the end every rank's measured model-state memory
-(``engine.memory_report()``) is printed beside DESIGN.md's formula
-(``zerocore.accounting.predicted_memory``), and the elements moved by each
-kind of collective in one step (``engine.comm_stats()``) beside
+It trains a character-level GPT on the corpus bundled with the package
+(``zerocore/examples/data/tiny_corpus.txt``, a short story), so it needs no
+download. With ``--ranks N`` the job starts N local processes itself (gloo
+over 127.0.0.1, a free port); under torchrun (RANK/WORLD_SIZE set) it uses
+the launcher's environment instead. Rank 0 prints the loss and tokens/s of
+every step. At the end every rank's measured model-state memory
+(``engine.memory_report()``) is printed beside the ZeRO formula
+(``zerocore.accounting.predicted_memory``, docs/design.md) and beside what
+plain data parallelism would hold, and the elements moved by each kind of
+collective in one step (``engine.comm_stats()``) beside
 ``zerocore.accounting.predicted_comm``.
 
 The job exits non-zero with a message on any failure; every collective and
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pickle
 import socket
 import sys
 import time
@@ -35,38 +39,75 @@ class JobError(RuntimeError):
     """A failure with a message meant for the user (no traceback needed)."""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default once. Flags whose default is decided at run
+    time (None: the engine's own, or one derived from the machine) say so in
+    their help instead of printing "(default: None)"."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and not any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _engine_default(field: str) -> str:
+    from zerocore.config import Config
+
+    return f"{Config.__dataclass_fields__[field].default:,}"
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m zerocore.examples.train",
-        description="Train a small GPT-style LM with zerocore ZeRO stages on CPU ranks (gloo).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a small character-level GPT on the bundled corpus with zerocore's ZeRO stages "
+                    "on CPU ranks (gloo), then report per-rank memory and communication beside the ZeRO "
+                    "formulas (docs/design.md).",
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage")
+    p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3),
+                   help="ZeRO stage: 0 plain data parallel, 1 +optimizer states partitioned, 2 +gradients, "
+                        "3 +parameters")
     p.add_argument("--ranks", type=int, default=2, help="local processes to start (ignored under torchrun)")
-    p.add_argument("--dtype", default="bf16", choices=DTYPES, help="training dtype (fp32 master weights for bf16/fp16)")
-    p.add_argument("--reduce-dtype", default=None, choices=DTYPES, help="dtype of gradient reduction (engine default if unset)")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES,
+                   help="training dtype of params, activations and grads (fp32 master weights for bf16/fp16)")
+    p.add_argument("--reduce-dtype", default=None, choices=DTYPES,
+                   help="dtype of gradient reduction (default: --dtype)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--accum", type=int, default=1, help="backward calls (micro-batches) per optimizer step")
     p.add_argument("--batch", type=int, default=8, help="global micro-batch size in sequences (split over ranks)")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--max-grad-norm", type=float, default=None, help="clip by global grad norm (off if unset)")
-    p.add_argument("--bucket-bytes", type=int, default=None, help="engine bucket size in bytes (engine default if unset)")
-    p.add_argument("--prefetch-bytes", type=int, default=None, help="stage 3 prefetch window (engine default if unset)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens (characters) per sequence")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="clip gradients to this global norm (default: no clipping)")
+    p.add_argument("--bucket-bytes", type=int, default=None,
+                   help=f"size of the constant-size communication buckets (default: the engine's, "
+                        f"{_engine_default('bucket_bytes')})")
+    p.add_argument("--prefetch-bytes", type=int, default=None,
+                   help=f"stage 3: bytes of upcoming units gathered ahead of use (default: the engine's, "
+                        f"{_engine_default('prefetch_bytes')})")
     p.add_argument("--persist-threshold", type=int, default=None,
-                   help="stage 3: params smaller than this stay whole on every rank (engine default if unset; "
-                        "0 partitions all, which makes memory and comm match the formulas exactly)")
-    p.add_argument("--loss-scale", default=None, help='fp16 loss scale: "dynamic" or a number (engine default if unset)')
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / local ranks)")
+                   help=f"stage 3: params with fewer elements stay whole on every rank (default: the "
+                        f"engine's, {_engine_default('persist_threshold')}, which partitions all, so memory "
+                        f"and communication match the formulas exactly)")
+    p.add_argument("--loss-scale", default=None,
+                   help='fp16 loss scale: "dynamic" or a number (default: dynamic for fp16, none otherwise)')
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per rank (default: CPU cores / local ranks)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rendezvous/collective fails")
     p.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
                    help="how --ranks processes start (default: fork on Linux, spawn elsewhere)")
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("ranks", "steps", "accum", "batch", "seq_len", "layers", "heads", "d_model"):
         if getattr(args, name) < 1:
@@ -137,7 +178,7 @@ def train(args, rank: int, world: int) -> dict:
 
     import zerocore
     from zerocore import accounting
-    from zerocore.examples.gpt import GPT, GPTConfig, TextData
+    from zerocore.examples.gpt import CORPUS_PATH, GPT, GPTConfig, TextData
 
     data, tok = TextData.from_corpus(args.seq_len, args.batch, seed=args.seed)
     if args.batch % world:
@@ -151,11 +192,8 @@ def train(args, rank: int, world: int) -> dict:
     numel = int(engine.num_trainable_params)
 
     say = (lambda *a: print(*a, flush=True)) if rank == 0 and not args.quiet else (lambda *a: None)
-    say(f"zerocore: stage {args.stage}, {world} rank(s), {args.dtype}, "
-        f"GPT {args.layers}x{args.d_model} (heads {args.heads}, seq {args.seq_len}, vocab {tok.vocab_size}), "
-        f"{numel:,} trainable params, global batch {args.batch}x{args.accum}, "
-        f"{torch.get_num_threads()} thread(s)/rank, engine config {engine_cfg}")
-
+    say(banner(args, world, CORPUS_PATH.name, data.tokens.numel(), tok.vocab_size, numel, engine_cfg,
+               torch.get_num_threads()))
     tokens_per_step = args.batch * args.seq_len * args.accum
     losses, step_times, comm = [], [], None
     for step in range(args.steps):
@@ -197,6 +235,8 @@ def train(args, rank: int, world: int) -> dict:
         "memory_pred": accounting.predicted_memory(args.stage, numel, world, args.dtype, k_bytes),
         "comm": comm,
         "comm_pred": accounting.predicted_comm(args.stage, numel, args.accum),
+        "memory_dp": accounting.predicted_memory(0, numel, world, args.dtype, k_bytes),
+        "uniform_loss": math.log(tok.vocab_size),
         "losses": losses,
         "step_times": step_times,
         "tokens_per_step": tokens_per_step,
@@ -204,41 +244,81 @@ def train(args, rank: int, world: int) -> dict:
     }
 
 
+def banner(args, world, corpus_name, corpus_tokens, vocab, numel, engine_cfg, threads) -> str:
+    """What the job is about to do, printed by rank 0 before the first step."""
+    precision = "fp32" if args.dtype == "fp32" else f"{args.dtype} compute with fp32 master weights"
+    return "\n".join([
+        f"zerocore: ZeRO stage {args.stage} on {world} CPU rank(s) (gloo), {precision}, "
+        f"{threads} thread(s) per rank",
+        f"model:  GPT, {args.layers} blocks x width {args.d_model} ({args.heads} heads), "
+        f"{numel:,} trainable params",
+        f"data:   the corpus bundled with the package ({corpus_name}, {corpus_tokens:,} characters), one token "
+        f"per character, vocabulary {vocab}; each step {args.batch} sequences x {args.seq_len} tokens "
+        f"x {args.accum} micro-batch(es), split over the ranks",
+        f"loss:   cross-entropy in nats; guessing uniformly over the {vocab} characters scores "
+        f"ln({vocab}) = {math.log(vocab):.3f}",
+        f"engine: zerocore.Config({', '.join(f'{k}={v!r}' for k, v in engine_cfg.items())})",
+        "",
+    ])
+
+
+MEMORY_LEGEND = """\
+  Ψ = trainable params, N = data-parallel ranks, K = bytes of optimizer state per param
+  (AdamW: m and v in fp32, plus an fp32 master copy of each param when training in 16 bits).
+  param         training-dtype params this rank holds (stage 3: its 1/N shard between steps)
+  grad          gradient buffers this rank holds (stages 2-3: its 1/N partition)
+  optim         optimizer states of this rank's partition (K bytes a param)
+  total         param + grad + optim: the model states the ZeRO paper counts
+  buffers       the module's buffers (not model states; in no formula)
+  comm_buffers  constant-size staging buckets of the gradient reduction (not model states)
+  formula       the ZeRO formula for this stage (docs/design.md, zerocore.accounting)
+  plain DP      what plain data parallelism (stage 0, as DDP) would hold on every rank
+  measured may exceed the formula by alignment padding; stage-3 params under --persist-threshold
+  stay whole on every rank."""
+
+COMM_LEGEND = """\
+  Elements (not bytes) moved by each kind of collective in the last step, each collective counted at
+  its full, unpartitioned size, as docs/design.md does: stages 1-2 reduce-scatter and all-gather Ψ
+  (the volume of plain data parallelism's all-reduce), stage 3 all-gathers params twice (forward and
+  backward), 1.5x."""
+
+
 def report(args, results: list) -> str:
     """The end-of-run summary (rank 0 prints it, for all ranks)."""
     r0 = results[0]
     world = len(results)
-    lines = []
     times = r0["step_times"][1:] or r0["step_times"]  # leave out the warm-up step
-    times_sorted = sorted(times)
-    med = times_sorted[len(times_sorted) // 2]
-    lines.append(
-        f"\nloss {r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f} over {len(r0['losses'])} steps; "
-        f"median step {med * 1e3:.1f} ms, {r0['tokens_per_step'] / med:,.0f} tok/s (all ranks)"
-    )
-    lines.append(
-        f"\nmodel-state memory per rank, bytes  (formula: DESIGN.md / zerocore.accounting, "
-        f"stage {args.stage}, Ψ={r0['numel']:,}, N={world}, dtype {args.dtype}, K={r0['k_bytes']})"
-    )
-    lines.append(f"  {'rank':>4}  {'category':<10} {'measured':>14} {'predicted':>14} {'meas/pred':>10}")
+    med = sorted(times)[len(times) // 2]
+    lines = [
+        f"\nloss {r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f} over {len(r0['losses'])} steps "
+        f"(uniform guess: {r0['uniform_loss']:.4f}); median step {med * 1e3:.1f} ms, "
+        f"{r0['tokens_per_step'] / med:,.0f} tok/s (all ranks)",
+        f"\nmodel-state memory per rank, bytes: stage {args.stage}, Ψ = {r0['numel']:,}, N = {world}, "
+        f"dtype {args.dtype}, K = {r0['k_bytes']}",
+        f"  {'rank':>4}  {'category':<12} {'measured':>14} {'formula':>14} {'meas/form':>10} {'plain DP':>14}",
+    ]
     for r in results:
-        keys = list(r["memory_pred"]) + [k for k in r["memory"] if k not in r["memory_pred"]]
-        for k in keys:
-            m, p = r["memory"].get(k), r["memory_pred"].get(k)
-            lines.append(f"  {r['rank']:>4}  {k:<10} {_fmt(m):>14} {_fmt(p):>14} {_ratio(m, p):>10}")
-    lines.append(
-        f"\ncommunication in one optimizer step, elements per collective kind  "
-        f"(formula: stage {args.stage}, Ψ={r0['numel']:,}, k={args.accum} backward call(s))"
-    )
-    lines.append(f"  {'rank':>4}  {'collective':<15} {'measured':>14} {'predicted':>14} {'meas/pred':>10}")
+        measured = dict(r["memory"])
+        measured["total"] = sum(measured[k] for k in r["memory_pred"])
+        formula = dict(r["memory_pred"], total=sum(r["memory_pred"].values()))
+        plain_dp = dict(r["memory_dp"], total=sum(r["memory_dp"].values()))
+        for k in list(formula) + [k for k in measured if k not in formula]:
+            m, p = measured.get(k), formula.get(k)
+            lines.append(f"  {r['rank']:>4}  {k:<12} {_fmt(m):>14} {_fmt(p):>14} {_ratio(m, p):>10} "
+                         f"{_fmt(plain_dp.get(k)):>14}")
+    dp_total, zero_total = sum(r0["memory_dp"].values()), sum(r0["memory_pred"].values())
+    lines.append(f"  saved by ZeRO: plain data parallelism holds {_fmt(dp_total)} bytes of model states per rank, "
+                 f"stage {args.stage} {_fmt(zero_total)} ({dp_total / zero_total:.2f}x less, formula)")
+    lines.append(MEMORY_LEGEND)
+    lines.append(f"\ncommunication in one optimizer step, elements per collective kind: stage {args.stage}, "
+                 f"Ψ = {r0['numel']:,}, {args.accum} backward call(s)")
+    lines.append(f"  {'rank':>4}  {'collective':<15} {'measured':>14} {'formula':>14} {'meas/form':>10}")
     for r in results:
         comm = r["comm"] or {}
-        keys = list(r["comm_pred"]) + [k for k in comm if k not in r["comm_pred"]]
-        for k in keys:
+        for k in list(r["comm_pred"]) + [k for k in comm if k not in r["comm_pred"]]:
             m, p = comm.get(k), r["comm_pred"].get(k)
             lines.append(f"  {r['rank']:>4}  {k:<15} {_fmt(m):>14} {_fmt(p):>14} {_ratio(m, p):>10}")
-    lines.append("  (measured memory may exceed the formula by alignment padding; stage 3 params under "
-                 "--persist-threshold stay whole on every rank and add to all three counts)")
+    lines.append(COMM_LEGEND)
     return "\n".join(lines)
 
 
@@ -255,6 +335,23 @@ def _init_threads(args, local_world: int) -> None:
     zerocore.set_num_threads(n)
 
 
+def _gather_summaries(summary: dict, world: int) -> list:
+    """Every rank's summary, on every rank. Pickled into byte tensors by hand:
+    torch's all_gather_object needs numpy on gloo, and nothing else here does."""
+    import torch
+    import torch.distributed as dist
+
+    payload = torch.frombuffer(bytearray(pickle.dumps(summary)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()]))
+    longest = max(int(n) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:payload.numel()] = payload
+    received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(received, padded)
+    return [pickle.loads(bytes(buf[:int(n)].tolist())) for buf, n in zip(received, sizes)]
+
+
 def _run_rank(args, rank: int, world: int, local_world: int, init_method: str) -> None:
     """Initialise the process group, train, gather summaries to rank 0 and print them."""
     import torch.distributed as dist
@@ -263,9 +360,7 @@ def _run_rank(args, rank: int, world: int, local_world: int, init_method: str) -
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout))
     try:
-        summary = train(args, rank, world)
-        results = [None] * world
-        dist.all_gather_object(results, summary)
+        results = _gather_summaries(train(args, rank, world), world)
         if rank == 0:
             print(report(args, results), flush=True)
     finally:
