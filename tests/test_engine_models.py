@@ -149,6 +149,73 @@ def test_activation_checkpointing(reentrant):
     check_against_reference(functools.partial(make, Checkpointed, reentrant=reentrant))
 
 
+class LoRALinear(nn.Module):
+    """A frozen base weight plus a trainable low-rank update (adapter
+    fine-tuning): input grads need the frozen weight after the trainable
+    ones have their grads."""
+
+    def __init__(self, d_in, d_out, rank=4):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(rank, d_in) / d_in ** 0.5)
+        self.b = nn.Parameter(torch.randn(d_out, rank) / rank)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+class Adapters(TinyLM):
+    """Every block's linears are LoRA adapters over frozen weights and the
+    rest of the block is frozen too, each block a stage-3 unit, optionally
+    checkpointed."""
+
+    def __init__(self, checkpointing=None):
+        super().__init__(layers=3)
+        for b in self.blocks:
+            b.norm.requires_grad_(False)
+            b.up, b.down = LoRALinear(DIM, 2 * DIM), LoRALinear(2 * DIM, DIM)
+        self.checkpointing = checkpointing
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x) if self.checkpointing is None else checkpoint(b, x, use_reentrant=self.checkpointing == "reentrant")
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
+def test_adapters_over_frozen_weights_in_one_unit(checkpointing):
+    results = check_against_reference(functools.partial(make, Adapters, checkpointing=checkpointing))
+    frozen = make(Adapters).state_dict()
+    for stage in STAGES:
+        for name, value in results[0][stage].items():
+            if name.startswith("blocks.") and not name.endswith((".a", ".b")):
+                assert torch.equal(value, frozen[name]), (stage, name)
+
+
+def _gathered_during_backward(rank, world):
+    """At the start of each block's backward, how many other units are gathered."""
+    model = make(Adapters)
+    engine = zerocore.wrap(model, adamw([p for p in model.parameters() if p.requires_grad]),
+                           {"stage": 3, "prefetch_bytes": 0})
+    seen = []
+    for b in model.blocks:
+        b.register_full_backward_pre_hook(
+            lambda m, g: seen.append(sum(u.gathered for u in engine.units if u.module is not m)))
+    x, y = lm_batch(0, 0, world)
+    engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
+    return seen, sum(u.gathered for u in engine.units)
+
+
+def test_stage3_releases_each_unit_at_its_post_backward_point():
+    for seen, after in run_ranks(_gathered_during_backward, 2):
+        # Only the root (its inputs need no grad, so it stays until backward
+        # ends): the blocks whose backward is done were released.
+        assert seen == [1, 1, 1], seen
+        assert after == 0
+
+
 class DictOutput(TinyLM):
     def forward(self, idx):
         logits = super().forward(idx)

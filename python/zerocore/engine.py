@@ -117,7 +117,7 @@ class Engine:
             self.reducer, self.scheduler = StagedReducer(self.groups, self.comm), None
         else:
             self.scheduler = UnitScheduler(self.units, cfg.prefetch_bytes, self._attach_unit_grads)
-            self.reducer = StagedReducer(self.groups, self.comm, self.scheduler.on_param_done)
+            self.reducer = StagedReducer(self.groups, self.comm)
         self.optimizer = ZeroOptimizer(spec, self._step, self.zero_grad)
         self._backward_calls = 0
         module._zerocore_engine = self

@@ -93,9 +93,8 @@ class StagedReducer:
     # staging memory stays at two buckets.
     MAX_IN_FLIGHT = 1
 
-    def __init__(self, groups, comm: Communicator, on_param_done=None):
+    def __init__(self, groups, comm: Communicator):
         self.comm = comm
-        self.on_param_done = on_param_done or (lambda p: None)
         self.slots = []
         self.pieces = {}  # id(param) -> [(slot, param slice, staging slice)]
         self._pool = {}
@@ -116,7 +115,6 @@ class StagedReducer:
     def _reset(self):
         self.next = 0
         self.in_flight = []
-        self.reported = set()
         self.viewed = []  # params whose .grad is a view into a staging buffer
         for s in self.slots:
             s.waiting = set(s.params)
@@ -161,9 +159,6 @@ class StagedReducer:
                 slot.dirty = True
             slot.waiting.discard(id(p))
         p.grad = None
-        if id(p) not in self.reported:
-            self.reported.add(id(p))
-            self.on_param_done(p)
         self._issue_ready()
 
     def _issue_ready(self):

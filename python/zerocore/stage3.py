@@ -14,12 +14,17 @@ top-level list) must name coarser units with wrap(..., units=[...]).
 Schedule, with no recorded trace:
 - forward: a unit's pre-hook gathers it (waiting for a prefetch if one is
   in flight) and prefetches the units that followed it in the previous
-  step's forward, up to prefetch_bytes; its post-hook frees it and, when
+  step's forward, up to prefetch_bytes; when its inputs need grads it
+  routes them through _PostBackward, to find its post-backward point; its
+  post-hook frees it and, when
   its outputs need grads, hooks them so that backward gathers it again
   before its grads are computed, prefetching the unit that ran before it in
   this step's forward;
-- backward: a unit is freed as soon as every trainable param in it has its
-  grad, and any unit still gathered is freed when backward ends;
+- backward: a unit is freed at its post-backward point, when the grads of
+  its inputs are complete: every param its backward reads (frozen weights
+  that input grads need included) has been read by then. A unit whose
+  inputs need no grad (the first one) stays gathered until backward ends,
+  when every unit still gathered is freed;
 - a forward under no_grad (eval) frees each unit after it runs.
 Prefetch is only ever a guess: a wrong one costs a gather, never a wrong
 result, and every rank makes the same guesses.
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 def find_units(module: nn.Module, units=None) -> list:
@@ -60,8 +65,10 @@ class Unit:
         self.module = module
         self.groups = groups  # FlatGroups of sharded params
         self.pending = []  # all-gather handles in flight
-        self.trainable_params = {id(p) for g in groups if g.trainable for p in g.params}
-        self.params_left = set()
+        # Calls of this unit whose backward began (pre-backward) and has not
+        # reached its post-backward point: a unit called twice is released
+        # only after the backward of both calls.
+        self.open_backwards = 0
         self.nbytes = sum(g.full.numel() * g.full.element_size() for g in groups)
 
     @property
@@ -84,6 +91,23 @@ class Unit:
                 g.free()
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs. Its backward runs once the grads of all
+    of them are complete, from inside the unit only: the unit's
+    post-backward point (FSDP2 marks it the same way). A tensor hook on the
+    inputs would wait for their uses outside the unit too."""
+
+    @staticmethod
+    def forward(ctx, hook, *inputs):
+        ctx.hook = hook
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, *grads)
+
+
 class UnitScheduler:
     def __init__(self, units, prefetch_bytes: int, on_unit_backward=None):
         self.units = units
@@ -92,22 +116,35 @@ class UnitScheduler:
         self.in_backward = False
         self.forward_order = []  # this step's first-run order
         self.last_forward_order = []
-        self.unit_of_param = {pid: u for u in units for pid in u.trainable_params}
         self.handles = []
         for u in units:
-            self.handles.append(u.module.register_forward_pre_hook(self._pre_forward(u)))
+            self.handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
             self.handles.append(u.module.register_forward_hook(self._post_forward(u)))
 
     # Forward ---------------------------------------------------------------
     def _pre_forward(self, unit):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             unit.start_gather()
             unit.wait()
             if not self.in_backward:
                 if unit not in self.forward_order:
                     self.forward_order.append(unit)
                 self._prefetch_after(unit, self.last_forward_order)
+            return self._mark_post_backward(unit, args, kwargs)
         return hook
+
+    def _mark_post_backward(self, unit, args, kwargs):
+        """Routes the inputs that need grads through _PostBackward. Under
+        no_grad (reentrant checkpointing's first pass) nothing is recorded;
+        its recomputation in backward, with grads enabled, records it."""
+        flat, spec = tree_flatten((args, kwargs))
+        need = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not need or not torch.is_grad_enabled():
+            return None
+        marked = _PostBackward.apply(self._post_backward(unit), *(flat[i] for i in need))
+        for i, t in zip(need, marked):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, unit):
         def hook(module, args, output):
@@ -141,11 +178,10 @@ class UnitScheduler:
     # Backward --------------------------------------------------------------
     def begin_backward(self):
         self.in_backward = True
-        for u in self.units:
-            u.params_left = set(u.trainable_params)
 
     def _pre_backward(self, unit):
         def hook(_grad):
+            unit.open_backwards += 1
             unit.start_gather()
             unit.wait()
             self.on_unit_backward(unit)
@@ -153,16 +189,17 @@ class UnitScheduler:
             self._prefetch_after(unit, backward_order)
         return hook
 
-    def on_param_done(self, param):
-        unit = self.unit_of_param.get(id(param))
-        if unit is None:
-            return
-        unit.params_left.discard(id(param))
-        if not unit.params_left:
-            unit.free()
+    @staticmethod
+    def _post_backward(unit):
+        def hook():
+            unit.open_backwards = max(0, unit.open_backwards - 1)
+            if unit.open_backwards == 0:
+                unit.free()
+        return hook
 
     def end_backward(self):
         for u in self.units:
+            u.open_backwards = 0
             u.free()
         self.in_backward = False
 
