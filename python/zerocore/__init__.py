@@ -30,6 +30,7 @@ from zerocore._native import (
 from zerocore._native import from_dlpack as from_torch
 from zerocore import ops
 from zerocore.config import Config
+from zerocore.comm import CollectiveOrderError
 from zerocore.engine import Engine, NonFiniteGradientError, wrap
 from zerocore.optim import SGD, Adam, AdamW
 
@@ -45,6 +46,7 @@ def to_torch(tensor: Tensor):
 
 __all__ = [
     "Adam",
+    "CollectiveOrderError",
     "AdamW",
     "Config",
     "Engine",

@@ -178,6 +178,8 @@ class Engine:
         # (last registered first, the root, whose embeddings finish last,
         # at the end), then the params kept whole.
         groups = [g for u in units[1:][::-1] + units[:1] for g in u.groups] + split(persistent, sharded=False)
+        for tag, g in enumerate(groups):
+            g.tag = tag
         return groups, (units if cfg.stage == 3 else [])
 
     @staticmethod
@@ -250,9 +252,11 @@ class Engine:
         self.reducer.reduce()
         groups = [g for g in self.groups if g.trainable]
         local = sum(g.grad_sum_of_squares() for g in groups)
-        # Stage 0 holds the same all-reduced grads on every rank; otherwise
-        # each rank holds a disjoint part of them.
-        total = local if self.config.stage == 0 else self.comm.sum_scalars([local])[0]
+        # The step's one control collective; it also checks that every rank
+        # issued the same collectives. Stage 0 holds the same all-reduced
+        # grads on every rank; otherwise each rank holds a disjoint part.
+        summed = self.comm.sum_checking_order([local], lambda tag: self.groups[tag].label)[0]
+        total = local if self.config.stage == 0 else summed
         world = self.comm.world_size
         if not math.isfinite(total):
             self.scaler.update(overflow=True)

@@ -63,6 +63,7 @@ class FlatGroup:
         self.trainable = trainable
         self.sharded = sharded
         self.comm = comm
+        self.tag = None  # set by the engine: this group's index, the same on every rank (the collectives' key)
         self.partitioned = stage > 0
         world = comm.world_size if self.partitioned else 1
         self.rank = comm.rank if self.partitioned else 0
@@ -159,7 +160,7 @@ class FlatGroup:
         """Starts the all-gathers that fill F; wait on the returned handles."""
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         return [self.comm.all_gather(self.full[self.bucket_slice(b)], self.shard[self.partition_slice(b)],
-                                     async_op=True, count=count)
+                                     (self.tag, b), async_op=True, count=count)
                 for b in range(len(self.buckets))]
 
     def free(self):
@@ -221,7 +222,8 @@ class FlatGroup:
         """Stages 1-2: every rank's updated blocks into every rank's F, in place."""
         if self.sharded or not self.partitioned:
             return []
-        return [self.comm.all_gather(self.full[self.bucket_slice(b)], self.full[self.shard_slice(b)], async_op=True)
+        return [self.comm.all_gather(self.full[self.bucket_slice(b)], self.full[self.shard_slice(b)], (self.tag, b),
+                                     async_op=True)
                 for b in range(len(self.buckets))]
 
     # Whole-model views -----------------------------------------------------
@@ -242,7 +244,7 @@ class FlatGroup:
         if world == 1:
             return part
         parts = torch.empty(world * plan.partition_elems, dtype=torch.float32)
-        self.comm.all_gather(parts, part, count=False).wait()
+        self.comm.all_gather(parts, part, (self.tag, -1), count=False).wait()
         flat = torch.empty(plan.total_elems, dtype=torch.float32)
         for r in range(world):
             for b in range(len(self.buckets)):
@@ -279,3 +281,10 @@ class FlatGroup:
             nbytes(self.shard) + (nbytes(self.full) if self.gathered else 0)
         return {"param": param, "grad": nbytes(self.grad_full, self.grad_part),
                 "optim": nbytes(self.master, *self.state.values())}
+
+    @property
+    def label(self) -> str:
+        """The group's params, for messages."""
+        first, last = self.names[-1][0], self.names[0][0]  # registration order
+        frozen = "" if self.trainable else "frozen "
+        return f"the {frozen}params {first}" + (f" .. {last}" if len(self.names) > 1 else "")

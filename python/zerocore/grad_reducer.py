@@ -67,9 +67,10 @@ class FullGradReducer:
             for b in range(len(g.buckets)):
                 bucket = g.grad_full[g.bucket_slice(b)]
                 if self.stage == 0:
-                    works.append(self.comm.all_reduce(bucket, async_op=True))
+                    works.append(self.comm.all_reduce(bucket, (g.tag, b), async_op=True))
                 else:
-                    works.append(self.comm.reduce_scatter(g.grad_full[g.shard_slice(b)], bucket, async_op=True))
+                    works.append(self.comm.reduce_scatter(g.grad_full[g.shard_slice(b)], bucket, (g.tag, b),
+                                                          async_op=True))
         for w in works:
             w.wait()
 
@@ -170,7 +171,8 @@ class StagedReducer:
         if slot.staging is None:  # no grads here on this rank: reduce zeros
             slot.staging = self._take(slot)
         staging, slot.staging = slot.staging, None  # later grads go to a fresh buffer
-        work = self.comm.reduce_scatter(staging[self._local(slot)], staging, async_op=True)
+        work = self.comm.reduce_scatter(staging[self._local(slot)], staging, (slot.group.tag, slot.bucket),
+                                        async_op=True)
         slot.issued, slot.dirty = True, False
         self.in_flight.append((slot, work, staging))
         while len(self.in_flight) > self.MAX_IN_FLIGHT:
