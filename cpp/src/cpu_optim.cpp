@@ -3,6 +3,8 @@
 // for the kernel table of the active instruction set.
 #include "zerocore/cpu_optim.h"
 
+#include <string>
+
 #include "cpu_kernels.h"
 #include "zerocore/cpu_features.h"
 #include "zerocore/error.h"
@@ -27,45 +29,88 @@ const cpu::KernelTable& active_kernels() {
   }
 }
 
-cpu::FlatArgs flat_args(const Tensor& param, const Tensor& grad, const Tensor& s0, const Tensor& s1,
-                        const Tensor& copy) {
-  return cpu::FlatArgs{param.data_as<float>(),
-                       grad.data(),
-                       grad.dtype(),
-                       is_given(s0) ? s0.data_as<float>() : nullptr,
-                       is_given(s1) ? s1.data_as<float>() : nullptr,
-                       is_given(copy) ? copy.data() : nullptr,
-                       is_given(copy) ? copy.dtype() : DType::kBFloat16};
+cpu::FlatArgs flat_args(const FlatRun& r) {
+  return cpu::FlatArgs{r.param.data_as<float>(),
+                       r.grad.data(),
+                       r.grad.dtype(),
+                       is_given(r.state0) ? r.state0.data_as<float>() : nullptr,
+                       is_given(r.state1) ? r.state1.data_as<float>() : nullptr,
+                       is_given(r.param_copy) ? r.param_copy.data() : nullptr,
+                       is_given(r.param_copy) ? r.param_copy.dtype() : DType::kBFloat16};
+}
+
+// The group of run i, checked against the options given; the message names
+// the run when there are several.
+template <class Options>
+const Options& options_of(const char* op, const std::vector<Options>& groups, const std::vector<FlatRun>& runs,
+                          size_t i) {
+  const int g = runs[i].group;
+  if (g < 0 || size_t(g) >= groups.size()) {
+    throw InvalidArgument(std::string(op) + ": run " + std::to_string(i) + " belongs to group " + std::to_string(g) +
+                          " but options were given for " + std::to_string(groups.size()) + " group(s)");
+  }
+  return groups[size_t(g)];
+}
+
+std::string run_op(const char* op, const std::vector<FlatRun>& runs, size_t i) {
+  return runs.size() == 1 ? std::string(op) : std::string(op) + " (run " + std::to_string(i) + ")";
+}
+
+// Runs kernel(coefs[run.group], args of run, begin, end) over every run's
+// elements, split over the thread pool together.
+template <class Coefs, class Kernel>
+void update_runs(const std::vector<Coefs>& coefs, const std::vector<FlatRun>& runs, Kernel kernel) {
+  std::vector<int64_t> lengths;
+  std::vector<cpu::FlatArgs> args;
+  for (const FlatRun& r : runs) {
+    lengths.push_back(r.param.numel());
+    args.push_back(flat_args(r));
+  }
+  parallel_for_ranges(default_thread_pool(), lengths, kChunkAlign, [&](size_t i, int64_t b, int64_t e) {
+    kernel(coefs[size_t(runs[i].group)], args[i], b, e);
+  });
 }
 
 }  // namespace
 
+void adam_update_runs(const std::vector<AdamOptions>& groups, int64_t step, double grad_scale,
+                      const std::vector<FlatRun>& runs) {
+  std::vector<AdamCoefs> coefs;
+  for (const AdamOptions& o : groups) coefs.push_back(adam_coefs(o, step, grad_scale));
+  for (size_t i = 0; i < runs.size(); ++i) {
+    options_of("adam_", groups, runs, i);
+    const FlatRun& r = runs[i];
+    check_flat_update(run_op("adam_", runs, i).c_str(), Device{}, r.param, r.grad,
+                      {{"exp_avg", &r.state0}, {"exp_avg_sq", &r.state1}}, r.param_copy);
+  }
+  update_runs(coefs, runs, active_kernels().adam);
+}
+
+void sgd_update_runs(const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
+                     const std::vector<FlatRun>& runs) {
+  std::vector<SgdCoefs> coefs;
+  for (const SgdOptions& o : groups) coefs.push_back(sgd_coefs(o, step, grad_scale));
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const FlatRun& r = runs[i];
+    const std::string op = run_op("sgd_", runs, i);
+    if (options_of("sgd_", groups, runs, i).momentum != 0.0) {
+      check_flat_update(op.c_str(), Device{}, r.param, r.grad, {{"momentum_buffer", &r.state0}}, r.param_copy);
+    } else {
+      check_flat_update(op.c_str(), Device{}, r.param, r.grad, {}, r.param_copy);
+    }
+  }
+  update_runs(coefs, runs, active_kernels().sgd);
+}
+
 void adam_update(const AdamOptions& o, int64_t step, double grad_scale, const Tensor& param,
                  const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                  const Tensor& param_copy) {
-  const char* op = "adam_";
-  check_flat_update(op, Device{}, param, grad, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}},
-                    param_copy);
-  const AdamCoefs c = adam_coefs(o, step, grad_scale);
-  const cpu::FlatArgs args = flat_args(param, grad, exp_avg, exp_avg_sq, param_copy);
-  const cpu::AdamFn kernel = active_kernels().adam;
-  default_thread_pool().parallel_for(param.numel(), kChunkAlign,
-                                     [&](int64_t b, int64_t e) { kernel(c, args, b, e); });
+  adam_update_runs({o}, step, grad_scale, {FlatRun{0, param, grad, exp_avg, exp_avg_sq, param_copy}});
 }
 
 void sgd_update(const SgdOptions& o, int64_t step, double grad_scale, const Tensor& param,
                 const Tensor& grad, const Tensor& momentum_buffer, const Tensor& param_copy) {
-  const char* op = "sgd_";
-  if (o.momentum != 0.0) {
-    check_flat_update(op, Device{}, param, grad, {{"momentum_buffer", &momentum_buffer}}, param_copy);
-  } else {
-    check_flat_update(op, Device{}, param, grad, {}, param_copy);
-  }
-  const SgdCoefs c = sgd_coefs(o, step, grad_scale);
-  const cpu::FlatArgs args = flat_args(param, grad, momentum_buffer, Tensor(), param_copy);
-  const cpu::SgdFn kernel = active_kernels().sgd;
-  default_thread_pool().parallel_for(param.numel(), kChunkAlign,
-                                     [&](int64_t b, int64_t e) { kernel(c, args, b, e); });
+  sgd_update_runs({o}, step, grad_scale, {FlatRun{0, param, grad, momentum_buffer, Tensor(), param_copy}});
 }
 
 }  // namespace zerocore

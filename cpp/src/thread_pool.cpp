@@ -25,6 +25,21 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
+void parallel_for_ranges(ThreadPool& pool, const std::vector<int64_t>& lengths, int64_t align,
+                         const std::function<void(size_t, int64_t, int64_t)>& fn) {
+  align = std::max<int64_t>(align, 1);
+  std::vector<int64_t> start(lengths.size() + 1, 0);
+  for (size_t i = 0; i < lengths.size(); ++i) start[i + 1] = start[i] + (lengths[i] + align - 1) / align * align;
+  pool.parallel_for(start.back(), align, [&](int64_t b, int64_t e) {
+    size_t i = size_t(std::upper_bound(start.begin(), start.end(), b) - start.begin()) - 1;
+    for (; i < lengths.size() && start[i] < e; ++i) {
+      const int64_t lo = std::max(b, start[i]) - start[i];
+      const int64_t hi = std::min(e - start[i], lengths[i]);
+      if (lo < hi) fn(i, lo, hi);
+    }
+  });
+}
+
 void ThreadPool::parallel_for(int64_t n, int64_t align,
                               const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;

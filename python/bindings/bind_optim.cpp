@@ -1,8 +1,12 @@
+#include <nanobind/stl/vector.h>
+
 #include <string>
+#include <vector>
 
 #include "bindings.h"
 #include "dlpack_tensor.h"
 #include "zerocore/cpu_optim.h"
+#include "zerocore/cpu_reduce.h"
 #include "zerocore/error.h"
 #include "zerocore/optim_args.h"
 
@@ -26,9 +30,100 @@ Tensor flat(nb::handle obj, const char* op, const char* name, bool optional = fa
   return t;
 }
 
+// Options of each torch-style param group: a dict holding "lr",
+// "weight_decay" and the algorithm's own keys (the engine passes its
+// optimizer's param_groups as they are).
+std::vector<AdamOptions> adam_groups(const nb::list& groups, bool adamw) {
+  std::vector<AdamOptions> out;
+  for (nb::handle h : groups) {
+    nb::dict g = nb::cast<nb::dict>(h);
+    nb::tuple betas = nb::cast<nb::tuple>(g["betas"]);
+    out.push_back(AdamOptions{nb::cast<double>(g["lr"]), nb::cast<double>(betas[0]), nb::cast<double>(betas[1]),
+                              nb::cast<double>(g["eps"]), nb::cast<double>(g["weight_decay"]), adamw});
+  }
+  return out;
+}
+
+std::vector<SgdOptions> sgd_groups(const nb::list& groups) {
+  std::vector<SgdOptions> out;
+  for (nb::handle h : groups) {
+    nb::dict g = nb::cast<nb::dict>(h);
+    out.push_back(SgdOptions{nb::cast<double>(g["lr"]), nb::cast<double>(g["momentum"]),
+                             nb::cast<double>(g["dampening"]), nb::cast<double>(g["weight_decay"]),
+                             nb::cast<bool>(g["nesterov"])});
+  }
+  return out;
+}
+
+// A partition's runs, converted from DLPack once: each step is one call.
+struct FlatRuns {
+  std::vector<FlatRun> runs;
+  std::vector<Tensor> grads;
+};
+
+FlatRuns make_runs(const std::vector<int>& groups, const nb::list& params, const nb::list& grads,
+                   const nb::list& state0, const nb::list& state1, const nb::list& copies) {
+  const size_t n = groups.size();
+  if (nb::len(params) != n || nb::len(grads) != n || nb::len(state0) != n || nb::len(state1) != n ||
+      nb::len(copies) != n) {
+    throw InvalidArgument("FlatRuns: groups, params, grads, state0, state1 and copies must have one entry per run");
+  }
+  FlatRuns out;
+  for (size_t i = 0; i < n; ++i) {
+    out.runs.push_back(FlatRun{groups[i], flat(params[i], "FlatRuns", "param"), flat(grads[i], "FlatRuns", "grad"),
+                               flat(state0[i], "FlatRuns", "state0", true), flat(state1[i], "FlatRuns", "state1", true),
+                               flat(copies[i], "FlatRuns", "param_copy", true)});
+    out.grads.push_back(out.runs.back().grad);
+  }
+  return out;
+}
+
 }  // namespace
 
 void bind_optim(nb::module_& m) {
+  nb::class_<FlatRuns>(m, "FlatRuns",
+                       "A rank's partition as runs (stretches of flat fp32 params, each in one optimizer param "
+                       "group), with their grads, states and 16-bit copies; one call steps them all.")
+      .def(nb::new_(&make_runs), "groups"_a, "params"_a, "grads"_a, "state0"_a, "state1"_a, "param_copies"_a,
+           "Per run: its param group index, fp32 param, grad (fp32/bf16/fp16), state0 (Adam exp_avg, SGD "
+           "momentum buffer), state1 (Adam exp_avg_sq) and param copy (bf16/fp16); None where there is none.")
+      .def(
+          "adam_",
+          [](const FlatRuns& self, const nb::list& groups, int64_t step, double grad_scale, bool adamw) {
+            const std::vector<AdamOptions> options = adam_groups(groups, adamw);
+            nb::gil_scoped_release release;
+            adam_update_runs(options, step, grad_scale, self.runs);
+          },
+          "groups"_a, nb::kw_only(), "step"_a, "grad_scale"_a, "adamw"_a,
+          "Adam/AdamW step of every run; groups: the param groups' hyperparameter dicts.")
+      .def(
+          "sgd_",
+          [](const FlatRuns& self, const nb::list& groups, int64_t step, double grad_scale) {
+            const std::vector<SgdOptions> options = sgd_groups(groups);
+            nb::gil_scoped_release release;
+            sgd_update_runs(options, step, grad_scale, self.runs);
+          },
+          "groups"_a, nb::kw_only(), "step"_a, "grad_scale"_a,
+          "SGD step of every run; groups: the param groups' hyperparameter dicts.")
+      .def(
+          "grad_sum_of_squares",
+          [](const FlatRuns& self) {
+            nb::gil_scoped_release release;
+            return sum_of_squares(self.grads);
+          },
+          "The sum of squares of every run's grad, in fp64 (non-finite if any grad element is).")
+      .def("__len__", [](const FlatRuns& self) { return self.runs.size(); });
+  m.def(
+      "sum_of_squares",
+      [](const nb::list& tensors) {
+        std::vector<Tensor> xs;
+        for (nb::handle t : tensors) xs.push_back(flat(t, "sum_of_squares", "tensor"));
+        nb::gil_scoped_release release;
+        return sum_of_squares(xs);
+      },
+      "tensors"_a,
+      "The sum of squares of every element of the 1-D host tensors (fp32/bf16/fp16), accumulated in fp64 in "
+      "one multi-threaded pass; non-finite exactly when some element is.");
   m.def(
       "adam_",
       [](nb::handle param, nb::handle grad, nb::handle exp_avg, nb::handle exp_avg_sq, int64_t step, double lr,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerocore import ops
 from zerocore.comm import Communicator
 from zerocore.config import Config
 from zerocore.flat_group import TORCH_DTYPES, FlatGroup
@@ -108,6 +109,9 @@ class Engine:
         opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
         self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units)
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
+        # This rank's whole partition as native runs: one call a step.
+        views = [v for g in self.groups if g.trainable for v in g.run_views()]
+        self.runs = ops.FlatRuns(*([list(column) for column in zip(*views)] if views else [[]] * 6))
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
         self._cast_buffers()
 
@@ -251,7 +255,7 @@ class Engine:
             raise RuntimeError("engine.step: no gradients; call engine.backward(loss) first")
         self.reducer.reduce()
         groups = [g for g in self.groups if g.trainable]
-        local = sum(g.grad_sum_of_squares() for g in groups)
+        local = self.runs.grad_sum_of_squares()
         # The step's one control collective; it also checks that every rank
         # issued the same collectives. Stage 0 holds the same all-reduced
         # grads on every rank; otherwise each rank holds a disjoint part.
@@ -273,9 +277,11 @@ class Engine:
         if self.config.max_grad_norm is not None:
             grad_scale *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
         self.step_count += 1
-        hyper = [self.optimizer.hyperparameters(i) for i in range(len(self.optimizer.param_groups))]
-        for g in groups:
-            g.step(self.kind, hyper, self.step_count, grad_scale)
+        if self.kind == "sgd":
+            self.runs.sgd_(self.optimizer.param_groups, step=self.step_count, grad_scale=grad_scale)
+        else:
+            self.runs.adam_(self.optimizer.param_groups, step=self.step_count, grad_scale=grad_scale,
+                            adamw=self.kind == "adamw")
         works = [w for g in groups for w in g.all_gather_params_async()]
         for w in works:
             w.wait()

@@ -189,34 +189,19 @@ class FlatGroup:
     def owned_grad(self, run: Run) -> torch.Tensor:
         return self.grad_full[run.flat] if self.grad_full is not None else self.grad_part[run.part]
 
-    def grad_sum_of_squares(self) -> float:
-        total = 0.0
-        for run in self.runs:
-            total += float(torch.linalg.vector_norm(self.owned_grad(run), dtype=torch.float32) ** 2)
-        return total
-
     # Optimizer -------------------------------------------------------------
-    def step(self, kind: str, hyper: list, step: int, grad_scale: float):
-        """One native update of this rank's partition, run by run."""
+    def run_views(self) -> list:
+        """Per run of this rank's partition, the views a native step updates:
+        (param group, fp32 param, grad, state0, state1, 16-bit param copy).
+        They never move, so the engine converts them once."""
+        states = list(self.state.values()) + [None, None]
+        out = []
         for run in self.runs:
-            hp = hyper[run.group]
-            if self.master is not None:
-                param = self.master[run.part]
-                copy = self.shard[run.part] if self.sharded else self.full[run.flat]
-            else:
-                param = self.shard[run.part] if self.sharded else self.full[run.flat]
-                copy = None
-            grad = self.owned_grad(run)
-            if kind == "sgd":
-                buf = self.state["momentum_buffer"][run.part] if hp["momentum"] else None
-                zerocore.ops.sgd_(param, grad, buf, step=step, lr=hp["lr"], momentum=hp["momentum"],
-                                  dampening=hp["dampening"], weight_decay=hp["weight_decay"],
-                                  nesterov=hp["nesterov"], grad_scale=grad_scale, param_copy=copy)
-            else:
-                zerocore.ops.adam_(param, grad, self.state["exp_avg"][run.part], self.state["exp_avg_sq"][run.part],
-                                   step=step, lr=hp["lr"], beta1=hp["betas"][0], beta2=hp["betas"][1],
-                                   eps=hp["eps"], weight_decay=hp["weight_decay"], adamw=kind == "adamw",
-                                   grad_scale=grad_scale, param_copy=copy)
+            live = self.shard[run.part] if self.sharded else self.full[run.flat]
+            param, copy = (self.master[run.part], live) if self.master is not None else (live, None)
+            out.append((run.group, param, self.owned_grad(run),
+                        *(s[run.part] if s is not None else None for s in states[:2]), copy))
+        return out
 
     def all_gather_params_async(self) -> list:
         """Stages 1-2: every rank's updated blocks into every rank's F, in place."""

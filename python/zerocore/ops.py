@@ -9,8 +9,13 @@ given, receives the updated params in the same pass. Bad arguments raise
 ``TypeError`` (dtype, device) or ``ValueError`` (sizes, layout, ranges)
 before any memory is written. The instruction set and thread count are
 chosen at run time: see ``zerocore.cpu_features()``.
+
+``FlatRuns`` holds a whole partition as runs (each stretch in one optimizer
+param group) and steps them all in one call, split over the threads
+together; ``sum_of_squares`` is the fp64 squared norm of many tensors in one
+pass (non-finite exactly when an element is: the overflow check too).
 """
 
-from zerocore._native import adam_, sgd_
+from zerocore._native import FlatRuns, adam_, sgd_, sum_of_squares
 
-__all__ = ["adam_", "sgd_"]
+__all__ = ["FlatRuns", "adam_", "sgd_", "sum_of_squares"]

@@ -150,5 +150,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True):
         self._engine_zero_grad()
 
-    def hyperparameters(self, group: int) -> dict:
-        return {k: v for k, v in self.param_groups[group].items() if k != "params"}

@@ -38,6 +38,13 @@ class ThreadPool {
   bool stopping_ = false;
 };
 
+// One parallel_for over several ranges at once (lengths[i] elements each,
+// laid end to end, each starting on an `align` boundary): fn(i, begin, end)
+// runs on each piece of range i that a chunk covers. Many small ranges cost
+// one fork-join instead of one each.
+void parallel_for_ranges(ThreadPool& pool, const std::vector<int64_t>& lengths, int64_t align,
+                         const std::function<void(size_t, int64_t, int64_t)>& fn);
+
 // The process-wide pool the optimizers use. Its size defaults to the CPUs
 // this process may run on; set_num_threads() replaces it.
 ThreadPool& default_thread_pool();

@@ -3,6 +3,7 @@
 #include "zerocore/arena.h"
 #include "zerocore/cpu_features.h"
 #include "zerocore/cpu_optim.h"
+#include "zerocore/cpu_reduce.h"
 #include "zerocore/dtype.h"
 #include "zerocore/error.h"
 #include "zerocore/half.h"

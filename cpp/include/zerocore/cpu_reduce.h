@@ -1,0 +1,18 @@
+// Reductions over flat host tensors.
+#pragma once
+#include <vector>
+
+#include "zerocore/tensor.h"
+
+namespace zerocore {
+
+// The sum of the squares of every element of `xs` (fp32, bf16 or fp16, on
+// the host), accumulated in fp64: the squared global gradient norm of a
+// partition in one pass, with no fp32 copy of 16-bit grads. It is finite
+// exactly when every element is (any inf or NaN makes it inf or NaN), so
+// it is also the overflow check. For a given thread count the result is
+// the same bits on every call. Throws TypeMismatch for another dtype or a
+// device tensor.
+double sum_of_squares(const std::vector<Tensor>& xs);
+
+}  // namespace zerocore

@@ -1,0 +1,77 @@
+#include "zerocore/cpu_reduce.h"
+
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "zerocore/error.h"
+#include "zerocore/half.h"
+#include "zerocore/thread_pool.h"
+
+namespace zerocore {
+
+namespace {
+
+constexpr int64_t kChunkAlign = 64;
+
+// Four independent accumulators let the loop pipeline; their order is fixed,
+// so the result does not depend on timing.
+template <class Load>
+double sum_sq(int64_t begin, int64_t end, Load load) {
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
+    for (int k = 0; k < 4; ++k) {
+      const double x = load(i + k);
+      acc[k] += x * x;
+    }
+  }
+  for (; i < end; ++i) {
+    const double x = load(i);
+    acc[0] += x * x;
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+double sum_sq_of(const Tensor& t, int64_t begin, int64_t end) {
+  switch (t.dtype()) {
+    case DType::kFloat32: {
+      const float* p = t.data_as<float>();
+      return sum_sq(begin, end, [p](int64_t i) { return double(p[i]); });
+    }
+    case DType::kBFloat16: {
+      const uint16_t* p = t.data_as<uint16_t>();
+      return sum_sq(begin, end, [p](int64_t i) { return double(bf16_to_float(p[i])); });
+    }
+    case DType::kFloat16: {
+      const uint16_t* p = t.data_as<uint16_t>();
+      return sum_sq(begin, end, [p](int64_t i) { return double(fp16_to_float(p[i])); });
+    }
+  }
+  return 0.0;
+}
+
+}  // namespace
+
+double sum_of_squares(const std::vector<Tensor>& xs) {
+  std::vector<int64_t> lengths;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (xs[i].device().type != DeviceType::kCPU) {
+      throw TypeMismatch("sum_of_squares: tensor " + std::to_string(i) + " is not on the host");
+    }
+    lengths.push_back(xs[i].numel());
+  }
+  // Partial sums keyed by where their piece starts, added in that order.
+  std::map<std::pair<size_t, int64_t>, double> partial;
+  std::mutex mutex;
+  parallel_for_ranges(default_thread_pool(), lengths, kChunkAlign, [&](size_t i, int64_t b, int64_t e) {
+    const double s = sum_sq_of(xs[i], b, e);
+    std::lock_guard<std::mutex> lock(mutex);
+    partial[{i, b}] = s;
+  });
+  double total = 0.0;
+  for (const auto& kv : partial) total += kv.second;
+  return total;
+}
+
+}  // namespace zerocore

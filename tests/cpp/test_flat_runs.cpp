@@ -1,0 +1,151 @@
+// Multi-run steps against one call per run (bit for bit: the same kernels on
+// the same elements), and the fp64 sum of squares against a plain loop.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "zerocore/zerocore.h"
+
+using namespace zerocore;
+
+namespace {
+
+std::mt19937 rng(11);
+
+Tensor random_tensor(int64_t n, DType dtype) {
+  std::normal_distribution<float> normal;
+  Tensor t = Tensor::empty({n}, dtype);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = normal(rng);
+    if (dtype == DType::kFloat32) t.data_as<float>()[i] = x;
+    if (dtype == DType::kBFloat16) t.data_as<uint16_t>()[i] = float_to_bf16(x);
+    if (dtype == DType::kFloat16) t.data_as<uint16_t>()[i] = float_to_fp16(x);
+  }
+  return t;
+}
+
+Tensor copy_of(const Tensor& t) {
+  Tensor c = Tensor::empty(t.shape(), t.dtype());
+  std::memcpy(c.data(), t.data(), t.nbytes());
+  return c;
+}
+
+FlatRun copy_of(const FlatRun& r) {
+  auto maybe = [](const Tensor& t) { return t.data() ? copy_of(t) : Tensor(); };
+  return FlatRun{r.group, copy_of(r.param), r.grad, maybe(r.state0), maybe(r.state1), maybe(r.param_copy)};
+}
+
+bool same(const Tensor& a, const Tensor& b) {
+  return (!a.data() && !b.data()) || (a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0);
+}
+
+bool same(const FlatRun& a, const FlatRun& b) {
+  return same(a.param, b.param) && same(a.state0, b.state0) && same(a.state1, b.state1) &&
+         same(a.param_copy, b.param_copy);
+}
+
+// Runs of several lengths (a cache line, less, more, odd), grads of every
+// dtype, two groups, with and without a 16-bit copy.
+std::vector<FlatRun> make_runs(bool with_state1) {
+  std::vector<FlatRun> runs;
+  const int64_t lengths[] = {1, 64, 17, 1000, 4099};
+  const DType grads[] = {DType::kBFloat16, DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat32};
+  for (int i = 0; i < 5; ++i) {
+    const int64_t n = lengths[i];
+    Tensor s0 = Tensor::empty({n}, DType::kFloat32), s1 = Tensor::empty({n}, DType::kFloat32);
+    std::memset(s0.data(), 0, s0.nbytes());
+    std::memset(s1.data(), 0, s1.nbytes());
+    runs.push_back(FlatRun{i % 2, random_tensor(n, DType::kFloat32), random_tensor(n, grads[i]), s0,
+                           with_state1 ? s1 : Tensor(), i % 3 ? Tensor::empty({n}, DType::kBFloat16) : Tensor()});
+  }
+  return runs;
+}
+
+void test_adam_runs() {
+  AdamOptions a, b;
+  a.lr = 1e-2, a.weight_decay = 0.1;
+  b.lr = 3e-3, b.beta1 = 0.8, b.adamw = false, b.weight_decay = 0.01;
+  std::vector<FlatRun> together = make_runs(true), alone;
+  for (const FlatRun& r : together) alone.push_back(copy_of(r));
+  for (int64_t step = 1; step <= 3; ++step) {
+    adam_update_runs({a, b}, step, 0.5, together);
+    for (const FlatRun& r : alone) {
+      adam_update(r.group ? b : a, step, 0.5, r.param, r.grad, r.state0, r.state1, r.param_copy);
+    }
+  }
+  for (size_t i = 0; i < together.size(); ++i) CHECK(same(together[i], alone[i]));
+}
+
+void test_sgd_runs() {
+  SgdOptions a, b;
+  a.lr = 0.1, a.momentum = 0.9, a.nesterov = true;
+  b.lr = 0.05, b.weight_decay = 0.01;  // no momentum: its runs need no buffer
+  std::vector<FlatRun> together = make_runs(false), alone;
+  for (FlatRun& r : together) {
+    if (r.group == 1) r.state0 = Tensor();
+  }
+  for (const FlatRun& r : together) alone.push_back(copy_of(r));
+  for (int64_t step = 1; step <= 3; ++step) {
+    sgd_update_runs({a, b}, step, 2.0, together);
+    for (const FlatRun& r : alone) sgd_update(r.group ? b : a, step, 2.0, r.param, r.grad, r.state0, r.param_copy);
+  }
+  for (size_t i = 0; i < together.size(); ++i) CHECK(same(together[i], alone[i]));
+}
+
+void test_bad_runs_write_nothing() {
+  std::vector<FlatRun> runs = make_runs(true);
+  const Tensor before = copy_of(runs[0].param);
+  bool caught = false;
+  try {
+    adam_update_runs({AdamOptions{}}, 1, 1.0, runs);  // runs of group 1 have no options
+  } catch (const InvalidArgument&) {
+    caught = true;
+  }
+  CHECK(caught && same(runs[0].param, before));
+  runs[3].state1 = Tensor::empty({3}, DType::kFloat32);  // a wrong size in one run
+  caught = false;
+  try {
+    adam_update_runs({AdamOptions{}, AdamOptions{}}, 1, 1.0, runs);
+  } catch (const InvalidArgument&) {
+    caught = true;
+  }
+  CHECK(caught && same(runs[0].param, before));
+}
+
+void test_sum_of_squares() {
+  std::vector<Tensor> xs = {random_tensor(1, DType::kFloat32), random_tensor(4099, DType::kBFloat16),
+                            random_tensor(100, DType::kFloat16), random_tensor(70000, DType::kFloat32)};
+  double expected = 0.0;
+  for (const Tensor& t : xs) {
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      double x = t.dtype() == DType::kFloat32    ? t.data_as<float>()[i]
+                 : t.dtype() == DType::kBFloat16 ? bf16_to_float(t.data_as<uint16_t>()[i])
+                                                 : fp16_to_float(t.data_as<uint16_t>()[i]);
+      expected += x * x;
+    }
+  }
+  const double got = sum_of_squares(xs);
+  CHECK(std::fabs(got - expected) <= 1e-12 * expected);
+  CHECK(sum_of_squares(xs) == got);  // the same bits every call
+  CHECK(sum_of_squares({}) == 0.0);
+  xs[2].data_as<uint16_t>()[50] = 0x7C00;  // fp16 +inf
+  CHECK(std::isinf(sum_of_squares(xs)));
+  xs[3].data_as<float>()[123] = std::numeric_limits<float>::quiet_NaN();
+  CHECK(std::isnan(sum_of_squares(xs)));
+}
+
+}  // namespace
+
+int main() {
+  for (int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    test_adam_runs();
+    test_sgd_runs();
+    test_bad_runs_write_nothing();
+    test_sum_of_squares();
+  }
+  return test::finish("test_flat_runs");
+}
