@@ -24,7 +24,7 @@ venv="$scratch/venv/bin"
 "$venv/cmake" -S . -B "$scratch/native" -G Ninja -DCMAKE_MAKE_PROGRAM="$venv/ninja" \
   -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF
 "$venv/cmake" --build "$scratch/native"
-"$venv/ctest" --test-dir "$scratch/native" --output-on-failure
+"$venv/ctest" --test-dir "$scratch/native" --output-on-failure --timeout 300
 
 # From the repository root `python/zerocore` is not on the path, so the
 # tests import the installed package.

@@ -54,6 +54,7 @@ void ThreadPool::parallel_for(int64_t n, int64_t align,
     for (auto& c : chunks) fn(c.first, c.second);
     return;
   }
+  std::lock_guard<std::mutex> turn(call_mutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     task_ = &fn;

@@ -21,13 +21,16 @@ class ThreadPool {
 
   // Splits [0, n) into at most size() contiguous chunks whose boundaries are
   // multiples of `align` and runs fn(begin, end) on each, one per thread.
-  // Returns when all chunks are done. Not re-entrant.
+  // Returns when all chunks are done. Callers on several threads (ranks as
+  // threads, Python threads: the bindings release the GIL) take turns; a
+  // call from inside fn is not allowed.
   void parallel_for(int64_t n, int64_t align, const std::function<void(int64_t, int64_t)>& fn);
 
  private:
   void worker_loop(int index);
 
   std::vector<std::thread> workers_;
+  std::mutex call_mutex_;  // one parallel_for at a time on the workers
   std::mutex mutex_;
   std::condition_variable start_cv_;
   std::condition_variable done_cv_;

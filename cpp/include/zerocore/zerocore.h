@@ -1,6 +1,7 @@
 // The public C++ API of zerocore, for trainers that embed the runtime.
 #pragma once
 #include "zerocore/arena.h"
+#include "zerocore/comm.h"
 #include "zerocore/cpu_features.h"
 #include "zerocore/cpu_optim.h"
 #include "zerocore/cpu_reduce.h"

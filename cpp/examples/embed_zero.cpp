@@ -1,0 +1,283 @@
+// A C++ trainer that embeds zerocore with no Python and no torch: a two-layer
+// MLP trained with ZeRO stage 2 and stage 3 on ranks that are threads of this
+// process, over the in-process communicator, checked against one rank
+// training on the whole batch. Exits non-zero if they disagree.
+//
+// Each layer is one unit with its own layout plan (params in backward order,
+// buckets split evenly over the ranks). Per step:
+//   stage 3: gather the unit's params into the gather buffer (sized by the
+//            largest unit, allocated once) before its forward and again
+//            before its backward; one unit at a time, no prefetch here.
+//   both:    the unit's grads go to a staging buffer, and each bucket is
+//            reduce-scattered into this rank's grad partition on the comm
+//            queue while the next unit's backward computes.
+//   both:    one native Adam call updates every run of the rank's partition.
+//   stage 2: the updated blocks are all-gathered in place into every rank's
+//            full params (stage 3 keeps only its shard).
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "zerocore/zerocore.h"
+
+using namespace zerocore;
+
+namespace {
+
+constexpr int kIn = 12, kHidden = 40, kOut = 6, kBatch = 16, kSteps = 6;
+constexpr int64_t kAlign = 16, kBucketElems = 64;
+
+// The data: fixed inputs and the targets of a fixed smooth function.
+float input(int sample, int i) { return std::sin(0.37f * float(sample * kIn + i)); }
+float target(int sample, int o) { return std::cos(0.11f * float(sample + 3 * o)); }
+
+// One layer y = x W^T + b: a unit of params W (out x in) and b (out).
+struct Layer {
+  int in, out;
+  LayoutPlan plan;        // [b, W]: backward order
+  Tensor params;          // stage 2: the full flat params; stage 3: this rank's partition
+  Tensor grad_staging;    // full flat grads of this rank's micro-batch
+  Tensor grad_part, exp_avg, exp_avg_sq;  // this rank's partition
+  std::vector<FlatRun> runs;
+};
+
+class ZeroMlp {
+ public:
+  ZeroMlp(int stage, CommQueue& comm, const std::vector<float>& init)
+      : stage_(stage), comm_(comm), rank_(comm.rank()), world_(comm.world_size()) {
+    layers_.push_back(make_layer(kIn, kHidden));
+    layers_.push_back(make_layer(kHidden, kOut));
+    size_t offset = 0;
+    int64_t largest = 0;
+    for (Layer& l : layers_) {
+      const std::vector<float> values(init.begin() + long(offset), init.begin() + long(offset + l.in * l.out + l.out));
+      offset += values.size();
+      fill(l, values);
+      largest = std::max(largest, l.plan.total_elems());
+    }
+    if (stage_ == 3) gathered_ = Tensor::empty({largest}, DType::kFloat32);
+  }
+
+  // One optimizer step on this rank's rows of the global batch; returns the
+  // rank's mean squared error.
+  float step(int step_index) {
+    const int rows = kBatch / world_, first = rank_ * rows;
+    std::vector<float> x(size_t(rows) * kIn), y(size_t(rows) * kOut);
+    for (int s = 0; s < rows; ++s) {
+      for (int i = 0; i < kIn; ++i) x[size_t(s * kIn + i)] = input(first + s, i);
+      for (int o = 0; o < kOut; ++o) y[size_t(s * kOut + o)] = target(first + s, o);
+    }
+    // Forward.
+    std::vector<float> h = forward(layers_[0], x, rows);
+    for (float& v : h) v = std::max(v, 0.0f);
+    std::vector<float> out = forward(layers_[1], h, rows);
+    float loss = 0.0f;
+    std::vector<float> d_out(out.size());
+    for (size_t i = 0; i < out.size(); ++i) {
+      const float e = out[i] - y[i];
+      loss += e * e;
+      d_out[i] = 2.0f * e / float(out.size());  // d(mean squared error)
+    }
+    // Backward, last unit first; each unit's buckets reduce while the next computes.
+    std::vector<std::shared_ptr<Event>> reductions;
+    std::vector<float> d_h = backward(layers_[1], h, d_out, rows, reductions);
+    for (size_t i = 0; i < d_h.size(); ++i) d_h[i] = h[i] > 0.0f ? d_h[i] : 0.0f;
+    backward(layers_[0], x, d_h, rows, reductions);
+    for (auto& e : reductions) e->wait();
+    // The grads hold the sum over ranks of per-rank means: average them.
+    AdamOptions adam;
+    adam.lr = 1e-2;
+    adam.weight_decay = 0.01;
+    adam.eps = 1e-2;  // near the grads' size, so the check below also sees a wrong gradient scale
+
+    std::vector<FlatRun> runs;
+    for (const Layer& l : layers_) runs.insert(runs.end(), l.runs.begin(), l.runs.end());
+    adam_update_runs({adam}, step_index, 1.0 / world_, runs);
+    if (stage_ == 2) {
+      std::vector<std::shared_ptr<Event>> gathers;
+      for (Layer& l : layers_) {
+        for (int b = 0; b < int(l.plan.buckets().size()); ++b) {
+          const Bucket& bucket = l.plan.buckets()[size_t(b)];
+          gathers.push_back(comm_.all_gather(key(l, CollectiveKind::kAllGather, b),
+                                             l.params.slice(l.plan.shard_offset(b, rank_), l.plan.shard_elems(b)),
+                                             l.params.slice(bucket.offset, bucket.numel)));
+        }
+      }
+      for (auto& e : gathers) e->wait();
+    }
+    return loss / float(out.size());
+  }
+
+  // Every param, in the order of `init` (W then b, layer by layer).
+  std::vector<float> full_params() {
+    std::vector<float> out;
+    for (Layer& l : layers_) {
+      const float* flat = gather(l);
+      const ParamSlot& w = l.plan.params()[1];
+      const ParamSlot& b = l.plan.params()[0];
+      out.insert(out.end(), flat + w.offset, flat + w.offset + w.numel);
+      out.insert(out.end(), flat + b.offset, flat + b.offset + b.numel);
+    }
+    return out;
+  }
+
+ private:
+  Layer make_layer(int in, int out) {
+    Layer l{in, out, LayoutPlan::make({{out, 0}, {int64_t(in) * out, 0}}, LayoutOptions{world_, kAlign, kBucketElems}),
+            {}, {}, {}, {}, {}, {}};
+    const int64_t part = l.plan.partition_elems();
+    l.params = Tensor::empty({stage_ == 3 ? part : l.plan.total_elems()}, DType::kFloat32);
+    l.grad_staging = Tensor::empty({l.plan.total_elems()}, DType::kFloat32);
+    for (Tensor* t : {&l.grad_part, &l.exp_avg, &l.exp_avg_sq}) {
+      *t = Tensor::empty({part}, DType::kFloat32);
+      std::memset(t->data(), 0, t->nbytes());
+    }
+    for (const Segment& s : l.plan.segments(rank_)) {
+      const int64_t param_at = stage_ == 3 ? s.partition_offset : s.flat_offset;
+      l.runs.push_back(FlatRun{0, l.params.slice(param_at, s.numel), l.grad_part.slice(s.partition_offset, s.numel),
+                               l.exp_avg.slice(s.partition_offset, s.numel),
+                               l.exp_avg_sq.slice(s.partition_offset, s.numel), Tensor()});
+    }
+    return l;
+  }
+
+  // Initial values [W..., b...] into the flat params (stage 3: this rank's part only).
+  void fill(Layer& l, const std::vector<float>& values) {
+    std::vector<float> flat(size_t(l.plan.total_elems()), 0.0f);
+    const ParamSlot& b = l.plan.params()[0];
+    const ParamSlot& w = l.plan.params()[1];
+    std::memcpy(flat.data() + w.offset, values.data(), size_t(w.numel) * 4);
+    std::memcpy(flat.data() + b.offset, values.data() + w.numel, size_t(b.numel) * 4);
+    if (stage_ == 3) {
+      for (const Segment& s : l.plan.segments(rank_)) {
+        std::memcpy(l.params.data_as<float>() + s.partition_offset, flat.data() + s.flat_offset, size_t(s.numel) * 4);
+      }
+    } else {
+      std::memcpy(l.params.data(), flat.data(), flat.size() * 4);
+    }
+  }
+
+  CollectiveKey key(const Layer& l, CollectiveKind kind, int bucket) const {
+    return CollectiveKey{kind, int32_t(&l - layers_.data()), bucket, l.plan.buckets()[size_t(bucket)].numel};
+  }
+
+  // The unit's full flat params: stage 2 holds them; stage 3 gathers them
+  // into the gather buffer, which the next gather overwrites.
+  const float* gather(const Layer& l) {
+    if (stage_ == 2) return l.params.data_as<float>();
+    std::vector<std::shared_ptr<Event>> events;
+    for (int b = 0; b < int(l.plan.buckets().size()); ++b) {
+      const Bucket& bucket = l.plan.buckets()[size_t(b)];
+      events.push_back(comm_.all_gather(key(l, CollectiveKind::kAllGather, b),
+                                        l.params.slice(l.plan.partition_offset(b), l.plan.shard_elems(b)),
+                                        gathered_.slice(bucket.offset, bucket.numel)));
+    }
+    for (auto& e : events) e->wait();
+    return gathered_.data_as<float>();
+  }
+
+  std::vector<float> forward(const Layer& l, const std::vector<float>& x, int rows) {
+    const float* flat = gather(l);
+    const float* w = flat + l.plan.params()[1].offset;
+    const float* b = flat + l.plan.params()[0].offset;
+    std::vector<float> y(size_t(rows) * l.out);
+    for (int s = 0; s < rows; ++s) {
+      for (int o = 0; o < l.out; ++o) {
+        float acc = b[o];
+        for (int i = 0; i < l.in; ++i) acc += x[size_t(s * l.in + i)] * w[o * l.in + i];
+        y[size_t(s * l.out + o)] = acc;
+      }
+    }
+    return y;
+  }
+
+  // Writes the unit's grads to its staging buffer, queues the reduce-scatter
+  // of each bucket, and returns the input grads.
+  std::vector<float> backward(const Layer& l, const std::vector<float>& x, const std::vector<float>& dy, int rows,
+                              std::vector<std::shared_ptr<Event>>& reductions) {
+    const float* flat = gather(l);
+    const float* w = flat + l.plan.params()[1].offset;
+    float* g = l.grad_staging.data_as<float>();
+    std::memset(g, 0, l.grad_staging.nbytes());
+    float* gw = g + l.plan.params()[1].offset;
+    float* gb = g + l.plan.params()[0].offset;
+    std::vector<float> dx(size_t(rows) * l.in, 0.0f);
+    for (int s = 0; s < rows; ++s) {
+      for (int o = 0; o < l.out; ++o) {
+        const float d = dy[size_t(s * l.out + o)];
+        gb[o] += d;
+        for (int i = 0; i < l.in; ++i) {
+          gw[o * l.in + i] += d * x[size_t(s * l.in + i)];
+          dx[size_t(s * l.in + i)] += d * w[o * l.in + i];
+        }
+      }
+    }
+    for (int b = 0; b < int(l.plan.buckets().size()); ++b) {
+      const Bucket& bucket = l.plan.buckets()[size_t(b)];
+      reductions.push_back(comm_.reduce_scatter(key(l, CollectiveKind::kReduceScatter, b),
+                                                l.grad_staging.slice(bucket.offset, bucket.numel),
+                                                l.grad_part.slice(l.plan.partition_offset(b), l.plan.shard_elems(b))));
+    }
+    return dx;
+  }
+
+  const int stage_;
+  CommQueue& comm_;
+  const int rank_, world_;
+  std::vector<Layer> layers_;
+  Tensor gathered_;  // stage 3: the unit gathered now
+};
+
+// Trains on `world` threads; returns rank 0's params after kSteps and every
+// step's loss averaged over ranks.
+std::vector<float> train(int stage, int world, std::vector<float>* losses) {
+  std::vector<float> init;
+  for (int i = 0; i < kIn * kHidden + kHidden + kHidden * kOut + kOut; ++i) {
+    init.push_back(0.3f * std::sin(1.7f * float(i) + 0.5f));
+  }
+  InProcessGroup group(world);
+  std::vector<std::vector<float>> params(static_cast<size_t>(world));
+  std::vector<std::vector<float>> rank_losses(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      CommQueue comm(group.transport(r));
+      ZeroMlp mlp(stage, comm, init);
+      for (int s = 1; s <= kSteps; ++s) rank_losses[size_t(r)].push_back(mlp.step(s));
+      params[size_t(r)] = mlp.full_params();
+    });
+  }
+  for (auto& t : threads) t.join();
+  losses->assign(kSteps, 0.0f);
+  for (const auto& l : rank_losses) {
+    for (int s = 0; s < kSteps; ++s) (*losses)[size_t(s)] += l[size_t(s)] / float(world);
+  }
+  return params[0];
+}
+
+}  // namespace
+
+int main() {
+  std::vector<float> ref_losses;
+  const std::vector<float> reference = train(2, 1, &ref_losses);
+  std::printf("embed_zero: MLP %d-%d-%d, %zu params, %d steps of AdamW, global batch %d\n", kIn, kHidden, kOut,
+              reference.size(), kSteps, kBatch);
+  std::printf("  1 rank:          loss %.5f -> %.5f\n", ref_losses.front(), ref_losses.back());
+  int failures = 0;
+  for (int stage : {2, 3}) {
+    for (int world : {2, 4}) {
+      std::vector<float> losses;
+      const std::vector<float> got = train(stage, world, &losses);
+      double worst = 0.0;
+      for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, double(std::fabs(got[i] - reference[i])));
+      const bool ok = worst <= 1e-5 && std::fabs(losses.back() - ref_losses.back()) <= 1e-5f;
+      failures += !ok;
+      std::printf("  stage %d, %d ranks: loss %.5f -> %.5f, largest param difference to 1 rank %.2e %s\n", stage,
+                  world, losses.front(), losses.back(), worst, ok ? "ok" : "MISMATCH");
+    }
+  }
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,135 @@
+// Collectives between the data-parallel ranks of one group, as the runtime
+// issues them. Three pieces:
+// - CollectiveKey: what a collective moves (kind, flat group, bucket, size),
+//   the same on every rank for the same collective: the order contract.
+// - Transport: blocking collectives on host tensors, in place where a shard
+//   is this rank's block of the full tensor. An implementation either checks
+//   the keys itself (InProcessGroup, ranks as threads) or leaves the check to
+//   its caller (a transport over torch.distributed or NCCL, where the engine
+//   folds a fingerprint of the keys into its step's control collective).
+// - CommQueue: one native thread per group that runs collectives in issue
+//   order; each returns an Event, so a caller overlaps communication with
+//   compute and reuses a buffer only after the event of the collective that
+//   read it.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "zerocore/tensor.h"
+
+namespace zerocore {
+
+enum class CollectiveKind : uint8_t { kAllGather, kReduceScatter, kAllReduce, kBroadcast };
+
+struct CollectiveKey {
+  CollectiveKind kind = CollectiveKind::kAllGather;
+  int32_t group = 0;   // flat group (or unit) id, the same on every rank
+  int32_t bucket = 0;
+  int64_t numel = 0;   // elements of the full, unpartitioned tensor
+  bool operator==(const CollectiveKey& o) const {
+    return kind == o.kind && group == o.group && bucket == o.bucket && numel == o.numel;
+  }
+  bool operator!=(const CollectiveKey& o) const { return !(*this == o); }
+};
+
+// "all_gather of group 3, bucket 1 (4,096 elements)".
+std::string describe(const CollectiveKey& key);
+
+// Ranks issued different collectives: thrown on every rank, naming each
+// rank's key, before any data moves.
+class CollectiveMismatch : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // output (world_size x shard) <- every rank's shard.
+  virtual void all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) = 0;
+  // shard <- this rank's block of the elementwise sum of every rank's input.
+  virtual void reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) = 0;
+  // tensor <- the elementwise sum of every rank's tensor.
+  virtual void all_reduce(const CollectiveKey& key, const Tensor& tensor) = 0;
+  // tensor <- root's tensor.
+  virtual void broadcast(const CollectiveKey& key, const Tensor& tensor, int root) = 0;
+};
+
+// Ranks as threads of one process, sharing memory: a test bed for the
+// runtime's scheduling, and what an embedding trainer uses to run several
+// ranks in one process. Every collective checks that all ranks passed the
+// same key (CollectiveMismatch on every rank otherwise). Sums accumulate in
+// fp32 in rank order, so every rank gets the same bits.
+class InProcessGroup {
+ public:
+  explicit InProcessGroup(int world_size);
+  ~InProcessGroup();
+  int world_size() const;
+  // The transport of `rank`; each rank's thread uses its own.
+  std::unique_ptr<Transport> transport(int rank);
+
+  struct State;  // the rendezvous the transports share (opaque)
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// A completion flag: set once by the queue, waited on by anyone. wait()
+// rethrows the collective's error, if it failed.
+class Event {
+ public:
+  void set(std::exception_ptr error = nullptr);
+  void wait() const;
+  bool ready() const;
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+class CommQueue {
+ public:
+  explicit CommQueue(std::unique_ptr<Transport> transport);
+  ~CommQueue();  // finishes the queued collectives first
+  CommQueue(const CommQueue&) = delete;
+  CommQueue& operator=(const CommQueue&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+
+  // Each queues one collective behind those issued before it and returns
+  // its event. The tensors must stay alive and untouched until then. After
+  // a collective fails, every later one fails with the same error.
+  std::shared_ptr<Event> all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output);
+  std::shared_ptr<Event> reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard);
+  std::shared_ptr<Event> all_reduce(const CollectiveKey& key, const Tensor& tensor);
+  std::shared_ptr<Event> broadcast(const CollectiveKey& key, const Tensor& tensor, int root);
+
+ private:
+  std::shared_ptr<Event> enqueue(std::function<void(Transport&)> work);
+  void loop();
+
+  std::unique_ptr<Transport> transport_;
+  int rank_ = 0;
+  int world_size_ = 1;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::function<void(Transport&)>, std::shared_ptr<Event>>> work_;
+  std::exception_ptr failed_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace zerocore
