@@ -180,7 +180,10 @@ class Adapters(TinyLM):
     def forward(self, idx):
         x = self.embed(idx)
         for b in self.blocks:
-            x = b(x) if self.checkpointing is None else checkpoint(b, x, use_reentrant=self.checkpointing == "reentrant")
+            if self.checkpointing is None:
+                x = b(x)
+            else:
+                x = checkpoint(b, x, use_reentrant=self.checkpointing == "reentrant")
         return self.head(self.norm(x))
 
 

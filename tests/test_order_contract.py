@@ -64,7 +64,8 @@ def test_experts_as_separate_units_chosen_by_data_raise_on_every_rank():
 
 def test_same_route_on_every_rank_trains():
     same = lambda step, micro, world: _routed_batch(step, micro, 1)  # noqa: E731 - every rank takes expert 0
-    assert run_ranks(_train_one_step, 2, lambda: make(OneExpertPerRank), 3, None, same, timeout=60) == [(None, None)] * 2
+    results = run_ranks(_train_one_step, 2, lambda: make(OneExpertPerRank), 3, None, same, timeout=60)
+    assert results == [(None, None)] * 2
 
 
 class SwappedOnRank1(TinyLM):

@@ -21,6 +21,7 @@ from zerocore.flat_group import TORCH_DTYPES, FlatGroup
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.loss_scale import LossScaler
 from zerocore.optim import ZeroOptimizer, read_optimizer
+from zerocore.placement import Placement
 from zerocore.stage3 import Unit, UnitScheduler, find_units
 
 
@@ -36,13 +37,13 @@ class NonFiniteGradientError(FloatingPointError):
     scaling is there to absorb it; params and optimizer state are untouched."""
 
 
-def _default_group(group, stage):
+def _default_group(group, placement):
     if group is not None:
         return group
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
-    if stage > 0:
-        raise ValueError(f"zerocore.wrap: stage {stage} partitions across ranks and needs a process group; "
+    if placement.partitions_optimizer:
+        raise ValueError(f"zerocore.wrap: stage {placement.stage} partitions across ranks and needs a process group; "
                          "call torch.distributed.init_process_group() first (or torchrun), or pass group=")
     return None
 
@@ -91,9 +92,10 @@ class Engine:
         if getattr(module, "_zerocore_engine", None) is not None:
             raise ValueError("zerocore.wrap: this module is already wrapped; wrap the original module once")
         self.config = cfg = Config.from_any(config)
+        self.placement = placement = Placement(cfg.stage)
         spec = read_optimizer(optimizer)
         self.module = module
-        self.comm = Communicator(_default_group(group, cfg.stage))
+        self.comm = Communicator(_default_group(group, placement))
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
@@ -115,9 +117,9 @@ class Engine:
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
         self._cast_buffers()
 
-        if cfg.stage <= 1:
-            self.reducer, self.scheduler = FullGradReducer(self.groups, self.comm, cfg.stage), None
-        elif cfg.stage == 2:
+        if not placement.partitions_grads:
+            self.reducer, self.scheduler = FullGradReducer(self.groups, self.comm, placement), None
+        elif not placement.partitions_params:
             self.reducer, self.scheduler = StagedReducer(self.groups, self.comm), None
         else:
             self.scheduler = UnitScheduler(self.units, cfg.prefetch_bytes, self._attach_unit_grads)
@@ -151,8 +153,8 @@ class Engine:
                              "differ from rank 0; every rank must wrap the same model with the same config")
 
     def _build_groups(self, module, params, names, opt_group, spec, unit_spec):
-        cfg = self.config
-        unit_modules = find_units(module, unit_spec) if cfg.stage == 3 else [module]
+        cfg, sharded = self.config, self.placement.partitions_params
+        unit_modules = find_units(module, unit_spec) if sharded else [module]
         holders = {}
         for i, m in enumerate(unit_modules[1:], 1):
             for p in m.parameters():
@@ -163,7 +165,7 @@ class Engine:
         def make(ps, trainable, sharded):
             ps = ps[::-1]  # backward order: the reverse of registration
             return FlatGroup(ps, [names[id(p)] for p in ps], [opt_group.get(id(p), 0) for p in ps],
-                             stage=cfg.stage, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
+                             placement=self.placement, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
                              trainable=trainable, sharded=sharded, bucket_bytes=cfg.bucket_bytes,
                              comm=self.comm, state_names=state_names if trainable else ())
 
@@ -174,17 +176,17 @@ class Engine:
         units, persistent = [], []
         for index, m in enumerate(unit_modules):
             members = [p for p in params if owner[id(p)] == index]
-            if cfg.stage == 3:
+            if sharded:
                 persistent += [p for p in members if p.numel() < cfg.persist_threshold]
                 members = [p for p in members if p.numel() >= cfg.persist_threshold]
-            units.append(Unit(m, split(members, sharded=cfg.stage == 3)))
+            units.append(Unit(m, split(members, sharded=sharded)))
         # Reduction order, the same on every rank: units in backward order
         # (last registered first, the root, whose embeddings finish last,
         # at the end), then the params kept whole.
         groups = [g for u in units[1:][::-1] + units[:1] for g in u.groups] + split(persistent, sharded=False)
         for tag, g in enumerate(groups):
             g.tag = tag
-        return groups, (units if cfg.stage == 3 else [])
+        return groups, (units if sharded else [])
 
     @staticmethod
     def _owning_unit(unit_modules, holders) -> int:
@@ -257,10 +259,10 @@ class Engine:
         groups = [g for g in self.groups if g.trainable]
         local = self.runs.grad_sum_of_squares()
         # The step's one control collective; it also checks that every rank
-        # issued the same collectives. Stage 0 holds the same all-reduced
-        # grads on every rank; otherwise each rank holds a disjoint part.
+        # issued the same collectives. Partitioned, each rank holds a
+        # disjoint part of the grads; otherwise all ranks hold them all.
         summed = self.comm.sum_checking_order([local], lambda tag: self.groups[tag].label)[0]
-        total = local if self.config.stage == 0 else summed
+        total = summed if self.placement.partitions_optimizer else local
         world = self.comm.world_size
         if not math.isfinite(total):
             self.scaler.update(overflow=True)
@@ -298,7 +300,7 @@ class Engine:
         for g in self.groups:
             g.zero_grad()
         for p in self.module.parameters():
-            if self.config.stage >= 2:
+            if self.placement.partitions_grads:
                 p.grad = None
 
     # Inspection ------------------------------------------------------------

@@ -5,7 +5,7 @@ them on this rank.
 Layout (zerocore.LayoutPlan): params in backward order, aligned, cut into
 constant-size buckets that split evenly over the partition ranks; rank r
 owns block r of every bucket, and its partition is those blocks end to end.
-What lives where, per stage (P: partition, F: full flat buffer):
+What lives where, per stage (placement.py; P: partition, F: full flat buffer):
 
     stage   params (dtype)      grads (reduce dtype)   fp32 master, states
     0       F, replicated       F, all-reduced         F (world size 1 plan)
@@ -52,19 +52,19 @@ class Run:
 
 
 class FlatGroup:
-    def __init__(self, params, names, opt_groups, *, stage, dtype, reduce_dtype, trainable, sharded,
+    def __init__(self, params, names, opt_groups, *, placement, dtype, reduce_dtype, trainable, sharded,
                  bucket_bytes, comm: Communicator, state_names=()):
         self.params = params  # backward order
         self.names = names  # per param: every name it has in the module
         self.shapes = [p.shape for p in params]
-        self.stage = stage
+        self.placement = placement
         self.dtype = dtype
         self.reduce_dtype = reduce_dtype
         self.trainable = trainable
         self.sharded = sharded
         self.comm = comm
         self.tag = None  # set by the engine: this group's index, the same on every rank (the collectives' key)
-        self.partitioned = stage > 0
+        self.partitioned = placement.partitions_optimizer
         world = comm.world_size if self.partitioned else 1
         self.rank = comm.rank if self.partitioned else 0
         elem = torch.finfo(dtype).bits // 8
@@ -140,7 +140,7 @@ class FlatGroup:
             return
         for name in state_names:
             self.state[name] = arena_zeros(plan.partition_elems, torch.float32)
-        if self.stage <= 1:
+        if not self.placement.partitions_grads:
             self.grad_full = arena_zeros(plan.total_elems, self.reduce_dtype)
         else:
             self.grad_part = arena_zeros(plan.partition_elems, self.reduce_dtype)

@@ -37,10 +37,10 @@ def _hook_each(params, method):
 
 
 class FullGradReducer:
-    def __init__(self, groups, comm: Communicator, stage: int):
+    def __init__(self, groups, comm: Communicator, placement):
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
-        self.stage = stage
+        self.placement = placement
         # A .grad must have its param's dtype: with another reduce dtype,
         # each grad is added into the buffer (converted) once accumulated.
         self.converted = {id(p): (g, i) for g in self.groups if g.reduce_dtype != g.dtype
@@ -66,7 +66,7 @@ class FullGradReducer:
         for g in self.groups:
             for b in range(len(g.buckets)):
                 bucket = g.grad_full[g.bucket_slice(b)]
-                if self.stage == 0:
+                if not self.placement.partitions_optimizer:
                     works.append(self.comm.all_reduce(bucket, (g.tag, b), async_op=True))
                 else:
                     works.append(self.comm.reduce_scatter(g.grad_full[g.shard_slice(b)], bucket, (g.tag, b),
