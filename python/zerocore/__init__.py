@@ -46,8 +46,8 @@ def to_torch(tensor: Tensor):
 
 __all__ = [
     "Adam",
-    "CollectiveOrderError",
     "AdamW",
+    "CollectiveOrderError",
     "Config",
     "Engine",
     "LayoutPlan",

@@ -327,7 +327,7 @@ class Engine:
         unpartitioned size, since wrap or the last reset_comm_stats(): reset
         before a step to measure one step (zerocore.accounting.predicted_comm
         gives the formula). Control traffic (the start-up model check, the
-        norm and overflow all-reduce, buffer broadcasts) is not counted."""
+        step's norm exchange, buffer broadcasts) is not counted."""
         return dict(self.comm.stats)
 
     def reset_comm_stats(self):

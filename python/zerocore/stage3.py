@@ -15,11 +15,10 @@ Schedule, with no recorded trace:
 - forward: a unit's pre-hook gathers it (waiting for a prefetch if one is
   in flight) and prefetches the units that followed it in the previous
   step's forward, up to prefetch_bytes; when its inputs need grads it
-  routes them through _PostBackward, to find its post-backward point; its
-  post-hook frees it and, when
-  its outputs need grads, hooks them so that backward gathers it again
-  before its grads are computed, prefetching the unit that ran before it in
-  this step's forward;
+  routes them through _PostBackward, to find its post-backward point. Its
+  post-hook frees it and, when its outputs need grads, hooks them so that
+  backward gathers it again before its grads are computed, prefetching the
+  unit that ran before it in this step's forward;
 - backward: a unit is freed at its post-backward point, when the grads of
   its inputs are complete: every param its backward reads (frozen weights
   that input grads need included) has been read by then. A unit whose
