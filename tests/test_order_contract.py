@@ -99,3 +99,24 @@ def _swap_equal_buckets_on_rank_1(engine, rank):
 def test_injected_bucket_order_mismatch_raises_on_every_rank(stage):
     results = run_ranks(_train_one_step, 2, make, stage, _swap_equal_buckets_on_rank_1, timeout=60)
     _assert_raised_everywhere(results, "reduce_scatter of", "rank 0:", "rank 1:", "Nothing was updated")
+
+
+def _diverge_late(rank, world):
+    """Rank 1 swaps two equal buckets after more collectives than the trace keeps."""
+    model = make()
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3, "bucket_bytes": 1024})
+    engine.comm.TRACE_LIMIT = 3
+    _swap_equal_buckets_on_rank_1(engine, rank)
+    x, y = lm_batch(0, 0, world)
+    with torch.no_grad():
+        for _ in range(5):  # eval forwards between steps: their gathers count, their trace stays bounded
+            engine(local(x, rank, world))
+    assert len(engine.comm.trace) == 3
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    with pytest.raises(zerocore.CollectiveOrderError, match="after the first 3, which agree"):
+        engine.step()
+    return len(engine.comm.trace)
+
+
+def test_trace_is_bounded_and_divergence_past_it_still_raises():
+    assert run_ranks(_diverge_late, 2, timeout=60) == [0, 0]

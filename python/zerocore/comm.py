@@ -10,9 +10,10 @@ Without a process group (stage 0 on one process) every collective is the
 identity, still counted, so the accounting reads the same.
 
 The order contract: every data-plane collective names what it moves (a key:
-the flat group's tag, the same on every rank, and the bucket) and goes into
-this rank's trace. Once a step, sum_checking_order folds a fingerprint of
-the trace into the step's one control collective, so ranks that issued
+the flat group's tag, the same on every rank, and the bucket), folded into a
+running fingerprint (and, for messages, kept in a trace of bounded length).
+Once a step, sum_checking_order exchanges the fingerprint in the step's one
+control collective, so ranks that issued
 different collectives (another unit, bucket or size, or another order)
 raise CollectiveOrderError on every rank before anything is updated, at no
 extra collective per call. Only on that error path do ranks exchange their
@@ -46,22 +47,37 @@ class _Done:
 
 
 class Communicator:
+    # Collectives remembered between checks, for naming where ranks parted
+    # (the fingerprint covers all of them): an engine used for inference
+    # only, never stepping, must not grow without bound.
+    TRACE_LIMIT = 100_000
+
     def __init__(self, group):
         self.group = group
         self.distributed = group is not None
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.stats = Counter({k: 0 for k in KINDS})
-        self.trace = []  # (kind, group tag, bucket, elements) of each data-plane collective since the last check
+        self._start_trace()
 
     def reset_stats(self):
         self.stats = Counter({k: 0 for k in KINDS})
+
+    def _start_trace(self):
+        self.fingerprint = hashlib.blake2b(digest_size=8)
+        self.trace = []  # (kind, group tag, bucket, elements), the first TRACE_LIMIT since the last check
+
+    def _record(self, kind: int, key, numel: int):
+        entry = (kind, *key, numel)
+        self.fingerprint.update(repr(entry).encode())
+        if len(self.trace) < self.TRACE_LIMIT:
+            self.trace.append(entry)
 
     # Data plane -----------------------------------------------------------
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, key, async_op=False, count=True):
         """output (N x shard) <- every rank's shard; in place when shard is
         this rank's block of output. key: (group tag, bucket)."""
-        self.trace.append((0, *key, output.numel()))
+        self._record(0, key, output.numel())
         if count:
             self.stats["all_gather"] += output.numel()
         if not self.distributed:
@@ -74,7 +90,7 @@ class Communicator:
     def reduce_scatter(self, shard: torch.Tensor, input: torch.Tensor, key, async_op=False):
         """shard <- this rank's block of the sum of every rank's input; in
         place when shard is this rank's block of input. key: (group tag, bucket)."""
-        self.trace.append((1, *key, input.numel()))
+        self._record(1, key, input.numel())
         self.stats["reduce_scatter"] += input.numel()
         if not self.distributed:
             if shard.data_ptr() != input.data_ptr():
@@ -84,7 +100,7 @@ class Communicator:
         return work if async_op else _Done()
 
     def all_reduce(self, tensor: torch.Tensor, key, async_op=False):
-        self.trace.append((2, *key, tensor.numel()))
+        self._record(2, key, tensor.numel())
         self.stats["all_reduce"] += tensor.numel()
         if not self.distributed:
             return _Done()
@@ -113,8 +129,8 @@ class Communicator:
         same data-plane collectives since the last call; raises
         CollectiveOrderError on every rank if not. describe(tag) names a
         flat group for the message."""
-        trace, self.trace = self.trace, []
-        digest = hashlib.blake2b(repr(trace).encode(), digest_size=8).digest()
+        trace, digest = self.trace, self.fingerprint.digest()
+        self._start_trace()
         fingerprint = float(int.from_bytes(digest, "little") >> 12)  # 52 bits: exact in float64
         rows = self._gather_rows([*values, fingerprint], torch.float64)
         if len({row[-1] for row in rows}) > 1:
@@ -129,7 +145,11 @@ class Communicator:
         mine = [x for entry in trace for x in entry] + [-1] * (4 * (longest - len(trace)))
         rows = self._gather_rows(mine, torch.int64)
         traces = [[tuple(row[i:i + 4]) for i in range(0, 4 * n, 4)] for row, n in zip(rows, lengths)]
-        first = next(i for i in range(longest) if len({t[i] if i < len(t) else None for t in traces}) > 1)
+        first = next((i for i in range(longest) if len({t[i] if i < len(t) else None for t in traces}) > 1), None)
+        if first is None:
+            return (f"zerocore: ranks issued different collectives since the last step, after the first "
+                    f"{longest:,}, which agree. Nothing was updated. Every rank must issue the same collectives in "
+                    "the same order.")
 
         def what(t):
             if first >= len(t):
