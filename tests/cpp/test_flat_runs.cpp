@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -137,6 +138,32 @@ void test_sum_of_squares() {
   CHECK(std::isnan(sum_of_squares(xs)));
 }
 
+// Several threads stepping their own runs at once on the shared pool (ranks
+// as threads, or Python threads: the bindings release the GIL) take turns;
+// each gets what it would alone.
+void test_concurrent_callers() {
+  std::vector<std::vector<FlatRun>> mine(3), alone(3);
+  for (size_t t = 0; t < mine.size(); ++t) {
+    mine[t] = make_runs(true);
+    for (const FlatRun& r : mine[t]) alone[t].push_back(copy_of(r));
+  }
+  AdamOptions a, b;
+  b.lr = 3e-3;
+  for (auto& runs : alone) {
+    for (int64_t step = 1; step <= 20; ++step) adam_update_runs({a, b}, step, 1.0, runs);
+  }
+  std::vector<std::thread> threads;
+  for (auto& runs : mine) {
+    threads.emplace_back([&runs, a, b] {
+      for (int64_t step = 1; step <= 20; ++step) adam_update_runs({a, b}, step, 1.0, runs);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t t = 0; t < mine.size(); ++t) {
+    for (size_t i = 0; i < mine[t].size(); ++i) CHECK(same(mine[t][i], alone[t][i]));
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -146,6 +173,7 @@ int main() {
     test_sgd_runs();
     test_bad_runs_write_nothing();
     test_sum_of_squares();
+    test_concurrent_callers();
   }
   return test::finish("test_flat_runs");
 }
