@@ -4,13 +4,16 @@
 // training on the whole batch. Exits non-zero if they disagree.
 //
 // Each layer is one unit with its own layout plan (params in backward order,
-// buckets split evenly over the ranks). Per step:
-//   stage 3: gather the unit's params into the gather buffer (sized by the
-//            largest unit, allocated once) before its forward and again
-//            before its backward; one unit at a time, no prefetch here.
-//   both:    the unit's grads go to a staging buffer, and each bucket is
-//            reduce-scattered into this rank's grad partition on the comm
-//            queue while the next unit's backward computes.
+// buckets split evenly over the ranks). The runtime's schedule does the
+// distributed work; the trainer only says what happens. Per step:
+//   stage 3: the UnitSchedule gathers each unit into its gather pool before
+//            the unit's forward (pre_forward) and again before its backward
+//            (pre_backward), and releases it after (post_forward,
+//            post_backward).
+//   both:    each param's grad goes to the BucketReducer (grad_ready), which
+//            reduce-scatters complete buckets into this rank's grad
+//            partition on the comm queue while the next unit's backward
+//            computes; end_backward waits for the last.
 //   both:    one native Adam call updates every run of the rank's partition.
 //   stage 2: the updated blocks are all-gathered in place into every rank's
 //            full params (stage 3 keeps only its shard).
@@ -39,7 +42,7 @@ struct Layer {
   int in, out;
   LayoutPlan plan;        // [b, W]: backward order
   Tensor params;          // stage 2: the full flat params; stage 3: this rank's partition
-  Tensor grad_staging;    // full flat grads of this rank's micro-batch
+  Tensor grads;           // full flat grads of this rank's micro-batch
   Tensor grad_part, exp_avg, exp_avg_sq;  // this rank's partition
   std::vector<FlatRun> runs;
 };
@@ -51,14 +54,24 @@ class ZeroMlp {
     layers_.push_back(make_layer(kIn, kHidden));
     layers_.push_back(make_layer(kHidden, kOut));
     size_t offset = 0;
-    int64_t largest = 0;
     for (Layer& l : layers_) {
       const std::vector<float> values(init.begin() + long(offset), init.begin() + long(offset + l.in * l.out + l.out));
       offset += values.size();
       fill(l, values);
-      largest = std::max(largest, l.plan.total_elems());
     }
-    if (stage_ == 3) gathered_ = Tensor::empty({largest}, DType::kFloat32);
+    // Reduction in backward order: the last layer's grads are ready first.
+    std::vector<ReduceGroup> groups;
+    for (int u = int(layers_.size()) - 1; u >= 0; --u) {
+      groups.push_back(ReduceGroup{u, layers_[size_t(u)].plan, layers_[size_t(u)].grad_part});
+    }
+    reducer_ = std::make_unique<BucketReducer>(comm, groups, DType::kFloat32, 2);
+    if (stage_ == 3) {
+      std::vector<UnitSpec> units;
+      for (int u = 0; u < int(layers_.size()); ++u) {
+        units.push_back(UnitSpec{{UnitGroup{u, layers_[size_t(u)].plan, layers_[size_t(u)].params}}, false});
+      }
+      schedule_ = std::make_unique<UnitSchedule>(comm, units, DType::kFloat32, /*prefetch_bytes=*/1);
+    }
   }
 
   // One optimizer step on this rank's rows of the global batch; returns the
@@ -81,12 +94,17 @@ class ZeroMlp {
       loss += e * e;
       d_out[i] = 2.0f * e / float(out.size());  // d(mean squared error)
     }
+    if (schedule_) schedule_->end_forward();
     // Backward, last unit first; each unit's buckets reduce while the next computes.
-    std::vector<std::shared_ptr<Event>> reductions;
-    std::vector<float> d_h = backward(layers_[1], h, d_out, rows, reductions);
+    if (schedule_) schedule_->begin_backward();
+    std::vector<float> d_h = backward(layers_[1], h, d_out, rows);
     for (size_t i = 0; i < d_h.size(); ++i) d_h[i] = h[i] > 0.0f ? d_h[i] : 0.0f;
-    backward(layers_[0], x, d_h, rows, reductions);
-    for (auto& e : reductions) e->wait();
+    backward(layers_[0], x, d_h, rows);
+    reducer_->end_backward();
+    if (schedule_) {
+      schedule_->end_backward();
+      schedule_->end_step();
+    }
     // The grads hold the sum over ranks of per-rank means: average them.
     AdamOptions adam;
     adam.lr = 1e-2;
@@ -96,6 +114,7 @@ class ZeroMlp {
     std::vector<FlatRun> runs;
     for (const Layer& l : layers_) runs.insert(runs.end(), l.runs.begin(), l.runs.end());
     adam_update_runs({adam}, step_index, 1.0 / world_, runs);
+    for (Layer& l : layers_) std::memset(l.grad_part.data(), 0, l.grad_part.nbytes());  // the reducer adds into it
     if (stage_ == 2) {
       std::vector<std::shared_ptr<Event>> gathers;
       for (Layer& l : layers_) {
@@ -115,7 +134,12 @@ class ZeroMlp {
   std::vector<float> full_params() {
     std::vector<float> out;
     for (Layer& l : layers_) {
-      const float* flat = gather(l);
+      Tensor gathered = l.params;
+      if (schedule_) {
+        gathered = Tensor::empty({l.plan.total_elems()}, DType::kFloat32);
+        schedule_->gather_into(unit(l), gathered);
+      }
+      const float* flat = gathered.data_as<float>();
       const ParamSlot& w = l.plan.params()[1];
       const ParamSlot& b = l.plan.params()[0];
       out.insert(out.end(), flat + w.offset, flat + w.offset + w.numel);
@@ -130,7 +154,7 @@ class ZeroMlp {
             {}, {}, {}, {}, {}, {}};
     const int64_t part = l.plan.partition_elems();
     l.params = Tensor::empty({stage_ == 3 ? part : l.plan.total_elems()}, DType::kFloat32);
-    l.grad_staging = Tensor::empty({l.plan.total_elems()}, DType::kFloat32);
+    l.grads = Tensor::empty({l.plan.total_elems()}, DType::kFloat32);
     for (Tensor* t : {&l.grad_part, &l.exp_avg, &l.exp_avg_sq}) {
       *t = Tensor::empty({part}, DType::kFloat32);
       std::memset(t->data(), 0, t->nbytes());
@@ -160,27 +184,14 @@ class ZeroMlp {
     }
   }
 
-  CollectiveKey key(const Layer& l, CollectiveKind kind, int bucket) const {
-    return CollectiveKey{kind, int32_t(&l - layers_.data()), bucket, l.plan.buckets()[size_t(bucket)].numel};
-  }
+  int unit(const Layer& l) const { return int(&l - layers_.data()); }
 
-  // The unit's full flat params: stage 2 holds them; stage 3 gathers them
-  // into the gather buffer, which the next gather overwrites.
-  const float* gather(const Layer& l) {
-    if (stage_ == 2) return l.params.data_as<float>();
-    std::vector<std::shared_ptr<Event>> events;
-    for (int b = 0; b < int(l.plan.buckets().size()); ++b) {
-      const Bucket& bucket = l.plan.buckets()[size_t(b)];
-      events.push_back(comm_.all_gather(key(l, CollectiveKind::kAllGather, b),
-                                        l.params.slice(l.plan.partition_offset(b), l.plan.shard_elems(b)),
-                                        gathered_.slice(bucket.offset, bucket.numel)));
-    }
-    for (auto& e : events) e->wait();
-    return gathered_.data_as<float>();
+  CollectiveKey key(const Layer& l, CollectiveKind kind, int bucket) const {
+    return CollectiveKey{kind, unit(l), bucket, l.plan.buckets()[size_t(bucket)].numel};
   }
 
   std::vector<float> forward(const Layer& l, const std::vector<float>& x, int rows) {
-    const float* flat = gather(l);
+    const float* flat = (schedule_ ? schedule_->pre_forward(unit(l)) : l.params).data_as<float>();
     const float* w = flat + l.plan.params()[1].offset;
     const float* b = flat + l.plan.params()[0].offset;
     std::vector<float> y(size_t(rows) * l.out);
@@ -191,17 +202,16 @@ class ZeroMlp {
         y[size_t(s * l.out + o)] = acc;
       }
     }
+    if (schedule_) schedule_->post_forward(unit(l));
     return y;
   }
 
-  // Writes the unit's grads to its staging buffer, queues the reduce-scatter
-  // of each bucket, and returns the input grads.
-  std::vector<float> backward(const Layer& l, const std::vector<float>& x, const std::vector<float>& dy, int rows,
-                              std::vector<std::shared_ptr<Event>>& reductions) {
-    const float* flat = gather(l);
+  // Hands the unit's grads to the reducer and returns the input grads.
+  std::vector<float> backward(const Layer& l, const std::vector<float>& x, const std::vector<float>& dy, int rows) {
+    const float* flat = (schedule_ ? schedule_->pre_backward(unit(l)) : l.params).data_as<float>();
     const float* w = flat + l.plan.params()[1].offset;
-    float* g = l.grad_staging.data_as<float>();
-    std::memset(g, 0, l.grad_staging.nbytes());
+    float* g = l.grads.data_as<float>();
+    std::memset(g, 0, l.grads.nbytes());
     float* gw = g + l.plan.params()[1].offset;
     float* gb = g + l.plan.params()[0].offset;
     std::vector<float> dx(size_t(rows) * l.in, 0.0f);
@@ -215,12 +225,12 @@ class ZeroMlp {
         }
       }
     }
-    for (int b = 0; b < int(l.plan.buckets().size()); ++b) {
-      const Bucket& bucket = l.plan.buckets()[size_t(b)];
-      reductions.push_back(comm_.reduce_scatter(key(l, CollectiveKind::kReduceScatter, b),
-                                                l.grad_staging.slice(bucket.offset, bucket.numel),
-                                                l.grad_part.slice(l.plan.partition_offset(b), l.plan.shard_elems(b))));
+    const int group = int(layers_.size()) - 1 - unit(l);  // the reducer's groups are in backward order
+    for (int p = 0; p < int(l.plan.params().size()); ++p) {
+      const ParamSlot& slot = l.plan.params()[size_t(p)];
+      reducer_->grad_ready(group, p, l.grads.slice(slot.offset, slot.numel));
     }
+    if (schedule_) schedule_->post_backward(unit(l));
     return dx;
   }
 
@@ -228,7 +238,8 @@ class ZeroMlp {
   CommQueue& comm_;
   const int rank_, world_;
   std::vector<Layer> layers_;
-  Tensor gathered_;  // stage 3: the unit gathered now
+  std::unique_ptr<BucketReducer> reducer_;
+  std::unique_ptr<UnitSchedule> schedule_;  // stage 3
 };
 
 // Trains on `world` threads; returns rank 0's params after kSteps and every

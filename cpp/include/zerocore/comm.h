@@ -112,9 +112,11 @@ class CommQueue {
   // Each queues one collective behind those issued before it and returns
   // its event. The tensors must stay alive and untouched until then. After
   // a collective fails, every later one fails with the same error.
-  std::shared_ptr<Event> all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output);
-  std::shared_ptr<Event> reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard);
-  std::shared_ptr<Event> all_reduce(const CollectiveKey& key, const Tensor& tensor);
+  std::shared_ptr<Event> all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output,
+                                    bool counted = true);
+  std::shared_ptr<Event> reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard,
+                                        bool counted = true);
+  std::shared_ptr<Event> all_reduce(const CollectiveKey& key, const Tensor& tensor, bool counted = true);
   std::shared_ptr<Event> broadcast(const CollectiveKey& key, const Tensor& tensor, int root);
 
  private:

@@ -1,7 +1,9 @@
 // The public C++ API of zerocore, for trainers that embed the runtime.
 #pragma once
 #include "zerocore/arena.h"
+#include "zerocore/bucket_reducer.h"
 #include "zerocore/comm.h"
+#include "zerocore/cpu_accumulate.h"
 #include "zerocore/cpu_features.h"
 #include "zerocore/cpu_optim.h"
 #include "zerocore/cpu_reduce.h"
@@ -9,5 +11,7 @@
 #include "zerocore/error.h"
 #include "zerocore/half.h"
 #include "zerocore/layout.h"
+#include "zerocore/slot_pool.h"
 #include "zerocore/tensor.h"
 #include "zerocore/thread_pool.h"
+#include "zerocore/unit_schedule.h"

@@ -78,15 +78,17 @@ void CommQueue::loop() {
   }
 }
 
-std::shared_ptr<Event> CommQueue::all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) {
+std::shared_ptr<Event> CommQueue::all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output,
+                                             bool) {
   return enqueue([=](Transport& t) { t.all_gather(key, shard, output); });
 }
 
-std::shared_ptr<Event> CommQueue::reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) {
+std::shared_ptr<Event> CommQueue::reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard,
+                                                 bool) {
   return enqueue([=](Transport& t) { t.reduce_scatter(key, input, shard); });
 }
 
-std::shared_ptr<Event> CommQueue::all_reduce(const CollectiveKey& key, const Tensor& tensor) {
+std::shared_ptr<Event> CommQueue::all_reduce(const CollectiveKey& key, const Tensor& tensor, bool) {
   return enqueue([=](Transport& t) { t.all_reduce(key, tensor); });
 }
 

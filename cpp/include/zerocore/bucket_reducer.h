@@ -1,0 +1,95 @@
+// Gradient reduction of stages 2 and 3: the bucket state machine. A param's
+// grad, once autograd has accumulated it, is added into the staging buffer of
+// each bucket it overlaps; a bucket whose params have all reported is
+// reduce-scattered in place on the comm queue, and once its event fires this
+// rank's block is added into the group's grad partition and the staging
+// buffer goes back to the pool. Only the partitions and a few constant-size
+// staging buffers (ZeRO-R's constant-size buffers) outlive a backward.
+//
+// Buckets are issued in one fixed order on every rank (the groups' order,
+// then plan order), whatever order their grads arrive in: a complete bucket
+// waits for the ones before it. Ranks whose grads differ (a param unused on
+// one rank) therefore issue the same collectives in the same order. At the
+// end of backward every bucket not yet issued is, with zeros for the params
+// that got no grad; a grad that arrives after its bucket was issued
+// (reentrant checkpointing) is staged again, and the ranks agree, in one
+// control all-reduce, which buckets to reduce once more.
+//
+//   open --all params reported--> ready --its turn--> in flight --event--> open
+//    (staging taken on the first grad)                 (shard added, staging back)
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "zerocore/comm.h"
+#include "zerocore/layout.h"
+#include "zerocore/slot_pool.h"
+#include "zerocore/tensor.h"
+
+namespace zerocore {
+
+struct ReduceGroup {
+  int32_t tag = 0;  // the collectives' key: the same on every rank
+  LayoutPlan plan;
+  Tensor grad_part;  // this rank's partition of the summed grads, in the reduce dtype
+};
+
+class BucketReducer {
+ public:
+  // staging_buffers: staging slots allocated up front (the pool grows past
+  // them only when more buckets are open at once).
+  BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype, int staging_buffers);
+  ~BucketReducer();  // waits for reductions in flight
+  BucketReducer(const BucketReducer&) = delete;
+  BucketReducer& operator=(const BucketReducer&) = delete;
+
+  // Param `param` of group `group` has its grad for this backward.
+  void grad_ready(int group, int param, const Tensor& grad);
+  // Where the param's grad may accumulate in place (its piece of a staging
+  // buffer), or an undefined tensor when it must be added instead: a param
+  // spanning buckets, or one whose bucket was already issued.
+  Tensor grad_view(int group, int param);
+  // Issues what is left, agrees with the other ranks on late grads, and
+  // waits until every reduction has been added into the partitions.
+  void end_backward();
+
+  size_t staging_bytes() const { return pool_.bytes(); }
+  int staging_slots() const { return pool_.size(); }
+
+ private:
+  struct Piece {      // the part of one param inside one bucket
+    int bucket;       // index into buckets_
+    int64_t param_offset, staging_offset, numel;
+  };
+  struct BucketState {
+    int group, bucket;
+    int params = 0;   // params with elements in this bucket
+    int waiting = 0;  // of those, not yet reported this backward
+    int staging = -1; // pool slot holding its staged grads, if any
+    bool issued = false, dirty = false;
+  };
+  struct InFlight {
+    int bucket, staging;
+    std::shared_ptr<Event> event;
+  };
+
+  int take_staging(BucketState& b);
+  void issue_ready();
+  void issue(int bucket);
+  void complete_oldest();
+  const std::vector<Piece>& pieces(int group, int param) const;
+
+  CommQueue& comm_;
+  std::vector<ReduceGroup> groups_;
+  std::vector<BucketState> buckets_;
+  std::vector<std::vector<std::vector<Piece>>> pieces_;  // [group][param]
+  std::vector<std::vector<std::vector<bool>>> reported_;  // [group][param][piece]
+  SlotPool pool_;
+  std::deque<InFlight> in_flight_;
+  Tensor late_flags_;  // one fp32 flag a bucket, for the late-grad agreement
+  size_t next_ = 0;    // the next bucket to issue
+};
+
+}  // namespace zerocore

@@ -1,0 +1,176 @@
+#include "zerocore/bucket_reducer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "zerocore/cpu_accumulate.h"
+#include "zerocore/error.h"
+
+namespace zerocore {
+
+namespace {
+// Reductions in flight before the oldest is completed: one keeps each
+// reduction overlapped with the next bucket's backward while the staging
+// memory in flight stays at one bucket.
+constexpr size_t kMaxInFlight = 1;
+}  // namespace
+
+BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype,
+                             int staging_buffers)
+    : comm_(comm), groups_(std::move(groups)) {
+  int64_t largest = 0;
+  for (int g = 0; g < int(groups_.size()); ++g) {
+    const ReduceGroup& group = groups_[size_t(g)];
+    const LayoutPlan& plan = group.plan;
+    if (group.grad_part.dtype() != reduce_dtype || group.grad_part.numel() != plan.partition_elems()) {
+      throw InvalidArgument("BucketReducer: group " + std::to_string(group.tag) + ": grad_part must be " +
+                            std::to_string(plan.partition_elems()) + " elements of " + dtype_name(reduce_dtype));
+    }
+    if (plan.world_size() != comm.world_size()) {
+      throw InvalidArgument("BucketReducer: group " + std::to_string(group.tag) + " is planned for " +
+                            std::to_string(plan.world_size()) + " ranks, the queue has " +
+                            std::to_string(comm.world_size()));
+    }
+    pieces_.emplace_back(plan.params().size());
+    reported_.emplace_back(plan.params().size());
+    for (int b = 0; b < int(plan.buckets().size()); ++b) {
+      const Bucket& bucket = plan.buckets()[size_t(b)];
+      largest = std::max(largest, bucket.numel);
+      BucketState state{g, b};
+      for (int p = bucket.first_param; p <= bucket.last_param; ++p) {
+        const ParamSlot& slot = plan.params()[size_t(p)];
+        const int64_t lo = std::max(slot.offset, bucket.offset);
+        const int64_t hi = std::min(slot.offset + slot.numel, bucket.offset + bucket.numel);
+        if (hi <= lo) continue;
+        pieces_[size_t(g)][size_t(p)].push_back(
+            Piece{int(buckets_.size()), lo - slot.offset, lo - bucket.offset, hi - lo});
+        reported_[size_t(g)][size_t(p)].push_back(false);
+        ++state.params;
+      }
+      state.waiting = state.params;
+      buckets_.push_back(state);
+    }
+  }
+  pool_ = SlotPool(reduce_dtype, largest, largest > 0 ? staging_buffers : 0);
+  // A control buffer, not an arena: it is no communication buffer of the plan.
+  auto flags = std::make_shared<std::vector<float>>(buckets_.size());
+  late_flags_ = Tensor(flags->data(), DType::kFloat32, Device{}, {int64_t(flags->size())}, flags);
+}
+
+BucketReducer::~BucketReducer() {
+  for (InFlight& f : in_flight_) {
+    try {
+      f.event->wait();
+    } catch (...) {  // the queue's error was raised to whoever waited first
+    }
+  }
+}
+
+const std::vector<BucketReducer::Piece>& BucketReducer::pieces(int group, int param) const {
+  if (group < 0 || group >= int(groups_.size()) || param < 0 || param >= int(pieces_[size_t(group)].size())) {
+    throw InvalidArgument("BucketReducer: no param " + std::to_string(param) + " in group index " +
+                          std::to_string(group));
+  }
+  return pieces_[size_t(group)][size_t(param)];
+}
+
+int BucketReducer::take_staging(BucketState& b) {
+  if (b.staging < 0) {
+    b.staging = pool_.acquire();
+    const Tensor& slot = pool_.slot(b.staging);
+    std::memset(slot.data(), 0, slot.nbytes());
+  }
+  return b.staging;
+}
+
+Tensor BucketReducer::grad_view(int group, int param) {
+  const std::vector<Piece>& ps = pieces(group, param);
+  const ParamSlot& slot = groups_[size_t(group)].plan.params()[size_t(param)];
+  if (ps.size() != 1 || ps[0].numel != slot.numel) return Tensor();
+  BucketState& b = buckets_[size_t(ps[0].bucket)];
+  if (b.issued) return Tensor();
+  return pool_.slot(take_staging(b)).slice(ps[0].staging_offset, ps[0].numel);
+}
+
+void BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
+  const std::vector<Piece>& ps = pieces(group, param);
+  const int64_t numel = groups_[size_t(group)].plan.params()[size_t(param)].numel;
+  if (grad.numel() != numel) {
+    throw InvalidArgument("BucketReducer: the grad of param " + std::to_string(param) + " has " +
+                          std::to_string(grad.numel()) + " elements, the param " + std::to_string(numel));
+  }
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const Piece& piece = ps[i];
+    BucketState& b = buckets_[size_t(piece.bucket)];
+    const Tensor target = pool_.slot(take_staging(b)).slice(piece.staging_offset, piece.numel);
+    const Tensor source = grad.slice(piece.param_offset, piece.numel);
+    if (source.data() != target.data()) accumulate(target, source);  // else autograd accumulated in place
+    if (b.issued) {
+      b.dirty = true;
+    } else if (!reported_[size_t(group)][size_t(param)][i]) {
+      reported_[size_t(group)][size_t(param)][i] = true;
+      --b.waiting;
+    }
+  }
+  issue_ready();
+}
+
+void BucketReducer::issue_ready() {
+  while (next_ < buckets_.size() && buckets_[next_].waiting == 0) issue(int(next_++));
+}
+
+void BucketReducer::issue(int index) {
+  BucketState& b = buckets_[size_t(index)];
+  const LayoutPlan& plan = groups_[size_t(b.group)].plan;
+  const Bucket& bucket = plan.buckets()[size_t(b.bucket)];
+  const int64_t shard = plan.shard_elems(b.bucket);
+  const Tensor staging = pool_.slot(take_staging(b));  // no grads here on this rank: zeros
+  const CollectiveKey key{CollectiveKind::kReduceScatter, groups_[size_t(b.group)].tag, b.bucket, bucket.numel};
+  in_flight_.push_back(InFlight{index, b.staging,
+                                comm_.reduce_scatter(key, staging.slice(0, bucket.numel),
+                                                     staging.slice(comm_.rank() * shard, shard))});
+  b.staging = -1;  // later grads go to a fresh buffer
+  b.issued = true;
+  b.dirty = false;
+  while (in_flight_.size() > kMaxInFlight) complete_oldest();
+}
+
+void BucketReducer::complete_oldest() {
+  InFlight f = in_flight_.front();
+  in_flight_.pop_front();
+  f.event->wait();
+  const BucketState& b = buckets_[size_t(f.bucket)];
+  const ReduceGroup& group = groups_[size_t(b.group)];
+  const int64_t shard = group.plan.shard_elems(b.bucket);
+  accumulate(group.grad_part.slice(group.plan.partition_offset(b.bucket), shard),
+             pool_.slot(f.staging).slice(comm_.rank() * shard, shard));
+  pool_.release(f.staging);
+}
+
+void BucketReducer::end_backward() {
+  for (size_t i = next_; i < buckets_.size(); ++i) buckets_[i].waiting = 0;  // no grad: zeros
+  issue_ready();
+  if (!buckets_.empty()) {
+    // Late grads may have come on some ranks only: every rank reduces the
+    // buckets that got one anywhere, so all issue the same collectives.
+    float* flags = late_flags_.data_as<float>();
+    for (size_t i = 0; i < buckets_.size(); ++i) flags[i] = buckets_[i].dirty ? 1.0f : 0.0f;
+    comm_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, late_flags_.numel()}, late_flags_)->wait();
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      if (flags[i] > 0.0f) issue(int(i));
+    }
+  }
+  while (!in_flight_.empty()) complete_oldest();
+  for (BucketState& b : buckets_) {
+    b.waiting = b.params;
+    b.issued = b.dirty = false;
+  }
+  for (auto& group : reported_) {
+    for (auto& param : group) std::fill(param.begin(), param.end(), false);
+  }
+  next_ = 0;
+}
+
+}  // namespace zerocore

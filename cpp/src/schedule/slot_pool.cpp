@@ -1,0 +1,54 @@
+#include "zerocore/slot_pool.h"
+
+#include <string>
+
+#include "zerocore/arena.h"
+#include "zerocore/error.h"
+
+namespace zerocore {
+
+namespace {
+constexpr size_t kLineBytes = 64;
+}
+
+SlotPool::SlotPool(DType dtype, int64_t slot_elems, int planned) : dtype_(dtype), planned_(planned) {
+  if (slot_elems < 0 || planned < 0) {
+    throw InvalidArgument("SlotPool: " + std::to_string(planned) + " slots of " + std::to_string(slot_elems) +
+                          " elements");
+  }
+  const int64_t line = int64_t(kLineBytes / dtype_size(dtype));
+  slot_elems_ = (slot_elems + line - 1) / line * line;
+  if (planned == 0) return;
+  auto arena = HostArena::create(size_t(planned) * size_t(slot_elems_) * dtype_size(dtype));
+  for (int i = 0; i < planned; ++i) {
+    slots_.push_back(arena->view(size_t(i) * size_t(slot_elems_) * dtype_size(dtype), dtype, {slot_elems_}));
+    free_.push_back(true);
+  }
+}
+
+int SlotPool::try_acquire() {
+  for (size_t i = 0; i < free_.size(); ++i) {
+    if (free_[i]) {
+      free_[i] = false;
+      return int(i);
+    }
+  }
+  return -1;
+}
+
+int SlotPool::acquire() {
+  const int slot = try_acquire();
+  if (slot >= 0) return slot;
+  slots_.push_back(Tensor::empty({slot_elems_}, dtype_));
+  free_.push_back(false);
+  return int(slots_.size()) - 1;
+}
+
+void SlotPool::release(int slot) {
+  if (slot < 0 || slot >= size() || free_[size_t(slot)]) {
+    throw InvalidArgument("SlotPool: slot " + std::to_string(slot) + " is not taken");
+  }
+  free_[size_t(slot)] = true;
+}
+
+}  // namespace zerocore

@@ -1,0 +1,187 @@
+// The native schedule on ranks that are threads (the CPU backend every test
+// runs): stage 3's units gather the right bytes into a fixed pool, prefetch
+// along the last step's order and release at structural points; gradient
+// buckets reduce to the sum over ranks whatever order (or whether) grads
+// arrive on each rank, late grads included.
+#include <atomic>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "zerocore/zerocore.h"
+
+using namespace zerocore;
+
+namespace {
+
+constexpr int kWorld = 4;
+constexpr int64_t kAlign = 4, kBucketElems = 48;
+
+void on_ranks(const std::function<void(int, CommQueue&)>& fn) {
+  InProcessGroup group(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      CommQueue queue(group.transport(r));
+      fn(r, queue);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+LayoutPlan plan_of(const std::vector<int64_t>& numels) {
+  std::vector<ParamSpec> specs;
+  for (int64_t n : numels) specs.push_back(ParamSpec{n, 0});
+  return LayoutPlan::make(specs, LayoutOptions{kWorld, kAlign, kBucketElems});
+}
+
+// The value every rank agrees element i of unit u's flat group g holds.
+float full_value(int u, int g, int64_t i) { return float(u * 1000 + g * 100) + 0.5f * float(i); }
+
+UnitGroup unit_group(int u, int g, int rank, const std::vector<int64_t>& numels) {
+  UnitGroup out{u * 10 + g, plan_of(numels), Tensor()};
+  out.shard = Tensor::empty({out.plan.partition_elems()}, DType::kFloat32);
+  for (int b = 0; b < int(out.plan.buckets().size()); ++b) {
+    const int64_t lo = out.plan.shard_offset(b, rank), n = out.plan.shard_elems(b);
+    for (int64_t i = 0; i < n; ++i) out.shard.data_as<float>()[out.plan.partition_offset(b) + i] = full_value(u, g, lo + i);
+  }
+  return out;
+}
+
+bool holds_unit(const UnitSchedule& s, const std::vector<UnitSpec>& specs, int u, const Tensor& buffer) {
+  for (size_t g = 0; g < specs[size_t(u)].groups.size(); ++g) {
+    const int64_t base = s.group_offset(u, int(g));
+    for (int64_t i = 0; i < specs[size_t(u)].groups[g].plan.total_elems(); ++i) {
+      if (buffer.data_as<float>()[base + i] != full_value(u, int(g), i)) return false;
+    }
+  }
+  return true;
+}
+
+void test_units() {
+  std::atomic<int> bad{0};
+  on_ranks([&](int r, CommQueue& q) {
+    // A root with a buffer of its own and three blocks (one with a frozen group).
+    std::vector<UnitSpec> specs(4);
+    specs[0].own_slot = true;
+    specs[0].groups.push_back(unit_group(0, 0, r, {30, 7}));
+    for (int u = 1; u < 4; ++u) specs[size_t(u)].groups.push_back(unit_group(u, 0, r, {20, 33}));
+    specs[2].groups.push_back(unit_group(2, 1, r, {9}));
+    const int64_t block_bytes = 4 * (plan_of({20, 33}).total_elems() + plan_of({9}).total_elems());
+    UnitSchedule s(q, specs, DType::kFloat32, block_bytes);  // prefetch one unit
+    if (s.pool_slots() != 2) ++bad;
+    for (int step = 0; step < 3; ++step) {
+      // Forward: root, then blocks 1..3 inside it.
+      if (!holds_unit(s, specs, 0, s.pre_forward(0))) ++bad;
+      for (int u = 1; u < 4; ++u) {
+        if (!holds_unit(s, specs, u, s.pre_forward(u))) ++bad;
+        // From the second step on, the next block is on its way.
+        if (step > 0 && u < 3 && !s.gathered(u + 1)) ++bad;
+        s.post_forward(u);
+        if (s.gathered(u)) ++bad;  // released after its forward
+      }
+      s.post_forward(0);
+      s.end_forward();
+      for (int u = 0; u < 4; ++u) bad += s.gathered(u) ? 1 : 0;
+      // Backward: root first, then blocks 3..1, each released at its post-backward point.
+      s.begin_backward();
+      if (!holds_unit(s, specs, 0, s.pre_backward(0))) ++bad;
+      for (int u = 3; u >= 1; --u) {
+        if (!holds_unit(s, specs, u, s.pre_backward(u))) ++bad;
+        if (u > 1 && !s.gathered(u - 1)) ++bad;  // prefetched in reverse forward order
+        s.post_backward(u);
+        if (s.gathered(u)) ++bad;
+      }
+      if (!s.gathered(0)) ++bad;  // the root's inputs need no grad: held to the end
+      s.end_backward();
+      for (int u = 0; u < 4; ++u) bad += s.gathered(u) ? 1 : 0;
+      s.end_step();
+      if (s.pool_slots() != 2) ++bad;  // nothing allocated after the plan
+    }
+    // Three blocks in use at once (nested units): the pool grows, contents stay right.
+    std::vector<Tensor> held;
+    for (int u = 1; u < 4; ++u) held.push_back(s.pre_forward(u));
+    for (int u = 1; u < 4; ++u) {
+      if (!holds_unit(s, specs, u, held[size_t(u - 1)])) ++bad;
+    }
+    if (s.pool_slots() != 3) ++bad;
+    s.end_forward();
+    // A whole-unit copy outside the pool.
+    Tensor copy = Tensor::empty({s.unit_elems(2)}, DType::kFloat32);
+    s.gather_into(2, copy);
+    if (!holds_unit(s, specs, 2, copy)) ++bad;
+  });
+  CHECK(bad == 0);
+}
+
+// Rank r's grad of param p of group g, element i.
+float grad_value(int r, int g, int p, int64_t i) { return float((r + 1) * (g + 2)) * 0.25f + float(p) - 0.125f * float(i % 7); }
+
+void test_buckets() {
+  const std::vector<std::vector<int64_t>> groups = {{17, 40, 5, 64}, {30, 3}};
+  std::atomic<int> bad{0};
+  on_ranks([&](int r, CommQueue& q) {
+    std::vector<ReduceGroup> spec;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      ReduceGroup rg{int32_t(g), plan_of(groups[g]), Tensor()};
+      rg.grad_part = Tensor::empty({rg.plan.partition_elems()}, DType::kFloat32);
+      std::fill(rg.grad_part.data_as<float>(), rg.grad_part.data_as<float>() + rg.grad_part.numel(), 0.0f);
+      spec.push_back(rg);
+    }
+    BucketReducer reducer(q, spec, DType::kFloat32, 2);
+    // Each rank reports its grads in its own order; rank 1 gives param 2 of
+    // group 0 no grad; param 0 of group 1 accumulates in place; rank 2 sends
+    // a late second grad for param 1 of group 0 after its bucket went out.
+    std::vector<std::pair<int, int>> order;
+    for (int g = 0; g < 2; ++g)
+      for (int p = 0; p < int(groups[size_t(g)].size()); ++p) order.emplace_back(g, p);
+    std::shuffle(order.begin(), order.end(), std::mt19937(unsigned(r)));
+    auto grad_of = [&](int g, int p) {
+      Tensor t = Tensor::empty({groups[size_t(g)][size_t(p)]}, DType::kFloat32);
+      for (int64_t i = 0; i < t.numel(); ++i) t.data_as<float>()[i] = grad_value(r, g, p, i);
+      return t;
+    };
+    int slots_after_first = 0;
+    for (int backward = 0; backward < 2; ++backward) {
+      Tensor in_place = reducer.grad_view(1, 0);
+      if (in_place.numel() != 30) ++bad;
+      for (int64_t i = 0; i < 30; ++i) in_place.data_as<float>()[i] = grad_value(r, 1, 0, i);
+      for (auto [g, p] : order) {
+        if (r == 1 && g == 0 && p == 2) continue;
+        reducer.grad_ready(g, p, g == 1 && p == 0 ? in_place : grad_of(g, p));
+      }
+      if (r == 2) reducer.grad_ready(0, 1, grad_of(0, 1));
+      reducer.end_backward();
+      // Staging grows to what this arrival order needs once, then stays.
+      if (backward == 0) slots_after_first = reducer.staging_slots();
+      if (reducer.staging_slots() != slots_after_first) ++bad;
+    }
+    // Two backwards, summed over ranks, plus rank 2's late grads.
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const LayoutPlan& plan = spec[g].plan;
+      for (const Segment& seg : plan.segments(r)) {
+        for (int64_t i = 0; i < seg.numel; ++i) {
+          float want = 0.0f;
+          for (int k = 0; k < kWorld; ++k) {
+            if (!(k == 1 && g == 0 && seg.param == 2)) want += grad_value(k, int(g), seg.param, seg.param_offset + i);
+          }
+          want *= 2.0f;
+          if (g == 0 && seg.param == 1) want += 2.0f * grad_value(2, 0, 1, seg.param_offset + i);
+          const float got = spec[g].grad_part.data_as<float>()[seg.partition_offset + i];
+          if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
+        }
+      }
+    }
+  });
+  CHECK(bad == 0);
+}
+
+}  // namespace
+
+int main() {
+  test_units();
+  test_buckets();
+  return test::finish("test_schedule");
+}
