@@ -1,6 +1,9 @@
 // The in-process transport and the per-group queue: collectives against
 // values computed directly, in place as the runtime uses them; a mismatched
 // key or a bad argument on one rank fails on every rank, and nothing hangs.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -191,6 +194,22 @@ void test_stats_count_counted_data_plane_only() {
   CHECK(q.trace().size() == 4);  // the contract's books are apart from the volume's
 }
 
+// A forked child (a rank started by fork) inherits its parent's queue but
+// not the queue's thread; dropping the queue there must not wait for it.
+void test_forked_child_drops_an_inherited_queue() {
+  auto q = std::make_unique<CommQueue>(InProcessGroup(1).transport(0));
+  issue(*q, key(CollectiveKind::kAllReduce, 0, 4));
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(10);  // a hang ends the child with SIGALRM
+    q.reset();
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 }  // namespace
 
 int main() {
@@ -202,6 +221,7 @@ int main() {
   test_fingerprint_differs_with_order_and_size();
   test_trace_is_bounded_but_fingerprint_covers_all();
   test_stats_count_counted_data_plane_only();
+  test_forked_child_drops_an_inherited_queue();
   CHECK(describe(CollectiveKey{CollectiveKind::kReduceScatter, 2, 1, 1234567}) ==
         "reduce_scatter of group 2, bucket 1 (1,234,567 elements)");
   return test::finish("test_comm");
