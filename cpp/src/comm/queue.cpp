@@ -62,17 +62,20 @@ struct CommQueue::State {
       }
       // A failed collective leaves the ranks out of step: every later one
       // fails with the same error rather than pairing with the wrong peer.
-      if (failed) {
-        item.second->set(failed);
-        continue;
+      std::exception_ptr error = failed;
+      if (!error) {
+        try {
+          item.first(transport);
+        } catch (...) {
+          error = failed = std::current_exception();
+        }
       }
-      try {
-        item.first(transport);
-        item.second->set();
-      } catch (...) {
-        failed = std::current_exception();
-        item.second->set(failed);
-      }
+      // The work lets go of its tensors before its event fires: a waiter
+      // that then drops them frees them, and the last reference to a
+      // caller's Python tensor (released under the GIL) goes while the
+      // caller waits rather than while it runs.
+      item.first = nullptr;
+      item.second->set(error);
     }
   }
 };
