@@ -224,5 +224,6 @@ int main() {
   test_forked_child_drops_an_inherited_queue();
   CHECK(describe(CollectiveKey{CollectiveKind::kReduceScatter, 2, 1, 1234567}) ==
         "reduce_scatter of group 2, bucket 1 (1,234,567 elements)");
+  CHECK(describe(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 16}) == "control-plane all_gather (16 elements)");
   return test::finish("test_comm");
 }

@@ -46,7 +46,8 @@ struct CollectiveKey {
   bool operator!=(const CollectiveKey& o) const { return !(*this == o); }
 };
 
-// "all_gather of group 3, bucket 1 (4,096 elements)".
+// "all_gather of group 3, bucket 1 (4,096 elements)"; a control-plane key:
+// "control-plane all_gather (16 elements)".
 std::string describe(const CollectiveKey& key);
 
 // Ranks issued different collectives: thrown on every rank, naming each
