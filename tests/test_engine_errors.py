@@ -179,3 +179,27 @@ def test_nan_loss_raises_on_every_rank_and_changes_nothing(stage, dtype):
         assert r["warmup"] == 0
         assert "inf/NaN at step 2" in r["error"]
         _assert_same_snapshot(r["unchanged"], r["after"])
+
+
+def _fail(grad):
+    raise RuntimeError("rank 1 fails")
+
+
+def _raise_mid_backward_on_rank_1(rank, world, stage):
+    model = make()
+    engine = zerocore.wrap(model, adamw(model), {"stage": stage, "bucket_bytes": 512})
+    if rank == 1:  # the embedding's grad comes last: reductions are in flight by then
+        model.embed.weight.register_hook(_fail)
+    x, y = lm_batch(0, 0, world)
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    engine.step()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_rank_that_raises_mid_backward_fails_the_others_without_a_hang(stage):
+    # Rank 1 drains its queue as its engine goes and exits; rank 0's next
+    # collective then fails (the peer is gone) instead of waiting forever.
+    results = run_ranks(_raise_mid_backward_on_rank_1, 2, stage, raise_errors=False, timeout=30)
+    assert all(isinstance(r, RankError) for r in results)
+    assert results[1].message == "rank 1 fails"
+    assert results[0].exc_type == "RuntimeError"

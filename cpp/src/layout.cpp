@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "fnv1a.h"
 #include "zerocore/error.h"
 
 namespace zerocore {
@@ -10,17 +11,6 @@ namespace zerocore {
 namespace {
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-// FNV-1a over 64-bit words: stable across platforms and processes.
-struct Fnv1a {
-  uint64_t h = 1469598103934665603ull;
-  void add(int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= uint64_t(v >> (8 * i)) & 0xffu;
-      h *= 1099511628211ull;
-    }
-  }
-};
 
 }  // namespace
 

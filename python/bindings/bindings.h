@@ -7,4 +7,5 @@ void bind_tensor(nanobind::module_& m);
 void bind_layout(nanobind::module_& m);
 void bind_cpu(nanobind::module_& m);
 void bind_optim(nanobind::module_& m);
+void bind_comm(nanobind::module_& m);
 }  // namespace zerocore::bindings

@@ -13,4 +13,5 @@ NB_MODULE(_native, m) {
   bind_layout(m);
   bind_cpu(m);
   bind_optim(m);
+  bind_comm(m);
 }

@@ -1,37 +1,45 @@
-"""Collectives over a torch.distributed process group, counted by kind.
+"""Collectives of the engine, on one native ordered queue per process group.
 
-Data-plane collectives (the ones whose volume the ZeRO formulas predict)
-are counted in elements at their full, unpartitioned size: an all-gather
-by its output, a reduce-scatter by its input, an all-reduce by its tensor.
-Control-plane traffic (layout checks, overflow flags, norms, buffer
-broadcasts, checkpoint gathers) is not counted.
+Every collective goes through `Communicator.queue`, a
+zerocore._native.CommQueue: one native thread that runs the group's
+collectives in the order they were issued, over a ProcessGroupTransport
+(torch.distributed) or, without a process group (stage 0 on one process),
+over the single-process group, where every collective is the identity.
+Native code issues on the same queue, in the same order.
 
-Without a process group (stage 0 on one process) every collective is the
-identity, still counted, so the accounting reads the same.
+Data plane: the collectives whose volume the ZeRO formulas predict, keyed
+by (kind, the flat group's tag, the same on every rank, bucket, elements).
+The queue counts them in elements at their full, unpartitioned size: an
+all-gather by its output, a reduce-scatter by its input, an all-reduce by
+its tensor. Control plane (layout checks, overflow flags, norms, buffer
+broadcasts): keyed with group -1, neither counted nor in the order contract,
+always waited on. Their payloads (int64 hashes, float64 sums, buffers of any
+dtype) cross the queue as raw bytes, since it moves float tensors only, so
+they are only ever gathered or broadcast; sums are taken here, in rank
+order, so every rank gets the same bits.
 
-The order contract: every data-plane collective names what it moves (a key:
-the flat group's tag, the same on every rank, and the bucket), folded into a
-running fingerprint (and, for messages, kept in a trace of bounded length).
+The order contract: the queue folds every data-plane key, as it is issued,
+into a running fingerprint (and keeps the first TRACE_LIMIT in a trace).
 Once a step, sum_checking_order exchanges the fingerprint in the step's one
-control collective, so ranks that issued
-different collectives (another unit, bucket or size, or another order)
-raise CollectiveOrderError on every rank before anything is updated, at no
-extra collective per call. Only on that error path do ranks exchange their
-traces, to name the first collective where they parted.
+control collective, so ranks that issued different collectives (another
+unit, bucket or size, or another order) raise CollectiveOrderError on every
+rank before anything is updated, at no extra collective per call. Only on
+that error path do ranks exchange their traces, to name the first
+collective where they parted.
 """
 from __future__ import annotations
 
-import hashlib
+import weakref
 from collections import Counter
 
 import torch
-import torch.distributed as dist
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+from zerocore import _native
+from zerocore.process_group import ProcessGroupTransport
 
-# torch 2.13 renamed the tensor collectives; keep working with older names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the data plane, by native CollectiveKind
+_ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE, _BROADCAST = range(4)
+_CONTROL = -1  # the key group of control-plane collectives
 
 
 class CollectiveOrderError(RuntimeError):
@@ -39,85 +47,97 @@ class CollectiveOrderError(RuntimeError):
     raised on every rank, before params or optimizer state change."""
 
 
-class _Done:
-    """The handle of a collective that finished synchronously."""
+def _as_halves(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor holding an even number of them, as
+    float16 elements: a payload the native queue can move."""
+    return t.reshape(-1).view(torch.uint8).view(torch.float16)
 
-    def wait(self):
-        return True
+
+def _column_sums(rows) -> list:
+    return [sum(column) for column in zip(*rows)]
 
 
 class Communicator:
-    # Collectives remembered between checks, for naming where ranks parted
-    # (the fingerprint covers all of them): an engine used for inference
-    # only, never stepping, must not grow without bound.
-    TRACE_LIMIT = 100_000
-
     def __init__(self, group):
         self.group = group
         self.distributed = group is not None
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.stats = Counter({k: 0 for k in KINDS})
-        self._start_trace()
+        self.queue = (_native.CommQueue(ProcessGroupTransport(group)) if self.distributed
+                      else _native.CommQueue.single_process())
+        # Drain the queue when this communicator goes, or at the latest at
+        # interpreter exit, while the queue's thread can still take the GIL
+        # to finish a collective that is in flight.
+        weakref.finalize(self, self.queue.close)
+        self.rank = self.queue.rank
+        self.world_size = self.queue.world_size
+
+    @property
+    def stats(self) -> Counter:
+        """Elements moved per data-plane kind since wrap or reset_stats()."""
+        return Counter(dict(zip(KINDS, self.queue.stats())))
 
     def reset_stats(self):
-        self.stats = Counter({k: 0 for k in KINDS})
+        self.queue.reset_stats()
 
-    def _start_trace(self):
-        self.fingerprint = hashlib.blake2b(digest_size=8)
-        self.trace = []  # (kind, group tag, bucket, elements), the first TRACE_LIMIT since the last check
+    @property
+    def trace(self) -> list:
+        """(kind, group tag, bucket, elements) of the first TRACE_LIMIT
+        data-plane collectives since the last check."""
+        return self.queue.trace()
 
-    def _record(self, kind: int, key, numel: int):
-        entry = (kind, *key, numel)
-        self.fingerprint.update(repr(entry).encode())
-        if len(self.trace) < self.TRACE_LIMIT:
-            self.trace.append(entry)
+    @property
+    def TRACE_LIMIT(self) -> int:
+        """Collectives remembered between checks, for naming where ranks
+        parted (the fingerprint covers all of them): an engine used for
+        inference only, never stepping, must not grow without bound. Kept
+        by the queue; set on an instance, it bounds that queue's trace."""
+        return self.queue.trace_limit
+
+    @TRACE_LIMIT.setter
+    def TRACE_LIMIT(self, limit: int):
+        self.queue.trace_limit = limit
+
+    @staticmethod
+    def _issued(event, async_op):
+        """The collective's event; a blocking call waits on it first."""
+        if not async_op:
+            event.wait()
+        return event
 
     # Data plane -----------------------------------------------------------
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, key, async_op=False, count=True):
         """output (N x shard) <- every rank's shard; in place when shard is
         this rank's block of output. key: (group tag, bucket)."""
-        self._record(0, key, output.numel())
-        if count:
-            self.stats["all_gather"] += output.numel()
-        if not self.distributed:
-            if output.data_ptr() != shard.data_ptr():
-                output.copy_(shard)
-            return _Done()
-        work = _all_gather_single(output, shard, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        return self._issued(self.queue.all_gather((_ALL_GATHER, *key, output.numel()), shard, output, count),
+                            async_op)
 
     def reduce_scatter(self, shard: torch.Tensor, input: torch.Tensor, key, async_op=False):
         """shard <- this rank's block of the sum of every rank's input; in
         place when shard is this rank's block of input. key: (group tag, bucket)."""
-        self._record(1, key, input.numel())
-        self.stats["reduce_scatter"] += input.numel()
-        if not self.distributed:
-            if shard.data_ptr() != input.data_ptr():
-                shard.copy_(input)
-            return _Done()
-        work = _reduce_scatter_single(shard, input, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        return self._issued(self.queue.reduce_scatter((_REDUCE_SCATTER, *key, input.numel()), input, shard),
+                            async_op)
 
     def all_reduce(self, tensor: torch.Tensor, key, async_op=False):
-        self._record(2, key, tensor.numel())
-        self.stats["all_reduce"] += tensor.numel()
-        if not self.distributed:
-            return _Done()
-        work = dist.all_reduce(tensor, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        return self._issued(self.queue.all_reduce((_ALL_REDUCE, *key, tensor.numel()), tensor), async_op)
 
-    # Control plane (uncounted) --------------------------------------------
+    # Control plane (uncounted, waited on) ----------------------------------
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0):
-        if self.distributed:
-            dist.broadcast(tensor, dist.get_global_rank(self.group, src_rank), group=self.group)
+        """tensor <- rank src_rank's tensor, whatever its dtype and layout."""
+        t = tensor.detach()
+        nbytes = t.numel() * t.element_size()
+        if t.is_contiguous() and nbytes % 2 == 0:
+            self._broadcast_halves(_as_halves(t), src_rank)
+            return
+        staged = torch.zeros(nbytes + nbytes % 2, dtype=torch.uint8)
+        staged[:nbytes] = t.contiguous().reshape(-1).view(torch.uint8)
+        self._broadcast_halves(staged.view(torch.float16), src_rank)
+        t.copy_(staged[:nbytes].view(t.dtype).view(t.shape))
+
+    def _broadcast_halves(self, halves, src_rank):
+        self.queue.broadcast((_BROADCAST, _CONTROL, 0, halves.numel()), halves, src_rank).wait()
 
     def sum_scalars(self, values):
-        """Sums a list of floats over ranks (float64)."""
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.distributed:
-            dist.all_reduce(t, group=self.group)
-        return t.tolist()
+        """Sums a list of floats over ranks (float64, in rank order)."""
+        return _column_sums(self._gather_rows(values, torch.float64))
 
     def gather_ints(self, value: int) -> list:
         """Every rank's int, in rank order."""
@@ -129,13 +149,14 @@ class Communicator:
         same data-plane collectives since the last call; raises
         CollectiveOrderError on every rank if not. describe(tag) names a
         flat group for the message."""
-        trace, digest = self.trace, self.fingerprint.digest()
-        self._start_trace()
-        fingerprint = float(int.from_bytes(digest, "little") >> 12)  # 52 bits: exact in float64
+        fingerprint = float(self.queue.fingerprint >> 12)  # 52 bits: exact in float64
         rows = self._gather_rows([*values, fingerprint], torch.float64)
-        if len({row[-1] for row in rows}) > 1:
+        diverged = len({row[-1] for row in rows}) > 1
+        trace = self.trace if diverged else None
+        self.queue.restart_trace()
+        if diverged:
             raise CollectiveOrderError(self._divergence(trace, describe))
-        return [sum(column) for column in zip(*(row[:-1] for row in rows))]
+        return _column_sums(row[:-1] for row in rows)
 
     def _divergence(self, trace, describe) -> str:
         """The error path: ranks exchange their traces and name the first
@@ -165,10 +186,9 @@ class Communicator:
                 "runs: pass wrap(..., units=[the layer holding the experts]).")
 
     def _gather_rows(self, values, dtype) -> list:
-        """Every rank's list of numbers (all of one length), in rank order."""
+        """Every rank's list of numbers (all of one length, 8-byte dtype), in rank order."""
         t = torch.tensor(values, dtype=dtype)
-        if not self.distributed:
-            return [t.tolist()]
         out = torch.empty(self.world_size * t.numel(), dtype=dtype)
-        _all_gather_single(out, t, group=self.group)
+        rows = _as_halves(out)
+        self.queue.all_gather((_ALL_GATHER, _CONTROL, 0, rows.numel()), _as_halves(t), rows).wait()
         return out.view(self.world_size, -1).tolist()

@@ -1,6 +1,9 @@
 // The in-process transport and the per-group queue: collectives against
 // values computed directly, in place as the runtime uses them; a mismatched
 // key or a bad argument on one rank fails on every rank, and nothing hangs.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -116,6 +119,97 @@ void test_bad_argument_fails_everywhere() {
   CHECK(errors == kWorld);
 }
 
+// A queue of its own (a group of one rank), for the books alone.
+CommQueue solo_queue() { return CommQueue(InProcessGroup(1).transport(0)); }
+
+// Issues an all-reduce of `key` (a tensor of key.numel elements) and waits.
+void issue(CommQueue& q, const CollectiveKey& key, bool counted = true) {
+  q.all_reduce(key, Tensor::empty({key.numel}, DType::kFloat32), counted)->wait();
+}
+
+void test_fingerprint_equal_on_ranks_that_issued_the_same() {
+  std::vector<uint64_t> prints(kWorld);
+  std::atomic<int> bad{0};
+  on_ranks([&](int r, CommQueue& q) {
+    Tensor t = filled(8, r, DType::kFloat32);
+    q.all_reduce(key(CollectiveKind::kAllReduce, 0, 8), t);
+    q.broadcast(CollectiveKey{CollectiveKind::kBroadcast, -1, 0, 8}, t, 0);  // control plane: not in the books
+    q.all_reduce(key(CollectiveKind::kAllReduce, 1, 8), t)->wait();
+    prints[size_t(r)] = q.fingerprint();
+    const std::vector<CollectiveKey> expected{key(CollectiveKind::kAllReduce, 0, 8),
+                                              key(CollectiveKind::kAllReduce, 1, 8)};
+    if (q.trace() != expected) ++bad;
+  });
+  CHECK(bad == 0);
+  for (uint64_t p : prints) CHECK(p == prints[0]);
+}
+
+void test_fingerprint_differs_with_order_and_size() {
+  const CollectiveKey a = key(CollectiveKind::kAllReduce, 0, 8), b = key(CollectiveKind::kAllReduce, 1, 8);
+  CommQueue ab = solo_queue(), ba = solo_queue(), ab_again = solo_queue(), bigger = solo_queue();
+  for (CommQueue* q : {&ab, &ab_again}) {
+    issue(*q, a);
+    issue(*q, b);
+  }
+  issue(ba, b);
+  issue(ba, a);
+  issue(bigger, a);
+  issue(bigger, key(CollectiveKind::kAllReduce, 1, 9));
+  CHECK(ab.fingerprint() == ab_again.fingerprint());
+  CHECK(ab.fingerprint() != ba.fingerprint());
+  CHECK(ab.fingerprint() != bigger.fingerprint());
+  // Restarting forgets what was issued: the fingerprint of a fresh queue.
+  ab.restart_trace();
+  CHECK(ab.fingerprint() == solo_queue().fingerprint() && ab.trace().empty());
+  issue(ab, b);
+  issue(ab, a);
+  CHECK(ab.fingerprint() == ba.fingerprint());
+}
+
+void test_trace_is_bounded_but_fingerprint_covers_all() {
+  CommQueue all = solo_queue(), first_three = solo_queue();
+  CHECK(all.trace_limit() == CommQueue::kDefaultTraceLimit);
+  all.set_trace_limit(3);
+  for (int b = 0; b < 5; ++b) issue(all, key(CollectiveKind::kAllReduce, b, 4));
+  for (int b = 0; b < 3; ++b) issue(first_three, key(CollectiveKind::kAllReduce, b, 4));
+  CHECK(all.trace().size() == 3 && all.trace() == first_three.trace());
+  CHECK(all.fingerprint() != first_three.fingerprint());
+  all.set_trace_limit(1);  // a lower limit shortens the trace at once
+  CHECK(all.trace().size() == 1);
+}
+
+void test_stats_count_counted_data_plane_only() {
+  CommQueue q = solo_queue();
+  Tensor full = Tensor::empty({8}, DType::kFloat32);
+  q.all_gather(key(CollectiveKind::kAllGather, 0, 8), full, full);
+  q.all_gather(key(CollectiveKind::kAllGather, 0, 8), full, full, /*counted=*/false);
+  q.reduce_scatter(key(CollectiveKind::kReduceScatter, 0, 8), full, full);
+  q.all_reduce(key(CollectiveKind::kAllReduce, 0, 8), full);
+  q.all_gather(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 8}, full, full);
+  q.broadcast(CollectiveKey{CollectiveKind::kBroadcast, -1, 0, 8}, full, 0)->wait();
+  CHECK((q.stats() == std::array<int64_t, 4>{8, 8, 8, 0}));
+  CHECK(q.trace().size() == 4);  // the uncounted gather is still in the order contract
+  q.reset_stats();
+  CHECK((q.stats() == std::array<int64_t, 4>{0, 0, 0, 0}));
+  CHECK(q.trace().size() == 4);  // the contract's books are apart from the volume's
+}
+
+// A forked child (a rank started by fork) inherits its parent's queue but
+// not the queue's thread; dropping the queue there must not wait for it.
+void test_forked_child_drops_an_inherited_queue() {
+  auto q = std::make_unique<CommQueue>(InProcessGroup(1).transport(0));
+  issue(*q, key(CollectiveKind::kAllReduce, 0, 4));
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(10);  // a hang ends the child with SIGALRM
+    q.reset();
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 }  // namespace
 
 int main() {
@@ -123,7 +217,13 @@ int main() {
   test_collectives(DType::kBFloat16);
   test_mismatch_fails_everywhere();
   test_bad_argument_fails_everywhere();
+  test_fingerprint_equal_on_ranks_that_issued_the_same();
+  test_fingerprint_differs_with_order_and_size();
+  test_trace_is_bounded_but_fingerprint_covers_all();
+  test_stats_count_counted_data_plane_only();
+  test_forked_child_drops_an_inherited_queue();
   CHECK(describe(CollectiveKey{CollectiveKind::kReduceScatter, 2, 1, 1234567}) ==
         "reduce_scatter of group 2, bucket 1 (1,234,567 elements)");
+  CHECK(describe(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 16}) == "control-plane all_gather (16 elements)");
   return test::finish("test_comm");
 }

@@ -5,23 +5,26 @@
 // - Transport: blocking collectives on host tensors, in place where a shard
 //   is this rank's block of the full tensor. An implementation either checks
 //   the keys itself (InProcessGroup, ranks as threads) or leaves the check to
-//   its caller (a transport over torch.distributed or NCCL, where the engine
-//   folds a fingerprint of the keys into its step's control collective).
+//   its caller (a transport over torch.distributed or NCCL, where the
+//   queue's fingerprint of the keys travels in the engine's step control
+//   collective).
 // - CommQueue: one native thread per group that runs collectives in issue
 //   order; each returns an Event, so a caller overlaps communication with
 //   compute and reuses a buffer only after the event of the collective that
-//   read it.
+//   read it. The queue also keeps the order contract's books: a fingerprint
+//   and a bounded trace of the data-plane keys issued, and their volume.
 #pragma once
+#include <array>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
+#include <vector>
 
 #include "zerocore/tensor.h"
 
@@ -31,7 +34,10 @@ enum class CollectiveKind : uint8_t { kAllGather, kReduceScatter, kAllReduce, kB
 
 struct CollectiveKey {
   CollectiveKind kind = CollectiveKind::kAllGather;
-  int32_t group = 0;   // flat group (or unit) id, the same on every rank
+  // Flat group (or unit) id, the same on every rank: the data plane. A
+  // negative group marks control-plane traffic (start-up checks, norms,
+  // buffer broadcasts), which the queue neither fingerprints nor counts.
+  int32_t group = 0;
   int32_t bucket = 0;
   int64_t numel = 0;   // elements of the full, unpartitioned tensor
   bool operator==(const CollectiveKey& o) const {
@@ -40,7 +46,8 @@ struct CollectiveKey {
   bool operator!=(const CollectiveKey& o) const { return !(*this == o); }
 };
 
-// "all_gather of group 3, bucket 1 (4,096 elements)".
+// "all_gather of group 3, bucket 1 (4,096 elements)"; a control-plane key:
+// "control-plane all_gather (16 elements)".
 std::string describe(const CollectiveKey& key);
 
 // Ranks issued different collectives: thrown on every rank, naming each
@@ -101,6 +108,8 @@ class Event {
 
 class CommQueue {
  public:
+  static constexpr size_t kDefaultTraceLimit = 100000;
+
   explicit CommQueue(std::unique_ptr<Transport> transport);
   ~CommQueue();  // finishes the queued collectives first
   CommQueue(const CommQueue&) = delete;
@@ -112,26 +121,41 @@ class CommQueue {
   // Each queues one collective behind those issued before it and returns
   // its event. The tensors must stay alive and untouched until then. After
   // a collective fails, every later one fails with the same error.
+  // A data-plane key (group >= 0) is folded into the fingerprint and trace
+  // as it is issued, on the issuing thread, in queue order; its elements
+  // are added to stats() unless `counted` is false (gathers that are not
+  // training traffic).
   std::shared_ptr<Event> all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output,
                                     bool counted = true);
   std::shared_ptr<Event> reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard,
                                         bool counted = true);
   std::shared_ptr<Event> all_reduce(const CollectiveKey& key, const Tensor& tensor, bool counted = true);
-  std::shared_ptr<Event> broadcast(const CollectiveKey& key, const Tensor& tensor, int root);
+  std::shared_ptr<Event> broadcast(const CollectiveKey& key, const Tensor& tensor, int root, bool counted = true);
+
+  // The order contract. Ranks that issued the same data-plane keys in the
+  // same order since the last restart_trace() hold the same fingerprint, so
+  // comparing it in one control collective checks them all; the trace (the
+  // first trace_limit() keys) names where ranks parted when they differ.
+  uint64_t fingerprint() const;
+  std::vector<CollectiveKey> trace() const;
+  void restart_trace();  // fingerprint and trace back to their start
+  size_t trace_limit() const;
+  void set_trace_limit(size_t limit);  // bounds the trace of a queue that never restarts (inference)
+
+  // Elements of the counted data-plane collectives since the last
+  // reset_stats(), at their full size, indexed by CollectiveKind.
+  std::array<int64_t, 4> stats() const;
+  void reset_stats();
+
+  struct State;  // the thread, its work and the books (opaque)
 
  private:
-  std::shared_ptr<Event> enqueue(std::function<void(Transport&)> work);
-  void loop();
+  std::shared_ptr<Event> enqueue(const CollectiveKey& key, bool counted, std::function<void(Transport&)> work);
 
   std::unique_ptr<Transport> transport_;
   int rank_ = 0;
   int world_size_ = 1;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::pair<std::function<void(Transport&)>, std::shared_ptr<Event>>> work_;
-  std::exception_ptr failed_;
-  bool stopping_ = false;
-  std::thread thread_;
+  std::unique_ptr<State> state_;
 };
 
 }  // namespace zerocore

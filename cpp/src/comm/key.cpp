@@ -29,8 +29,10 @@ std::string with_commas(int64_t n) {
 }  // namespace
 
 std::string describe(const CollectiveKey& key) {
+  const std::string size = " (" + with_commas(key.numel) + " elements)";
+  if (key.group < 0) return std::string("control-plane ") + kind_name(key.kind) + size;
   return std::string(kind_name(key.kind)) + " of group " + std::to_string(key.group) + ", bucket " +
-         std::to_string(key.bucket) + " (" + with_commas(key.numel) + " elements)";
+         std::to_string(key.bucket) + size;
 }
 
 }  // namespace zerocore

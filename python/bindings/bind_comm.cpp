@@ -1,0 +1,169 @@
+// zerocore._native.CommQueue, Event and CollectiveKey: the engine issues
+// every collective on one native ordered queue per process group (see
+// comm.h), over a Python transport or the single-process group, so native
+// code can issue on the same queue.
+//
+// The GIL: the queue's thread takes it to run a Python transport and to let
+// go of the torch tensors a collective held. So no thread that holds the GIL
+// may wait for the queue: Event.wait() releases it while waiting, and a
+// queue is closed (drained, its thread joined) with the GIL released.
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "dlpack_tensor.h"
+#include "python_transport.h"
+#include "zerocore/comm.h"
+#include "zerocore/error.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace zerocore::bindings {
+
+namespace {
+
+// A CommQueue as Python holds it: closed by close() or when dropped.
+class BoundQueue {
+ public:
+  explicit BoundQueue(std::unique_ptr<Transport> transport)
+      : queue_(std::make_unique<CommQueue>(std::move(transport))) {}
+  ~BoundQueue() { close(); }
+  BoundQueue(const BoundQueue&) = delete;
+  BoundQueue& operator=(const BoundQueue&) = delete;
+
+  // Runs what was issued, then stops the thread. Called with the GIL held;
+  // releases it while the queue drains.
+  void close() {
+    std::unique_ptr<CommQueue> closing = std::move(queue_);
+    if (!closing) return;
+    nb::gil_scoped_release released;
+    closing.reset();
+  }
+
+  CommQueue& get() const {
+    if (!queue_) throw std::runtime_error("CommQueue: the queue was closed; issue on an open one");
+    return *queue_;
+  }
+
+ private:
+  std::unique_ptr<CommQueue> queue_;
+};
+
+CollectiveKey make_key(int64_t kind, int64_t group, int64_t bucket, int64_t numel) {
+  if (kind < 0 || kind > int64_t(CollectiveKind::kBroadcast)) {
+    throw InvalidArgument("collective key: kind must be 0 (all_gather), 1 (reduce_scatter), 2 (all_reduce) or "
+                          "3 (broadcast), got " + std::to_string(kind));
+  }
+  return CollectiveKey{CollectiveKind(kind), int32_t(group), int32_t(bucket), numel};
+}
+
+CollectiveKey to_key(nb::handle key) {
+  if (nb::isinstance<CollectiveKey>(key)) return nb::cast<CollectiveKey>(key);
+  std::vector<int64_t> fields;
+  if (!nb::try_cast(key, fields) || fields.size() != 4) {
+    throw TypeMismatch(std::string("collective key must be a CollectiveKey or a tuple (kind, group, bucket, numel) "
+                                   "of ints, got ") + nb::repr(key).c_str());
+  }
+  return make_key(fields[0], fields[1], fields[2], fields[3]);
+}
+
+nb::tuple key_tuple(const CollectiveKey& k) { return nb::make_tuple(int(k.kind), k.group, k.bucket, k.numel); }
+
+}  // namespace
+
+void bind_comm(nb::module_& m) {
+  nb::class_<CollectiveKey>(m, "CollectiveKey",
+                            "What a collective moves: kind (0 all_gather, 1 reduce_scatter, 2 all_reduce, "
+                            "3 broadcast), flat group (negative: control plane), bucket, elements.")
+      .def("__init__",
+           [](CollectiveKey* self, int64_t kind, int64_t group, int64_t bucket, int64_t numel) {
+             new (self) CollectiveKey(make_key(kind, group, bucket, numel));
+           },
+           "kind"_a, "group"_a, "bucket"_a, "numel"_a)
+      .def_prop_ro("kind", [](const CollectiveKey& k) { return int(k.kind); })
+      .def_ro("group", &CollectiveKey::group)
+      .def_ro("bucket", &CollectiveKey::bucket)
+      .def_ro("numel", &CollectiveKey::numel)
+      .def("__repr__", [](const CollectiveKey& k) { return "CollectiveKey(" + describe(k) + ")"; });
+
+  nb::class_<Event>(m, "Event", "Completion of one queued collective.")
+      .def("wait", &Event::wait, nb::call_guard<nb::gil_scoped_release>(),
+           "Blocks (without the GIL) until the collective ran; raises its error if it failed.")
+      .def("ready", &Event::ready, "True once the collective ran (or failed).");
+
+  nb::class_<BoundQueue>(m, "CommQueue",
+                         "One native thread running a group's collectives in issue order (comm.h). Tensors are "
+                         "DLPack objects (torch tensors), kept alive until their collective ran; each issue returns "
+                         "an Event.")
+      .def("__init__",
+           [](BoundQueue* self, nb::object transport) { new (self) BoundQueue(python_transport(std::move(transport))); },
+           "transport"_a,
+           "A queue over a Python transport: an object with rank, world_size and the blocking methods "
+           "all_gather(shard, output), reduce_scatter(input, shard), all_reduce(tensor), broadcast(tensor, root), "
+           "called on the queue's thread with DLPack tensors.")
+      .def_static(
+          "single_process", [] { return std::make_unique<BoundQueue>(InProcessGroup(1).transport(0)); },
+          "A queue over a group of this process alone (no torch.distributed).")
+      .def_prop_ro("rank", [](const BoundQueue& q) { return q.get().rank(); })
+      .def_prop_ro("world_size", [](const BoundQueue& q) { return q.get().world_size(); })
+      .def(
+          "all_gather",
+          [](const BoundQueue& q, nb::handle key, nb::handle shard, nb::handle output, bool counted) {
+            return q.get().all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
+                                      tensor_from_dlpack(output, "output"), counted);
+          },
+          "key"_a, "shard"_a, "output"_a, "counted"_a = true, "output (world_size x shard) <- every rank's shard.")
+      .def(
+          "reduce_scatter",
+          [](const BoundQueue& q, nb::handle key, nb::handle input, nb::handle shard, bool counted) {
+            return q.get().reduce_scatter(to_key(key), tensor_from_dlpack(input, "input"),
+                                          tensor_from_dlpack(shard, "shard"), counted);
+          },
+          "key"_a, "input"_a, "shard"_a, "counted"_a = true,
+          "shard <- this rank's block of the sum of every rank's input.")
+      .def(
+          "all_reduce",
+          [](const BoundQueue& q, nb::handle key, nb::handle tensor, bool counted) {
+            return q.get().all_reduce(to_key(key), tensor_from_dlpack(tensor, "tensor"), counted);
+          },
+          "key"_a, "tensor"_a, "counted"_a = true, "tensor <- the sum of every rank's tensor.")
+      .def(
+          "broadcast",
+          [](const BoundQueue& q, nb::handle key, nb::handle tensor, int root, bool counted) {
+            return q.get().broadcast(to_key(key), tensor_from_dlpack(tensor, "tensor"), root, counted);
+          },
+          "key"_a, "tensor"_a, "root"_a, "counted"_a = true, "tensor <- rank root's tensor.")
+      .def_prop_ro("fingerprint", [](const BoundQueue& q) { return q.get().fingerprint(); },
+                   "64-bit hash of the data-plane keys issued since the last restart_trace().")
+      .def(
+          "trace",
+          [](const BoundQueue& q) {
+            nb::list out;
+            for (const CollectiveKey& k : q.get().trace()) out.append(key_tuple(k));
+            return out;
+          },
+          "The first trace_limit data-plane keys since the last restart_trace(), as (kind, group, bucket, numel).")
+      .def("restart_trace", [](const BoundQueue& q) { q.get().restart_trace(); },
+           "Fingerprint and trace back to their start.")
+      .def_prop_rw(
+          "trace_limit", [](const BoundQueue& q) { return q.get().trace_limit(); },
+          [](const BoundQueue& q, size_t limit) { q.get().set_trace_limit(limit); },
+          "The most keys the trace keeps (the fingerprint covers them all).")
+      .def("stats", [](const BoundQueue& q) { return q.get().stats(); },
+           "Elements of the counted data-plane collectives since the last reset_stats(), indexed by kind.")
+      .def("reset_stats", [](const BoundQueue& q) { q.get().reset_stats(); })
+      .def("close", &BoundQueue::close,
+           "Runs the collectives already issued and stops the queue's thread (the GIL released meanwhile); "
+           "dropping the queue does the same.");
+}
+
+}  // namespace zerocore::bindings

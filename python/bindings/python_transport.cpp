@@ -1,0 +1,77 @@
+#include "python_transport.h"
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "dlpack_tensor.h"
+
+namespace nb = nanobind;
+
+namespace zerocore::bindings {
+
+namespace {
+
+class TransportFailed : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+nb::object to_python(const Tensor& t) { return nb::cast(tensor_to_ndarray(t)); }
+nb::object to_python(int value) { return nb::int_(value); }
+
+class PythonTransport final : public Transport {
+ public:
+  explicit PythonTransport(nb::object impl)
+      : impl_(std::move(impl)),
+        rank_(nb::cast<int>(impl_.attr("rank"))),
+        world_size_(nb::cast<int>(impl_.attr("world_size"))) {}
+
+  // Destroyed by whoever drops the queue, with or without the GIL.
+  ~PythonTransport() override {
+    if (!Py_IsInitialized()) {
+      impl_.release();  // after interpreter shutdown the object is left to the OS
+      return;
+    }
+    nb::gil_scoped_acquire gil;
+    impl_.reset();
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+
+  void all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) override {
+    call(key, "all_gather", shard, output);
+  }
+  void reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) override {
+    call(key, "reduce_scatter", input, shard);
+  }
+  void all_reduce(const CollectiveKey& key, const Tensor& tensor) override { call(key, "all_reduce", tensor); }
+  void broadcast(const CollectiveKey& key, const Tensor& tensor, int root) override {
+    call(key, "broadcast", tensor, root);
+  }
+
+ private:
+  template <class... Args>
+  void call(const CollectiveKey& key, const char* method, const Args&... args) {
+    nb::gil_scoped_acquire gil;
+    try {
+      impl_.attr(method)(to_python(args)...);
+    } catch (const nb::python_error& e) {
+      throw TransportFailed(describe(key) + ": the transport's " + method + " raised " +
+                            nb::type_name(e.type()).c_str() + ": " + nb::str(e.value()).c_str());
+    }
+  }
+
+  nb::object impl_;
+  const int rank_;
+  const int world_size_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> python_transport(nb::object impl) {
+  return std::make_unique<PythonTransport>(std::move(impl));
+}
+
+}  // namespace zerocore::bindings

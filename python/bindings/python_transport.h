@@ -1,0 +1,24 @@
+// A zerocore::Transport over a Python object, so a CommQueue can run
+// collectives that only Python can issue (torch.distributed process groups;
+// zerocore.process_group.ProcessGroupTransport) in its one native order,
+// beside collectives native code issues on the same queue.
+#pragma once
+#include <nanobind/nanobind.h>
+
+#include <memory>
+
+#include "zerocore/comm.h"
+
+namespace zerocore::bindings {
+
+// `impl` has `rank` and `world_size` (read once, here, with the GIL held)
+// and the blocking methods all_gather(shard, output), reduce_scatter(input,
+// shard), all_reduce(tensor) and broadcast(tensor, root), which take the
+// tensors as DLPack objects (torch.from_dlpack views them) and work in
+// place. The queue's thread takes the GIL for each call; a Python exception
+// fails the collective with a C++ error carrying its type and message (the
+// queue's thread keeps no Python object once it lets go of the GIL), which
+// Event.wait() raises as RuntimeError.
+std::unique_ptr<Transport> python_transport(nanobind::object impl);
+
+}  // namespace zerocore::bindings

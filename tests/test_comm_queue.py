@@ -1,0 +1,216 @@
+"""The native comm queue from Python: every collective of the engine runs on
+one ordered queue per group, over torch.distributed or a Python transport;
+it keeps the order contract's books, fails loudly with the transport's own
+message, and never deadlocks on the GIL (a deadlock here is a hang, so the
+cases that could hang run in a rank process with a deadline)."""
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocore
+from dist_harness import run_ranks
+from zerocore import _native
+from zerocore.comm import Communicator
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = range(4)
+
+
+def _os_threads() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+class RecordingTransport:
+    """A Python transport of one rank: collectives are the identity, and it
+    records which ran, on which thread, and can be told to fail."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, fail_on=None, hold=None):
+        self.calls, self.threads = [], set()
+        self.fail_on, self.hold = fail_on, hold
+
+    def _run(self, name):
+        self.calls.append(name)
+        self.threads.add(threading.get_ident())
+        if self.hold is not None:
+            self.hold.wait()  # Python on the queue's thread, while the issuer waits
+        if name == self.fail_on:
+            raise ValueError(f"the transport refused {name}")
+
+    def all_gather(self, shard, output):
+        self._run("all_gather")
+        torch.from_dlpack(output).copy_(torch.from_dlpack(shard))
+
+    def reduce_scatter(self, input, shard):
+        self._run("reduce_scatter")
+
+    def all_reduce(self, tensor):
+        self._run("all_reduce")
+        torch.from_dlpack(tensor).mul_(2)  # in place, seen by the issuer
+
+    def broadcast(self, tensor, root):
+        self._run("broadcast")
+
+
+def test_single_process_queue_keeps_the_books():
+    q = _native.CommQueue.single_process()
+    assert (q.rank, q.world_size, q.trace_limit) == (0, 1, 100_000)
+    start = q.fingerprint
+    shard, full = torch.arange(4.0), torch.zeros(4)
+    q.all_gather((ALL_GATHER, 3, 0, 4), shard, full).wait()
+    assert torch.equal(full, shard)
+    q.all_reduce(_native.CollectiveKey(ALL_REDUCE, 3, 1, 4), full, counted=False).wait()
+    q.broadcast((BROADCAST, -1, 0, 4), full, 0).wait()  # control plane: not in the books
+    assert q.trace() == [(ALL_GATHER, 3, 0, 4), (ALL_REDUCE, 3, 1, 4)]
+    assert q.stats() == [4, 0, 0, 0]
+    assert q.fingerprint != start
+    q.restart_trace()
+    q.reset_stats()
+    assert (q.fingerprint, q.trace(), q.stats()) == (start, [], [0, 0, 0, 0])
+
+
+def test_bad_keys_and_tensors_name_the_problem():
+    q = _native.CommQueue.single_process()
+    t = torch.zeros(4)
+    with pytest.raises(ValueError, match="kind must be 0"):
+        q.all_reduce((7, 0, 0, 4), t)
+    with pytest.raises(TypeError, match=r"tuple \(kind, group, bucket, numel\)"):
+        q.all_reduce((ALL_REDUCE, 0), t)
+    with pytest.raises(TypeError, match="tensor must be float32"):
+        q.all_reduce((ALL_REDUCE, 0, 0, 4), torch.zeros(4, dtype=torch.int64))
+    q.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        q.all_reduce((ALL_REDUCE, 0, 0, 4), t)
+
+
+def _with_deadline(check):
+    """Runs check() in a rank process: a GIL deadlock fails the test (as a
+    hang past the deadline) instead of stalling the suite."""
+    run_ranks(lambda rank, world: check(), 1, timeout=30)
+
+
+def _transport_runs_in_place_on_the_queue_thread():
+    transport = RecordingTransport()
+    q = _native.CommQueue(transport)
+    t = torch.ones(3)
+    events = [q.all_reduce((ALL_REDUCE, 0, b, 3), t) for b in range(3)]
+    events[-1].wait()
+    assert all(e.ready() for e in events)  # in order: the earlier ones ran first
+    assert torch.equal(t, torch.full((3,), 8.0))
+    assert transport.calls == ["all_reduce"] * 3
+    assert threading.get_ident() not in transport.threads
+
+
+def test_python_transport_runs_in_place_on_the_queue_thread():
+    _with_deadline(_transport_runs_in_place_on_the_queue_thread)
+
+
+def _transport_error_comes_out_of_wait():
+    q = _native.CommQueue(RecordingTransport(fail_on="reduce_scatter"))
+    t = torch.zeros(4)
+    event = q.reduce_scatter((REDUCE_SCATTER, 2, 1, 4), t, t)
+    with pytest.raises(RuntimeError, match=r"reduce_scatter of group 2, bucket 1 \(4 elements\).*"
+                                           r"ValueError: the transport refused reduce_scatter"):
+        event.wait()
+    # The ranks are out of step now: later collectives fail the same way.
+    with pytest.raises(RuntimeError, match="the transport refused reduce_scatter"):
+        q.all_reduce((ALL_REDUCE, 2, 2, 4), t).wait()
+
+
+def test_transport_error_comes_out_of_wait_with_its_message():
+    _with_deadline(_transport_error_comes_out_of_wait)
+
+
+def _gil_handoffs():
+    """Each step can only finish if no thread waits for the queue while
+    holding the GIL: the transport runs Python on the queue's thread, and
+    waits there for a third thread."""
+    for how in ("wait", "close", "drop"):
+        release = threading.Event()
+        threading.Timer(0.2, release.set).start()
+        q = _native.CommQueue(RecordingTransport(hold=release))
+        events = [q.all_reduce((ALL_REDUCE, 0, b, 1), torch.ones(1)) for b in range(3)]
+        if how == "wait":
+            events[-1].wait()
+        elif how == "close":
+            q.close()  # drains first
+        del q  # drains first, if still open
+        assert all(e.ready() for e in events), how
+
+
+def test_no_gil_deadlock_on_wait_close_or_drop():
+    _with_deadline(_gil_handoffs)
+
+
+def _collectives_over_gloo(rank, world):
+    comm = Communicator(dist.group.WORLD)
+    out = {}
+    # Data plane, in place as the engine uses it.
+    full = torch.arange(4.0) + 10 * rank
+    comm.all_gather(full, full[2 * rank:2 * rank + 2], (0, 0))
+    out["gathered"] = full.tolist()
+    grads = torch.arange(4.0) + rank
+    comm.reduce_scatter(grads[2 * rank:2 * rank + 2], grads, (0, 1), async_op=True).wait()
+    out["reduced"] = grads[2 * rank:2 * rank + 2].tolist()
+    summed = torch.full((3,), float(rank + 1), dtype=torch.bfloat16)
+    comm.all_reduce(summed, (1, 0)).wait()
+    out["summed"] = summed.float().tolist()
+    # Control plane: any dtype and layout, moved as bytes.
+    payloads = [torch.tensor(rank + 7, dtype=torch.int64),
+                torch.tensor([rank == 0] * 3),  # odd bytes
+                torch.arange(12, dtype=torch.float64).mul(rank + 1).view(3, 4).t()]  # not contiguous
+    for p in payloads:
+        comm.broadcast(p)
+    out["broadcast"] = [p.tolist() for p in payloads]
+    out["ints"] = comm.gather_ints(100 + rank)
+    out["sums"] = comm.sum_scalars([0.5, float(rank)])
+    out["stats"] = dict(comm.stats)
+    out["trace"] = comm.trace
+    out["total"] = comm.sum_checking_order([float(rank)], str)
+    out["trace after check"] = comm.trace
+    return out
+
+
+def test_communicator_over_gloo():
+    results = run_ranks(_collectives_over_gloo, 2, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["gathered"] == [0.0, 1.0, 12.0, 13.0]
+        assert r["reduced"] == [[1.0, 3.0], [5.0, 7.0]][rank]
+        assert r["summed"] == [3.0] * 3
+        assert r["broadcast"] == [7, [True] * 3, torch.arange(12, dtype=torch.float64).view(3, 4).t().tolist()]
+        assert r["ints"] == [100, 101]
+        assert r["sums"] == [1.0, 1.0]
+        assert r["stats"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 3}
+        assert r["trace"] == [(0, 0, 0, 4), (1, 0, 1, 4), (2, 1, 0, 3)]  # the data plane only
+        assert r["total"] == [1.0] and r["trace after check"] == []
+
+
+def _drop_communicators(group):
+    """(OS threads, arena bytes) before and after dropping communicators
+    with a collective still in flight."""
+    def use_and_drop():
+        comm = Communicator(group)
+        flat = zerocore.to_torch(zerocore.empty([8]))
+        comm.all_reduce(flat, (0, 0), async_op=True)
+
+    use_and_drop()  # whatever the first collective starts for good
+    before = (_os_threads(), zerocore.host_arena_bytes())
+    for _ in range(5):
+        use_and_drop()
+    return before, (_os_threads(), zerocore.host_arena_bytes())
+
+
+def test_dropped_communicator_frees_its_queue_thread_and_tensors():
+    before, after = _drop_communicators(None)  # the single-process queue
+    assert after == before
+
+
+def test_dropped_communicator_over_gloo_frees_its_queue_thread():
+    # Arena bytes are not compared here: gloo's worker thread lets go of a
+    # collective's tensors a moment after the collective completes.
+    results = run_ranks(lambda rank, world: _drop_communicators(dist.group.WORLD), 2, timeout=60)
+    for before, after in results:
+        assert after[0] == before[0]
