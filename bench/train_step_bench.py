@@ -22,13 +22,15 @@ barrier, and with --repeats R the lowest of the R medians (configurations
 interleave, so a noisy neighbour hits them alike). Peak memory is the
 largest peak RSS over ranks (median over repeats); "train" memory is the
 peak minus the RSS right after start-up (imports and process group), i.e.
-what the model, optimizer and training added. The default model (6 x 384,
-10.7M params) makes model states, not activations, the bulk of "train".
+what the model, optimizer and training added. The default model (8 x 512,
+25.3M params) makes model states, not activations, the bulk of "train".
 16-bit runs are slow on CPUs without native bf16 (AVX2 only: ~7x fp32),
 hence fp32 by default; --dtype bf16 compares like for like in bf16.
 
-Targets (issue 3): zero3 step time <= FSDP2's and peak memory <= FSDP2's;
-zero1 and zero2 step time within 10% of DDP's. Each prints PASS or MISS.
+Targets (the runtime issue; run once with default glibc settings and once
+with MALLOC_MMAP_THRESHOLD_=1048576): zero3 step time <= 0.85x FSDP2's, zero3
+"train" memory (peak RSS growth) <= 0.8x FSDP2's, zero3 peak RSS below DDP's,
+zero1 and zero2 step time within 5% of DDP's. Each prints PASS or MISS.
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--repeats", type=int, default=1, help="runs of each config (lowest median step time, median memory); configs interleave")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--d-model", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
     p.add_argument("--bucket-bytes", type=int, default=None, help="zerocore bucket_bytes (engine default if unset)")
@@ -315,11 +317,12 @@ def main(argv=None) -> int:
             checks.append(False)
 
     print("\nratios")
-    check("zero3 / fsdp2 step time", "zero3", "fsdp2", 1.0, "median_s")
-    check("zero3 / fsdp2 peak RSS", "zero3", "fsdp2", 1.0, "peak_mb")
-    check("zero1 / ddp step time", "zero1", "ddp", 1.10, "median_s")
-    check("zero2 / ddp step time", "zero2", "ddp", 1.10, "median_s")
-    for a, b, key, label in (("zero3", "fsdp2", "train_mb", "zero3 / fsdp2 train memory (info)"),
+    check("zero3 / fsdp2 step time", "zero3", "fsdp2", 0.85, "median_s")
+    check("zero3 / fsdp2 train memory (peak RSS growth)", "zero3", "fsdp2", 0.8, "train_mb")
+    check("zero3 / ddp peak RSS", "zero3", "ddp", 1.0, "peak_mb")
+    check("zero1 / ddp step time", "zero1", "ddp", 1.05, "median_s")
+    check("zero2 / ddp step time", "zero2", "ddp", 1.05, "median_s")
+    for a, b, key, label in (("zero3", "fsdp2", "peak_mb", "zero3 / fsdp2 peak RSS (info)"),
                              ("zero0", "ddp", "median_s", "zero0 / ddp step time (info)")):
         if a in best and b in best:
             print(f"  {label:<44} {best[a][key] / best[b][key]:6.3f}")

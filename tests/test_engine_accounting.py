@@ -22,6 +22,7 @@ def measure(rank, world, dtype, accum):
         engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                zerocore.Config(stage=stage, dtype=dtype, persist_threshold=0, bucket_bytes=1024))
         arena = zerocore.host_arena_bytes() - arena_before
+        memory_at_wrap = engine.memory_report()
         engine.reset_comm_stats()
         for step in range(2):
             for micro in range(accum):
@@ -31,7 +32,7 @@ def measure(rank, world, dtype, accum):
             engine.zero_grad()
             if step == 0:
                 comm = engine.comm_stats()  # the first step's volume
-        out[stage] = dict(memory=engine.memory_report(), arena=arena, comm=comm,
+        out[stage] = dict(memory=engine.memory_report(), memory_at_wrap=memory_at_wrap, arena=arena, comm=comm,
                           numel=engine.num_trainable_params, padding=engine.padding_elems)
     return out
 
@@ -51,8 +52,11 @@ def test_memory_and_comm_match_formulas(world, dtype, accum):
             hi = accounting.predicted_memory(stage, padded, world, dtype, state_bytes)
             for k in KEYS:
                 within(r["memory"][k], lo[k], hi[k], f"rank {rank} stage {stage} {k} memory")
-            # The report is what the native arenas really hold.
-            assert r["arena"] == sum(r["memory"][k] for k in KEYS), f"stage {stage}: arenas disagree with report"
+            # The report is what the native arenas really hold, all of it
+            # allocated at wrap: model states and the buffers collectives use.
+            held = sum(r["memory"][k] for k in KEYS) + r["memory"]["comm_buffers"]
+            assert r["arena"] == held, f"stage {stage}: arenas disagree with report"
+            assert r["memory"] == r["memory_at_wrap"], f"stage {stage}: memory allocated after wrap"
             lo_c = accounting.predicted_comm(stage, numel, accum)
             hi_c = accounting.predicted_comm(stage, padded, accum)
             for k in lo_c:

@@ -86,18 +86,30 @@ def test_injected_unit_order_mismatch_raises_on_every_rank():
 
 
 def _swap_equal_buckets_on_rank_1(engine, rank):
-    """Rank 1 reduces two buckets of equal size in the other order."""
+    """Rank 1 reduces the buckets of two equally laid out flat groups (two
+    blocks' params, stage 3) in the other order."""
     if rank != 1:
         return
-    slots = engine.reducer.slots
-    i, j = next((i, j) for i in range(len(slots)) for j in range(i + 1, len(slots))
-                if slots[i].group.buckets[slots[i].bucket].numel == slots[j].group.buckets[slots[j].bucket].numel)
-    slots[i], slots[j] = slots[j], slots[i]
+    groups = list(engine.reducer.groups)
+    i, j = next((i, j) for i in range(len(groups)) for j in range(i + 1, len(groups))
+                if [b.numel for b in groups[i].buckets] == [b.numel for b in groups[j].buckets])
+    groups[i], groups[j] = groups[j], groups[i]
+    engine.reducer.order(groups)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_injected_bucket_order_mismatch_raises_on_every_rank(stage):
-    results = run_ranks(_train_one_step, 2, make, stage, _swap_equal_buckets_on_rank_1, timeout=60)
+def _retag_on_rank_1(engine, rank):
+    """Rank 1 reduces its one trainable group (stage 2) under another key
+    (its other collectives keep theirs)."""
+    if rank == 1:
+        group = engine.reducer.groups[0]
+        group.tag += 100
+        engine.reducer.order(engine.reducer.groups)  # the native reducer takes the tag now
+        group.tag -= 100
+
+
+@pytest.mark.parametrize("stage,tamper", [(3, _swap_equal_buckets_on_rank_1), (2, _retag_on_rank_1)])
+def test_injected_bucket_mismatch_raises_on_every_rank(stage, tamper):
+    results = run_ranks(_train_one_step, 2, make, stage, tamper, timeout=60)
     _assert_raised_everywhere(results, "reduce_scatter of", "rank 0:", "rank 1:", "Nothing was updated")
 
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "bound_queue.h"
 #include "dlpack_tensor.h"
 #include "python_transport.h"
 #include "zerocore/comm.h"
@@ -30,33 +31,6 @@ using namespace nb::literals;
 namespace zerocore::bindings {
 
 namespace {
-
-// A CommQueue as Python holds it: closed by close() or when dropped.
-class BoundQueue {
- public:
-  explicit BoundQueue(std::unique_ptr<Transport> transport)
-      : queue_(std::make_unique<CommQueue>(std::move(transport))) {}
-  ~BoundQueue() { close(); }
-  BoundQueue(const BoundQueue&) = delete;
-  BoundQueue& operator=(const BoundQueue&) = delete;
-
-  // Runs what was issued, then stops the thread. Called with the GIL held;
-  // releases it while the queue drains.
-  void close() {
-    std::unique_ptr<CommQueue> closing = std::move(queue_);
-    if (!closing) return;
-    nb::gil_scoped_release released;
-    closing.reset();
-  }
-
-  CommQueue& get() const {
-    if (!queue_) throw std::runtime_error("CommQueue: the queue was closed; issue on an open one");
-    return *queue_;
-  }
-
- private:
-  std::unique_ptr<CommQueue> queue_;
-};
 
 CollectiveKey make_key(int64_t kind, int64_t group, int64_t bucket, int64_t numel) {
   if (kind < 0 || kind > int64_t(CollectiveKind::kBroadcast)) {

@@ -13,14 +13,14 @@ namespace nb = nanobind;
 
 namespace zerocore::bindings {
 
-namespace {
-
 DType parse_dtype(const std::string& s) {
   if (s == "float32" || s == "fp32") return DType::kFloat32;
   if (s == "bfloat16" || s == "bf16") return DType::kBFloat16;
   if (s == "float16" || s == "fp16") return DType::kFloat16;
   throw InvalidArgument("unknown dtype '" + s + "'; expected float32, bfloat16 or float16");
 }
+
+namespace {
 
 std::string device_string(Device d) {
   return d.type == DeviceType::kCPU ? "cpu" : "cuda:" + std::to_string(d.index);

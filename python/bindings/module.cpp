@@ -14,4 +14,5 @@ NB_MODULE(_native, m) {
   bind_cpu(m);
   bind_optim(m);
   bind_comm(m);
+  bind_schedule(m);
 }

@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocore import ops
+from zerocore._native import UnitSchedule
 from zerocore.comm import Communicator
 from zerocore.config import Config
-from zerocore.flat_group import TORCH_DTYPES, FlatGroup
+from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES, FlatGroup
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.loss_scale import LossScaler
 from zerocore.optim import ZeroOptimizer, read_optimizer
@@ -117,13 +118,15 @@ class Engine:
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
         self._cast_buffers()
 
+        self.scheduler = None
         if not placement.partitions_grads:
-            self.reducer, self.scheduler = FullGradReducer(self.groups, self.comm, placement), None
-        elif not placement.partitions_params:
-            self.reducer, self.scheduler = StagedReducer(self.groups, self.comm), None
+            self.reducer = FullGradReducer(self.groups, self.comm, placement)
         else:
-            self.scheduler = UnitScheduler(self.units, cfg.prefetch_bytes, self._attach_unit_grads)
-            self.reducer = StagedReducer(self.groups, self.comm)
+            self.reducer = StagedReducer(self.groups, self.comm, self._staging_buffers())
+        if placement.partitions_params:
+            schedule = UnitSchedule(self.comm.queue, [u.native_spec() for u in self.units],
+                                    NATIVE_NAMES[self.dtype], cfg.prefetch_bytes)
+            self.scheduler = UnitScheduler(self.units, schedule, self._attach_unit_grads)
         self.optimizer = ZeroOptimizer(spec, self._step, self.zero_grad)
         self._backward_calls = 0
         module._zerocore_engine = self
@@ -179,7 +182,7 @@ class Engine:
             if sharded:
                 persistent += [p for p in members if p.numel() < cfg.persist_threshold]
                 members = [p for p in members if p.numel() >= cfg.persist_threshold]
-            units.append(Unit(m, split(members, sharded=sharded)))
+            units.append(Unit(index, m, split(members, sharded=sharded)))
         # Reduction order, the same on every rank: units in backward order
         # (last registered first, the root, whose embeddings finish last,
         # at the end), then the params kept whole.
@@ -196,6 +199,19 @@ class Engine:
         inner = [i for i in holders if not any(j != i and unit_modules[j] in unit_modules[i].modules()
                                                 for j in holders)]
         return inner[0] if len(inner) == 1 else 0
+
+    def _staging_buffers(self) -> int:
+        """Staging buffers of gradient reduction planned at wrap: one in
+        flight, plus the buckets open at once when grads arrive in about
+        plan order. Stage 2: those one param spans, and one more for a
+        neighbour that comes early. Stage 3, where a unit's grads accumulate
+        in place in its buckets' staging: the root's buckets (open all
+        backward) and the largest other unit's."""
+        if not self.units:
+            spans = [s.last_bucket - s.first_bucket + 1 for g in self.groups if g.trainable for s in g.slots]
+            return 2 + max(spans, default=1)
+        buckets = [sum(len(g.buckets) for g in u.groups if g.trainable) for u in self.units]
+        return 1 + buckets[0] + max(buckets[1:], default=0)
 
     def _attach_unit_grads(self, unit):
         for g in unit.groups:
@@ -226,7 +242,8 @@ class Engine:
             args = torch.utils._pytree.tree_map(cast, args)
             kwargs = torch.utils._pytree.tree_map(cast, kwargs)
         try:
-            return self.module(*args, **kwargs)
+            with self.scheduler.saved_views if self.scheduler else contextlib.nullcontext():
+                return self.module(*args, **kwargs)
         finally:
             if self.scheduler:
                 self.scheduler.end_forward()
@@ -261,7 +278,7 @@ class Engine:
         # The step's one control collective; it also checks that every rank
         # issued the same collectives. Partitioned, each rank holds a
         # disjoint part of the grads; otherwise all ranks hold them all.
-        summed = self.comm.sum_checking_order([local], lambda tag: self.groups[tag].label)[0]
+        summed = self.comm.sum_checking_order([local], self._describe_group)[0]
         total = summed if self.placement.partitions_optimizer else local
         world = self.comm.world_size
         if not math.isfinite(total):
@@ -291,6 +308,11 @@ class Engine:
         self._end_step()
         return True
 
+    def _describe_group(self, tag) -> str:
+        """A flat group's params, named for an order-contract error (another
+        rank's tag may be one this rank does not have)."""
+        return self.groups[tag].label if 0 <= tag < len(self.groups) else f"flat group {tag}"
+
     def _end_step(self):
         self._backward_calls = 0
         if self.scheduler:
@@ -310,15 +332,18 @@ class Engine:
 
     def memory_report(self) -> dict:
         """Bytes of model states held on this rank: params, grads, optimizer
-        states (fp32 master, moments), module buffers; plus the staging
-        buffers of gradient reduction (comm_buffers), which are not model
-        states. Stage 3 params count their shard (between steps)."""
+        states (fp32 master, moments), module buffers; plus the buffers
+        collectives work in (comm_buffers: gradient reduction's staging and,
+        in stage 3, the pool units are gathered into), which are not model
+        states. Stage 3 params count their shard. All of it is allocated at
+        wrap: the report is the same before the first step and after."""
         out = {"param": 0, "grad": 0, "optim": 0}
         for g in self.groups:
             for k, v in g.memory().items():
                 out[k] += v
         out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
-        out["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0)
+        out["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0) + \
+            (self.scheduler.native.buffer_bytes if self.scheduler else 0)
         return out
 
     def comm_stats(self) -> dict:

@@ -15,10 +15,11 @@ What lives where, per stage (placement.py; P: partition, F: full flat buffer):
             while gathered
 
 The module's nn.Parameters keep their identity; their .data are views into
-F, created once. A sharded group frees F by resizing its storage to zero
-and gathers by resizing it back: the views, and any view autograd saved in
-forward, stay valid across a free/gather cycle instead of pointing at
-recycled memory.
+F, created once. A sharded group has no F of its own: stage 3's schedule
+gathers its unit into a buffer of the native gather pool and binds the
+params to views of it (bind), and points them back at placeholders of their
+shape with no memory when the unit is released (unbind), so a stale read
+fails loudly instead of reading another unit's values.
 """
 from __future__ import annotations
 
@@ -30,13 +31,13 @@ import zerocore
 from zerocore.comm import Communicator
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_NATIVE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+NATIVE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ALIGN_BYTES = 64  # params and shards start on cache lines
 
 
 def arena_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed 1-D tensor in its own native arena (huge pages when large)."""
-    t = zerocore.to_torch(zerocore.empty([numel], _NATIVE_NAMES[dtype]))
+    t = zerocore.to_torch(zerocore.empty([numel], NATIVE_NAMES[dtype]))
     return t.zero_()
 
 
@@ -75,7 +76,9 @@ class FlatGroup:
         self.slots = self.plan.params
         self.buckets = self.plan.buckets
         self.runs = self._runs() if trainable else []
-        self.full = None
+        self.full = None  # F; for a sharded group, the buffer it is bound to while gathered
+        self._views = {}  # sharded: per buffer address, the params' views into it
+        self._placeholders = []
         self.shard = None
         self.master = None
         self.state = {}
@@ -123,7 +126,6 @@ class FlatGroup:
         if self.sharded:
             self.shard = arena_zeros(plan.partition_elems, self.dtype)
             self._fill_partition(self.shard, sources)
-            self.full = torch.empty(plan.total_elems, dtype=self.dtype)
         else:
             self.full = arena_zeros(plan.total_elems, self.dtype)
             for src, slot in zip(sources, self.slots):
@@ -132,10 +134,11 @@ class FlatGroup:
             self.master = arena_zeros(plan.partition_elems, torch.float32)
             self._fill_partition(self.master, sources)
         del sources
-        for p, slot, shape in zip(self.params, self.slots, self.shapes):
-            p.data = self.full[slot.offset:slot.offset + slot.numel].view(shape)
         if self.sharded:
-            self.free()
+            self._placeholders = self._make_placeholders()
+            self.unbind()
+        else:
+            self.bind(self.full)
         if not self.trainable:
             return
         for name in state_names:
@@ -151,20 +154,38 @@ class FlatGroup:
             out[seg.partition_offset:seg.partition_offset + seg.numel].copy_(
                 sources[seg.param][seg.param_offset:seg.param_offset + seg.numel])
 
-    # Stage 3: gather and free -------------------------------------------
+    # Binding params to a flat buffer ----------------------------------------
+    def _make_placeholders(self) -> list:
+        """Per param, a tensor of its shape whose storage holds no memory:
+        views cut from one buffer before its storage is resized to zero."""
+        backing = torch.empty(max((s.numel for s in self.slots), default=0), dtype=self.dtype)
+        out = [backing[:slot.numel].view(shape) for slot, shape in zip(self.slots, self.shapes)]
+        backing.untyped_storage().resize_(0)
+        return out
+
     @property
     def gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
+        return self.full is not None
 
-    def gather_async(self, count=True) -> list:
-        """Starts the all-gathers that fill F; wait on the returned handles."""
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        return [self.comm.all_gather(self.full[self.bucket_slice(b)], self.shard[self.partition_slice(b)],
-                                     (self.tag, b), async_op=True, count=count)
-                for b in range(len(self.buckets))]
+    def bind(self, flat: torch.Tensor, keep_views=True):
+        """The params become views of `flat`, this group's flat buffer (for a
+        sharded group, where its unit is gathered). keep_views: the buffer
+        lives as long as the engine (a pool slot), so its views are made once
+        and kept; a temporary buffer's are not, or they would keep it alive."""
+        views = self._views.get(flat.data_ptr())
+        if views is None:
+            views = [flat[s.offset:s.offset + s.numel].view(shape) for s, shape in zip(self.slots, self.shapes)]
+            if keep_views:
+                self._views[flat.data_ptr()] = views
+        for p, v in zip(self.params, views):
+            p.data = v
+        self.full = flat
 
-    def free(self):
-        self.full.untyped_storage().resize_(0)
+    def unbind(self):
+        """Sharded: the params point at placeholders with no memory again."""
+        for p, v in zip(self.params, self._placeholders):
+            p.data = v
+        self.full = None
 
     # Gradients -------------------------------------------------------------
     def attach_grad_views(self):
@@ -260,10 +281,9 @@ class FlatGroup:
         def nbytes(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-        # A sharded group's full buffer counts only while gathered (between
-        # steps it should not be: a leak shows up here).
-        param = nbytes(self.full) if not self.sharded else \
-            nbytes(self.shard) + (nbytes(self.full) if self.gathered else 0)
+        # A sharded group holds its shard; the buffers it is gathered into
+        # belong to the schedule's pool (the engine's comm_buffers).
+        param = nbytes(self.shard if self.sharded else self.full)
         return {"param": param, "grad": nbytes(self.grad_full, self.grad_part),
                 "optim": nbytes(self.master, *self.state.values())}
 

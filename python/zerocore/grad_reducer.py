@@ -1,31 +1,27 @@
-"""Gradient reduction across data-parallel ranks.
+"""Gradient reduction across data-parallel ranks: the Python side.
 
 FullGradReducer (stages 0-1): autograd accumulates into views of each
 group's flat grad buffer; at the step boundary every bucket is all-reduced
 (stage 0) or reduce-scattered in place (stage 1), once per step however
 many backward calls came before.
 
-StagedReducer (stages 2-3): autograd's per-param grad is copied, as soon as
-it is accumulated, into a staging buffer of its bucket and then dropped; a
-bucket whose params have all reported is reduce-scattered and its shard
-added into the group's partition grads, so only the partition and a few
-constant-size staging buffers outlive backward.
-
-Buckets are reduced in one fixed order on every rank (the plan's, groups in
-backward order), whatever order their grads arrive in: a bucket that is
-ready waits for the ones before it. Ranks whose grads differ (a param
-unused on one rank) therefore still issue the same collectives in the same
-order, and nothing hangs. Params that produced no grad count as zero; a
-param whose grad arrives again after its bucket was reduced (reentrant
-checkpointing) gets its bucket reduced again at the end of backward.
+StagedReducer (stages 2-3): autograd's per-param grad goes, as soon as it
+is accumulated, to the native BucketReducer (cpp/include/zerocore/
+bucket_reducer.h), which stages it in its bucket, reduce-scatters complete
+buckets in one fixed order on every rank and adds each rank's block into
+its grad partition; only the partitions and a few constant-size staging
+buffers outlive backward. Params that produced no grad count as zero; a
+grad that arrives after its bucket was reduced (reentrant checkpointing)
+gets its bucket reduced again at the end of backward, on every rank.
 """
 from __future__ import annotations
 
 import weakref
 
-import torch
-
+import zerocore
+from zerocore._native import BucketReducer
 from zerocore.comm import Communicator
+from zerocore.flat_group import NATIVE_NAMES
 
 
 def _hook_each(params, method):
@@ -75,60 +71,30 @@ class FullGradReducer:
             w.wait()
 
 
-class _Slot:
-    """One bucket of one group on its way through reduction."""
-
-    __slots__ = ("group", "bucket", "params", "waiting", "staging", "issued", "dirty")
-
-    def __init__(self, group, bucket, params):
-        self.group, self.bucket, self.params = group, bucket, params
-        self.waiting = set(params)
-        self.staging = None
-        self.issued = False
-        self.dirty = False
-
-
 class StagedReducer:
-    # Reductions allowed in flight before the oldest is completed: one keeps
-    # each reduction overlapped with the next bucket's backward while the
-    # staging memory stays at two buckets.
-    MAX_IN_FLIGHT = 1
+    """The hooks of the native BucketReducer (zerocore._native): each
+    param's grad, once accumulated, is handed to it and dropped."""
 
-    def __init__(self, groups, comm: Communicator):
+    def __init__(self, groups, comm: Communicator, staging_buffers: int):
         self.comm = comm
-        self.slots = []
-        self.pieces = {}  # id(param) -> [(slot, param slice, staging slice)]
-        self._pool = {}
-        self.pool_bytes = 0
-        for g in (g for g in groups if g.trainable):
-            for b, bucket in enumerate(g.buckets):
-                idx = [i for i in range(bucket.first_param, bucket.last_param + 1) if g.slots[i].numel > 0]
-                slot = _Slot(g, b, [id(g.params[i]) for i in idx])
-                self.slots.append(slot)
-                for i in idx:
-                    s = g.slots[i]
-                    lo, hi = max(s.offset, bucket.offset), min(s.offset + s.numel, bucket.offset + bucket.numel)
-                    self.pieces.setdefault(id(g.params[i]), []).append(
-                        (slot, slice(lo - s.offset, hi - s.offset), slice(lo - bucket.offset, hi - bucket.offset)))
-        self.hooks = _hook_each([p for g in groups if g.trainable for p in g.params], self._on_grad)
-        self._reset()
-
-    def _reset(self):
-        self.next = 0
-        self.in_flight = []
+        self.staging_buffers = staging_buffers
+        self.order([g for g in groups if g.trainable])
+        self.hooks = _hook_each([p for g in self.groups for p in g.params], self._on_grad)
         self.viewed = []  # params whose .grad is a view into a staging buffer
-        for s in self.slots:
-            s.waiting = set(s.params)
-            s.issued = s.dirty = False
 
-    # Staging buffers come from a small pool keyed by size and dtype.
-    def _take(self, slot) -> torch.Tensor:
-        n, dtype = slot.group.buckets[slot.bucket].numel, slot.group.reduce_dtype
-        free = self._pool.get((n, dtype))
-        if free:
-            return free.pop().zero_()
-        self.pool_bytes += n * torch.finfo(dtype).bits // 8
-        return torch.zeros(n, dtype=dtype)
+    def order(self, groups):
+        """Reduces `groups` in this order (the engine's; tests reorder it on
+        one rank to check the order contract)."""
+        self.groups = groups
+        self.index = {id(g): i for i, g in enumerate(groups)}
+        self.where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g.params)}
+        reduce_dtype = NATIVE_NAMES[groups[0].reduce_dtype] if groups else "float32"
+        self.native = BucketReducer(self.comm.queue, [(g.tag, g.plan, g.grad_part) for g in groups], reduce_dtype,
+                                    self.staging_buffers)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.native.staging_bytes
 
     def before_backward(self):
         pass
@@ -138,74 +104,28 @@ class StagedReducer:
         view into its bucket's staging buffer, so autograd accumulates there
         in place (no per-param allocation, no copy). Params that straddle
         buckets, and buckets already reduced, keep the copy path."""
-        for p, shape in zip(group.params, group.shapes):
-            pieces = self.pieces.get(id(p), ())
-            if p.grad is not None or len(pieces) != 1 or pieces[0][0].issued or group.reduce_dtype != group.dtype:
-                continue
-            slot, _, dst = pieces[0]
-            if slot.staging is None:
-                slot.staging = self._take(slot)
-            p.grad = slot.staging[dst].view(shape)
-            self.viewed.append(p)
+        if group.reduce_dtype != group.dtype:
+            return
+        i = self.index[id(group)]
+        for j, (p, shape) in enumerate(zip(group.params, group.shapes)):
+            if p.grad is None:
+                view = self.native.grad_view(i, j)
+                if view is not None:
+                    p.grad = zerocore.to_torch(view).view(shape)
+                    self.viewed.append(p)
 
     def _on_grad(self, p):
-        grad = p.grad.reshape(-1)
-        for slot, src, dst in self.pieces[id(p)]:
-            if slot.staging is None:
-                slot.staging = self._take(slot)
-            target = slot.staging[dst]
-            if grad.data_ptr() != target.data_ptr():  # not accumulated in place
-                target.add_(grad[src])
-            if slot.issued:
-                slot.dirty = True
-            slot.waiting.discard(id(p))
+        i, j = self.where[id(p)]
+        self.native.grad_ready(i, j, p.grad.reshape(-1))
         p.grad = None
-        self._issue_ready()
-
-    def _issue_ready(self):
-        while self.next < len(self.slots) and not self.slots[self.next].waiting:
-            self._issue(self.slots[self.next])
-            self.next += 1
-
-    def _issue(self, slot):
-        if slot.staging is None:  # no grads here on this rank: reduce zeros
-            slot.staging = self._take(slot)
-        staging, slot.staging = slot.staging, None  # later grads go to a fresh buffer
-        work = self.comm.reduce_scatter(staging[self._local(slot)], staging, (slot.group.tag, slot.bucket),
-                                        async_op=True)
-        slot.issued, slot.dirty = True, False
-        self.in_flight.append((slot, work, staging))
-        while len(self.in_flight) > self.MAX_IN_FLIGHT:
-            self._complete(*self.in_flight.pop(0))
-
-    def _local(self, slot) -> slice:
-        n = slot.group.plan.shard_elems(slot.bucket)
-        return slice(slot.group.rank * n, (slot.group.rank + 1) * n)
-
-    def _complete(self, slot, work, staging):
-        work.wait()
-        g = slot.group
-        g.grad_part[g.partition_slice(slot.bucket)].add_(staging[self._local(slot)])
-        self._pool.setdefault((staging.numel(), staging.dtype), []).append(staging)
 
     def after_backward(self):
-        """End of backward: reduce every bucket not yet reduced (params that
-        got no grad count as zero), then buckets that got late grads."""
-        # Views of params that got no grad must not outlive their buffers.
-        for p in self.viewed:
+        """Reduces what is left (params that got no grad count as zero) and
+        waits until every reduction is in the partitions."""
+        for p in self.viewed:  # views of params that got no grad must not outlive the backward
             p.grad = None
-        for slot in self.slots[self.next:]:
-            slot.waiting.clear()
-        self._issue_ready()
-        # Late grads may have come on some ranks only: agree on which buckets
-        # to reduce again, so every rank issues the same collectives.
-        dirty = self.comm.sum_scalars([float(s.dirty) for s in self.slots]) if self.slots else []
-        for slot, d in zip(self.slots, dirty):
-            if d:
-                self._issue(slot)
-        while self.in_flight:
-            self._complete(*self.in_flight.pop(0))
-        self._reset()
+        self.viewed = []
+        self.native.end_backward()
 
     def reduce(self):
         pass

@@ -1,5 +1,11 @@
 """Stage 3: parameters live as shards; a unit's params are gathered just
-before the unit runs (forward, and again in backward) and freed after.
+before the unit runs (forward, and again in backward) and released after.
+The schedule itself is native (zerocore._native.UnitSchedule: which unit is
+gathered in which buffer of the fixed gather pool, prefetch, release); this
+module holds only what must be Python: the module and autograd hooks that
+tell it what happened, the binding of each unit's nn.Parameters to the
+buffer it is gathered in, and the saved-tensor hooks that keep what
+autograd saved pointing at the right bytes.
 
 A unit is a module whose params are gathered together: by default the
 modules held directly by the outermost nn.ModuleList/nn.Sequential
@@ -16,23 +22,33 @@ Schedule, with no recorded trace:
   in flight) and prefetches the units that followed it in the previous
   step's forward, up to prefetch_bytes; when its inputs need grads it
   routes them through _PostBackward, to find its post-backward point. Its
-  post-hook frees it and, when its outputs need grads, hooks them so that
-  backward gathers it again before its grads are computed, prefetching the
-  unit that ran before it in this step's forward;
-- backward: a unit is freed at its post-backward point, when the grads of
-  its inputs are complete: every param its backward reads (frozen weights
-  that input grads need included) has been read by then. A unit whose
-  inputs need no grad (the first one) stays gathered until backward ends,
-  when every unit still gathered is freed;
-- a forward under no_grad (eval) frees each unit after it runs.
+  post-hook releases it and, when its outputs need grads, hooks them so
+  that backward gathers it again before its grads are computed, prefetching
+  the unit that ran before it in this step's forward;
+- backward: a unit is released at its post-backward point, when the grads
+  of its inputs are complete: every param its backward reads (frozen
+  weights that input grads need included) has been read by then. A unit
+  whose inputs need no grad (the first one) stays gathered until backward
+  ends, when every unit still gathered is released;
+- a forward under no_grad (eval) releases each unit after it runs.
 Prefetch is only ever a guess: a wrong one costs a gather, never a wrong
 result, and every rank makes the same guesses.
+
+Saved tensors: a released unit may be gathered again into another buffer
+of the pool. Autograd saves a leaf param as the param itself, which follows
+the rebinding; a view of a param (W.t() inside a linear) it saves as is, so
+forward runs under saved_tensors_hooks (SavedParamViews) that pack such a
+view as (unit, offset, sizes, strides) and unpack it as a view of the
+buffer the unit is gathered in when backward needs it.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+import zerocore
+from zerocore.flat_group import NATIVE_NAMES
 
 
 def find_units(module: nn.Module, units=None) -> list:
@@ -60,34 +76,19 @@ def find_units(module: nn.Module, units=None) -> list:
 
 
 class Unit:
-    def __init__(self, module, groups):
+    def __init__(self, index, module, groups):
+        self.index = index  # in the native schedule; the root is 0
         self.module = module
         self.groups = groups  # FlatGroups of sharded params
-        self.pending = []  # all-gather handles in flight
-        # Calls of this unit whose backward began (pre-backward) and has not
-        # reached its post-backward point: a unit called twice is released
-        # only after the backward of both calls.
-        self.open_backwards = 0
-        self.nbytes = sum(g.full.numel() * g.full.element_size() for g in groups)
+        self.schedule = None  # set by UnitScheduler
 
     @property
     def gathered(self) -> bool:
-        return bool(self.pending) or any(g.gathered for g in self.groups)
+        """Gathered, or being gathered, in the pool (prefetches count)."""
+        return self.schedule is not None and self.schedule.gathered(self.index)
 
-    def start_gather(self, count=True):
-        if not self.gathered:
-            self.pending = [w for g in self.groups for w in g.gather_async(count)]
-
-    def wait(self):
-        for w in self.pending:
-            w.wait()
-        self.pending = []
-
-    def free(self):
-        self.wait()
-        for g in self.groups:
-            if g.gathered:
-                g.free()
+    def native_spec(self):
+        return (self.index == 0, [(g.tag, g.plan, g.shard) for g in self.groups])
 
 
 class _PostBackward(torch.autograd.Function):
@@ -108,27 +109,65 @@ class _PostBackward(torch.autograd.Function):
 
 
 class UnitScheduler:
-    def __init__(self, units, prefetch_bytes: int, on_unit_backward=None):
+    def __init__(self, units, schedule, on_unit_backward=None):
         self.units = units
-        self.prefetch_bytes = prefetch_bytes
+        self.native = schedule
+        for u in units:
+            u.schedule = schedule
         self.on_unit_backward = on_unit_backward or (lambda unit: None)
         self.in_backward = False
-        self.forward_order = []  # this step's first-run order
-        self.last_forward_order = []
+        self.bound = {}  # unit index -> address of the buffer its params view
+        self.at = {}  # buffer address -> the unit bound there (for saved tensors)
+        self.flats = {}  # (address, elements) -> a torch view of a buffer (pool buffers live as long as the engine)
+        self.saved_views = SavedParamViews(self)
         self.handles = []
         for u in units:
             self.handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
             self.handles.append(u.module.register_forward_hook(self._post_forward(u)))
 
+    # Binding ---------------------------------------------------------------
+    def _flat(self, buffer) -> torch.Tensor:
+        key = (buffer.data_ptr, buffer.numel)  # units of different sizes share a pool slot
+        flat = self.flats.get(key)
+        if flat is None:
+            flat = self.flats[key] = zerocore.to_torch(buffer)
+        return flat
+
+    def _bind(self, unit, buffer):
+        if self.bound.get(unit.index) == buffer.data_ptr:
+            return
+        flat = self._flat(buffer)
+        for i, g in enumerate(unit.groups):
+            offset = self.native.group_offset(unit.index, i)
+            g.bind(flat[offset:offset + g.plan.total_elems])
+        self.bound[unit.index] = buffer.data_ptr
+        self.at[buffer.data_ptr] = unit
+
+    def _unbind_released(self):
+        """Points the params of units the schedule released at placeholders."""
+        for index, address in list(self.bound.items()):
+            buffer = self.native.buffer(index)
+            if buffer is None or buffer.data_ptr != address:
+                for g in self.units[index].groups:
+                    g.unbind()
+                del self.bound[index]
+                if self.at.get(address) is self.units[index]:
+                    del self.at[address]
+
+    def buffer_of(self, unit) -> torch.Tensor:
+        """The torch view of the buffer `unit` is gathered in (backward's
+        unpacking of saved views)."""
+        buffer = self.native.buffer(unit.index)
+        if buffer is None:
+            raise RuntimeError(f"zerocore: backward needs params of unit {unit.index} "
+                               f"({type(unit.module).__name__}), which is not gathered; was the graph of an "
+                               "earlier step kept (retain_graph) past engine.step()?")
+        return self._flat(buffer)
+
     # Forward ---------------------------------------------------------------
     def _pre_forward(self, unit):
         def hook(module, args, kwargs):
-            unit.start_gather()
-            unit.wait()
-            if not self.in_backward:
-                if unit not in self.forward_order:
-                    self.forward_order.append(unit)
-                self._prefetch_after(unit, self.last_forward_order)
+            self._bind(unit, self.native.pre_forward(unit.index))
             return self._mark_post_backward(unit, args, kwargs)
         return hook
 
@@ -152,69 +191,87 @@ class UnitScheduler:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-            unit.free()
+            self.native.post_forward(unit.index)
+            self._unbind_released()
             return output
         return hook
 
-    def _prefetch_after(self, unit, order):
-        """Starts gathering the unit after `unit` in `order`, and the ones
-        after it while they fit in the prefetch byte budget."""
-        if unit not in order or self.prefetch_bytes <= 0:
-            return
-        budget = self.prefetch_bytes
-        for i, nxt in enumerate(order[order.index(unit) + 1:]):
-            if i > 0 and nxt.nbytes > budget:
-                break
-            budget -= nxt.nbytes
-            nxt.start_gather()
-
     def end_forward(self):
         """After the root's forward: drop prefetches that were not used."""
-        if not self.in_backward:
-            for u in self.units:
-                u.free()
+        self.native.end_forward()
+        self._unbind_released()
 
     # Backward --------------------------------------------------------------
     def begin_backward(self):
         self.in_backward = True
+        self.native.begin_backward()
 
     def _pre_backward(self, unit):
         def hook(_grad):
-            unit.open_backwards += 1
-            unit.start_gather()
-            unit.wait()
+            self._bind(unit, self.native.pre_backward(unit.index))
             self.on_unit_backward(unit)
-            backward_order = self.forward_order[::-1]
-            self._prefetch_after(unit, backward_order)
         return hook
 
-    @staticmethod
-    def _post_backward(unit):
+    def _post_backward(self, unit):
         def hook():
-            unit.open_backwards = max(0, unit.open_backwards - 1)
-            if unit.open_backwards == 0:
-                unit.free()
+            self.native.post_backward(unit.index)
+            self._unbind_released()
         return hook
 
     def end_backward(self):
-        for u in self.units:
-            u.open_backwards = 0
-            u.free()
+        self.native.end_backward()
+        self._unbind_released()
         self.in_backward = False
 
     def end_step(self):
         """Called once per optimizer step: this step's order guides the next."""
-        if self.forward_order:
-            self.last_forward_order = self.forward_order
-        self.forward_order = []
+        self.native.end_step()
 
+    # Whole-model views -----------------------------------------------------
     def gather_all(self):
-        """Every unit, for gathered_params (not counted as training traffic)."""
-        for u in self.units:
-            u.start_gather(count=False)
-        for u in self.units:
-            u.wait()
+        """Every unit into a temporary buffer of its own, outside the pool
+        (gathered_params; not counted as training traffic)."""
+        for u in (u for u in self.units if u.groups):
+            buffer = zerocore.empty([self.native.unit_elems(u.index)], NATIVE_NAMES[u.groups[0].dtype])
+            self.native.gather_into(u.index, buffer)
+            flat = zerocore.to_torch(buffer)
+            for i, g in enumerate(u.groups):
+                offset = self.native.group_offset(u.index, i)
+                g.bind(flat[offset:offset + g.plan.total_elems], keep_views=False)
 
     def free_all(self):
         for u in self.units:
-            u.free()
+            for g in u.groups:
+                g.unbind()
+        self.bound.clear()
+        self.at.clear()
+
+
+class SavedParamViews(torch.autograd.graph.saved_tensors_hooks):
+    """What forward saves for backward, with views of gathered params packed
+    as (unit, storage offset, sizes, strides) and unpacked as views of the
+    buffer the unit is gathered in by then, which may be another one."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t):
+        if t.layout == torch.strided and not t.is_meta:
+            unit = self.scheduler.at.get(t.untyped_storage().data_ptr())
+            if unit is not None:
+                return _ParamView(unit, t.storage_offset(), t.shape, t.stride())
+        return t
+
+    def _unpack(self, packed):
+        if isinstance(packed, _ParamView):
+            flat = self.scheduler.buffer_of(packed.unit)
+            return flat.as_strided(packed.sizes, packed.strides, packed.offset)
+        return packed
+
+
+class _ParamView:
+    __slots__ = ("unit", "offset", "sizes", "strides")
+
+    def __init__(self, unit, offset, sizes, strides):
+        self.unit, self.offset, self.sizes, self.strides = unit, offset, sizes, strides

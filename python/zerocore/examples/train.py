@@ -270,7 +270,8 @@ MEMORY_LEGEND = """\
   optim         optimizer states of this rank's partition (K bytes a param)
   total         param + grad + optim: the model states the ZeRO paper counts
   buffers       the module's buffers (not model states; in no formula)
-  comm_buffers  constant-size staging buckets of the gradient reduction (not model states)
+  comm_buffers  buffers collectives work in, allocated at wrap: the gradient reduction's staging
+                buckets and, in stage 3, the pool units are gathered into (not model states)
   formula       the ZeRO formula for this stage (docs/design.md, zerocore.accounting)
   plain DP      what plain data parallelism (stage 0, as DDP) would hold on every rank
   measured may exceed the formula by alignment padding; stage-3 params under --persist-threshold

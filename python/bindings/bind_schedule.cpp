@@ -1,0 +1,114 @@
+// The native schedule's Python face: stage 3's UnitSchedule and the
+// BucketReducer of stages 2-3. Python's module and autograd hooks call these
+// to say what happened; every call that may wait for a collective releases
+// the GIL, since the queue's thread may need it to run a transport written
+// in Python.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bindings.h"
+#include "bound_queue.h"
+#include "dlpack_tensor.h"
+#include "zerocore/bucket_reducer.h"
+#include "zerocore/unit_schedule.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace zerocore::bindings {
+
+namespace {
+
+// Each (tag, plan, tensor) triple of a Python list, with the tensor converted.
+template <class Spec>
+std::vector<Spec> specs(const nb::list& items, const char* what) {
+  std::vector<Spec> out;
+  for (nb::handle item : items) {
+    auto [tag, plan, tensor] = nb::cast<std::tuple<int32_t, LayoutPlan, nb::handle>>(item);
+    out.push_back(Spec{tag, plan, tensor_from_dlpack(tensor, what)});
+  }
+  return out;
+}
+
+// A tensor, or None where it is undefined.
+nb::object maybe(const Tensor& t) { return t.data() ? nb::cast(t) : nb::none(); }
+
+// A member call with the GIL released.
+template <class Class, class Result, class... Args>
+auto unlocked(Result (Class::*method)(Args...)) {
+  return [method](Class& self, Args... args) {
+    nb::gil_scoped_release release;
+    return (self.*method)(args...);
+  };
+}
+
+}  // namespace
+
+void bind_schedule(nb::module_& m) {
+  nb::class_<UnitSchedule>(m, "UnitSchedule",
+                           "Stage 3's unit state machine over a fixed gather pool (see unit_schedule.h).")
+      .def(
+          "__init__",
+          [](UnitSchedule* self, const BoundQueue& queue, const nb::list& units, const std::string& dtype,
+             int64_t prefetch_bytes) {
+            std::vector<UnitSpec> spec;
+            for (nb::handle unit : units) {
+              auto [own_slot, groups] = nb::cast<std::tuple<bool, nb::list>>(unit);
+              spec.push_back(UnitSpec{specs<UnitGroup>(groups, "UnitSchedule: shard"), own_slot});
+            }
+            new (self) UnitSchedule(queue.get(), std::move(spec), parse_dtype(dtype), prefetch_bytes);
+          },
+          "queue"_a, "units"_a, "dtype"_a, "prefetch_bytes"_a, nb::keep_alive<1, 2>(),
+          "units: per unit (own_slot, [(tag, LayoutPlan, shard tensor) per flat group]).")
+      .def("pre_forward", unlocked(&UnitSchedule::pre_forward), "unit"_a,
+           "The unit is about to run forward: its buffer, gathered.")
+      .def("post_forward", unlocked(&UnitSchedule::post_forward), "unit"_a)
+      .def("begin_backward", unlocked(&UnitSchedule::begin_backward))
+      .def("pre_backward", unlocked(&UnitSchedule::pre_backward), "unit"_a,
+           "The unit's backward begins: its buffer, gathered.")
+      .def("post_backward", unlocked(&UnitSchedule::post_backward), "unit"_a)
+      .def("end_forward", unlocked(&UnitSchedule::end_forward))
+      .def("end_backward", unlocked(&UnitSchedule::end_backward))
+      .def("end_step", unlocked(&UnitSchedule::end_step))
+      .def("gather_into", unlocked(&UnitSchedule::gather_into), "unit"_a, "out"_a,
+           "The unit's full flat params into out (a zerocore.Tensor), uncounted and outside the pool.")
+      .def("buffer", [](const UnitSchedule& self, int unit) { return maybe(self.buffer(unit)); }, "unit"_a, "Where the unit is gathered; None when released.")
+      .def("gathered", &UnitSchedule::gathered, "unit"_a)
+      .def("unit_elems", &UnitSchedule::unit_elems, "unit"_a)
+      .def("group_offset", &UnitSchedule::group_offset, "unit"_a, "group"_a)
+      .def_prop_ro("buffer_bytes", &UnitSchedule::buffer_bytes)
+      .def_prop_ro("pool_slots", &UnitSchedule::pool_slots);
+
+  nb::class_<BucketReducer>(m, "BucketReducer",
+                            "Stages 2-3's bucket state machine for gradient reduction (see bucket_reducer.h).")
+      .def(
+          "__init__",
+          [](BucketReducer* self, const BoundQueue& queue, const nb::list& groups, const std::string& reduce_dtype,
+             int staging_buffers) {
+            new (self) BucketReducer(queue.get(), specs<ReduceGroup>(groups, "BucketReducer: grad_part"),
+                                     parse_dtype(reduce_dtype), staging_buffers);
+          },
+          "queue"_a, "groups"_a, "reduce_dtype"_a, "staging_buffers"_a, nb::keep_alive<1, 2>(),
+          "groups: [(tag, LayoutPlan, grad partition tensor)] in reduction order.")
+      .def(
+          "grad_ready",
+          [](BucketReducer& self, int group, int param, nb::handle grad) {
+            const Tensor t = tensor_from_dlpack(grad, "BucketReducer.grad_ready: grad");
+            nb::gil_scoped_release release;
+            self.grad_ready(group, param, t);
+          },
+          "group"_a, "param"_a, "grad"_a)
+      .def("grad_view", [](BucketReducer& self, int group, int param) { return maybe(self.grad_view(group, param)); },
+           "group"_a, "param"_a,
+           "The staging piece the param's grad may accumulate in, or None.")
+      .def("end_backward", unlocked(&BucketReducer::end_backward))
+      .def_prop_ro("staging_bytes", &BucketReducer::staging_bytes)
+      .def_prop_ro("staging_slots", &BucketReducer::staging_slots);
+}
+
+}  // namespace zerocore::bindings

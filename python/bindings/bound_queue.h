@@ -1,0 +1,45 @@
+// The CommQueue as Python holds it (zerocore._native.CommQueue), shared by
+// the bindings that issue on it (the schedule's). Its thread takes the GIL
+// to run a Python transport, so the queue is closed (drained, its thread
+// joined) with the GIL released. Native objects issuing on it hold a
+// reference to the CommQueue and keep the Python object alive (keep_alive);
+// the engine drops them, or leaves them idle, before the queue is closed.
+#pragma once
+#include <nanobind/nanobind.h>
+
+#include <memory>
+#include <stdexcept>
+#include <utility>
+
+#include "zerocore/comm.h"
+
+namespace zerocore::bindings {
+
+// Closed by close() or when dropped.
+class BoundQueue {
+ public:
+  explicit BoundQueue(std::unique_ptr<Transport> transport)
+      : queue_(std::make_unique<CommQueue>(std::move(transport))) {}
+  ~BoundQueue() { close(); }
+  BoundQueue(const BoundQueue&) = delete;
+  BoundQueue& operator=(const BoundQueue&) = delete;
+
+  // Runs what was issued, then stops the thread. Called with the GIL held;
+  // releases it while the queue drains.
+  void close() {
+    std::unique_ptr<CommQueue> closing = std::move(queue_);
+    if (!closing) return;
+    nanobind::gil_scoped_release released;
+    closing.reset();
+  }
+
+  CommQueue& get() const {
+    if (!queue_) throw std::runtime_error("CommQueue: the queue was closed; issue on an open one");
+    return *queue_;
+  }
+
+ private:
+  std::unique_ptr<CommQueue> queue_;
+};
+
+}  // namespace zerocore::bindings
