@@ -219,6 +219,14 @@ def test_stage3_releases_each_unit_at_its_post_backward_point():
         assert after == 0
 
 
+def test_calling_the_module_itself_trains_the_same():
+    """A user who calls the wrapped module rather than the engine: stage 3's
+    saved views of params still follow their units into whichever pool slot
+    backward gathers them in (two blocks, prefetch: they change slots)."""
+    direct = lambda m, x, step: (m.module if isinstance(m, zerocore.Engine) else m)(x)  # noqa: E731
+    check_against_reference(make, forward=direct)
+
+
 class DictOutput(TinyLM):
     def forward(self, idx):
         logits = super().forward(idx)

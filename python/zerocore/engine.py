@@ -242,8 +242,7 @@ class Engine:
             args = torch.utils._pytree.tree_map(cast, args)
             kwargs = torch.utils._pytree.tree_map(cast, kwargs)
         try:
-            with self.scheduler.saved_views if self.scheduler else contextlib.nullcontext():
-                return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs)
         finally:
             if self.scheduler:
                 self.scheduler.end_forward()

@@ -120,6 +120,7 @@ class UnitScheduler:
         self.at = {}  # buffer address -> the unit bound there (for saved tensors)
         self.flats = {}  # (address, elements) -> a torch view of a buffer (pool buffers live as long as the engine)
         self.saved_views = SavedParamViews(self)
+        self.saving = False  # saved_views is on: from the root's forward pre-hook to its post-hook
         self.handles = []
         for u in units:
             self.handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
@@ -167,9 +168,20 @@ class UnitScheduler:
     # Forward ---------------------------------------------------------------
     def _pre_forward(self, unit):
         def hook(module, args, kwargs):
+            if unit.index == 0 and not self.in_backward:
+                self._save_param_views(True)
             self._bind(unit, self.native.pre_forward(unit.index))
             return self._mark_post_backward(unit, args, kwargs)
         return hook
+
+    def _save_param_views(self, on: bool):
+        """The root's forward runs under saved_views, whether the engine or
+        the user calls the module."""
+        if on and not self.saving:
+            self.saved_views.__enter__()
+        elif self.saving and not on:
+            self.saved_views.__exit__(None, None, None)
+        self.saving = on
 
     def _mark_post_backward(self, unit, args, kwargs):
         """Routes the inputs that need grads through _PostBackward. Under
@@ -193,11 +205,15 @@ class UnitScheduler:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
             self.native.post_forward(unit.index)
             self._unbind_released()
+            if unit.index == 0:
+                self._save_param_views(False)
             return output
         return hook
 
     def end_forward(self):
-        """After the root's forward: drop prefetches that were not used."""
+        """After the root's forward (or its failure): drop prefetches that
+        were not used."""
+        self._save_param_views(False)
         self.native.end_forward()
         self._unbind_released()
 
