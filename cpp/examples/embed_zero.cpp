@@ -50,7 +50,7 @@ struct Layer {
 class ZeroMlp {
  public:
   ZeroMlp(int stage, CommQueue& comm, const std::vector<float>& init)
-      : stage_(stage), comm_(comm), rank_(comm.rank()), world_(comm.world_size()) {
+      : stage_(stage), rank_(comm.rank()), world_(comm.world_size()) {
     layers_.push_back(make_layer(kIn, kHidden));
     layers_.push_back(make_layer(kHidden, kOut));
     size_t offset = 0;
@@ -71,6 +71,10 @@ class ZeroMlp {
         units.push_back(UnitSpec{{UnitGroup{u, layers_[size_t(u)].plan, layers_[size_t(u)].params}}, false});
       }
       schedule_ = std::make_unique<UnitSchedule>(comm, units, DType::kFloat32, /*prefetch_bytes=*/1);
+    } else {
+      std::vector<FlatBuffer> full;
+      for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan, layers_[size_t(u)].params});
+      param_gather_ = std::make_unique<BucketCollectives>(comm, CollectiveKind::kAllGather, full);
     }
   }
 
@@ -115,18 +119,7 @@ class ZeroMlp {
     for (const Layer& l : layers_) runs.insert(runs.end(), l.runs.begin(), l.runs.end());
     adam_update_runs({adam}, step_index, 1.0 / world_, runs);
     for (Layer& l : layers_) std::memset(l.grad_part.data(), 0, l.grad_part.nbytes());  // the reducer adds into it
-    if (stage_ == 2) {
-      std::vector<std::shared_ptr<Event>> gathers;
-      for (Layer& l : layers_) {
-        for (int b = 0; b < int(l.plan.buckets().size()); ++b) {
-          const Bucket& bucket = l.plan.buckets()[size_t(b)];
-          gathers.push_back(comm_.all_gather(key(l, CollectiveKind::kAllGather, b),
-                                             l.params.slice(l.plan.shard_offset(b, rank_), l.plan.shard_elems(b)),
-                                             l.params.slice(bucket.offset, bucket.numel)));
-        }
-      }
-      for (auto& e : gathers) e->wait();
-    }
+    if (param_gather_) param_gather_->run();
     return loss / float(out.size());
   }
 
@@ -186,10 +179,6 @@ class ZeroMlp {
 
   int unit(const Layer& l) const { return int(&l - layers_.data()); }
 
-  CollectiveKey key(const Layer& l, CollectiveKind kind, int bucket) const {
-    return CollectiveKey{kind, unit(l), bucket, l.plan.buckets()[size_t(bucket)].numel};
-  }
-
   std::vector<float> forward(const Layer& l, const std::vector<float>& x, int rows) {
     const float* flat = (schedule_ ? schedule_->pre_forward(unit(l)) : l.params).data_as<float>();
     const float* w = flat + l.plan.params()[1].offset;
@@ -235,11 +224,11 @@ class ZeroMlp {
   }
 
   const int stage_;
-  CommQueue& comm_;
   const int rank_, world_;
   std::vector<Layer> layers_;
   std::unique_ptr<BucketReducer> reducer_;
   std::unique_ptr<UnitSchedule> schedule_;  // stage 3
+  std::unique_ptr<BucketCollectives> param_gather_;  // stage 2: every rank's updated blocks into the full params
 };
 
 // Trains on `world` threads; returns rank 0's params after kSteps and every

@@ -1,5 +1,5 @@
-// The native schedule's Python face: stage 3's UnitSchedule and the
-// BucketReducer of stages 2-3. Python's module and autograd hooks call these
+// The native schedule's Python face: stage 3's UnitSchedule, the
+// BucketReducer of stages 2-3 and the step's BucketCollectives. Python's module and autograd hooks call these
 // to say what happened; every call that may wait for a collective releases
 // the GIL, since the queue's thread may need it to run a transport written
 // in Python.
@@ -14,7 +14,9 @@
 #include "bindings.h"
 #include "bound_queue.h"
 #include "dlpack_tensor.h"
+#include "zerocore/bucket_collectives.h"
 #include "zerocore/bucket_reducer.h"
+#include "zerocore/error.h"
 #include "zerocore/unit_schedule.h"
 
 namespace nb = nanobind;
@@ -109,6 +111,22 @@ void bind_schedule(nb::module_& m) {
       .def("end_backward", unlocked(&BucketReducer::end_backward))
       .def_prop_ro("staging_bytes", &BucketReducer::staging_bytes)
       .def_prop_ro("staging_slots", &BucketReducer::staging_slots);
+
+  nb::class_<BucketCollectives>(m, "BucketCollectives",
+                                "One in-place collective per bucket of whole flat buffers (see bucket_collectives.h).")
+      .def(
+          "__init__",
+          [](BucketCollectives* self, const BoundQueue& queue, int kind, const nb::list& buffers) {
+            if (kind < 0 || kind > int(CollectiveKind::kAllReduce)) {
+              throw InvalidArgument("BucketCollectives: kind must be 0 (all_gather), 1 (reduce_scatter) or 2 "
+                                    "(all_reduce)");
+            }
+            new (self) BucketCollectives(queue.get(), CollectiveKind(kind),
+                                         specs<FlatBuffer>(buffers, "BucketCollectives: flat"));
+          },
+          "queue"_a, "kind"_a, "buffers"_a, nb::keep_alive<1, 2>(),
+          "buffers: [(tag, LayoutPlan, flat tensor)] in issue order.")
+      .def("run", unlocked(&BucketCollectives::run), "Issues every bucket's collective and waits for them.");
 }
 
 }  // namespace zerocore::bindings

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocore import ops
-from zerocore._native import UnitSchedule
-from zerocore.comm import Communicator
+from zerocore._native import BucketCollectives, UnitSchedule
+from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES, FlatGroup
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
@@ -118,6 +118,10 @@ class Engine:
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
         self._cast_buffers()
 
+        # Stages 1-2: every rank's updated blocks into every rank's full params, in place.
+        gathered = [g for g in self.groups if g.trainable and placement.partitions_optimizer and not g.sharded]
+        self.param_gather = BucketCollectives(self.comm.queue, KINDS.index("all_gather"),
+                                              [(g.tag, g.plan, g.full) for g in gathered]) if gathered else None
         self.scheduler = None
         if not placement.partitions_grads:
             self.reducer = FullGradReducer(self.groups, self.comm, placement)
@@ -272,7 +276,6 @@ class Engine:
         if self._backward_calls == 0:
             raise RuntimeError("engine.step: no gradients; call engine.backward(loss) first")
         self.reducer.reduce()
-        groups = [g for g in self.groups if g.trainable]
         local = self.runs.grad_sum_of_squares()
         # The step's one control collective; it also checks that every rank
         # issued the same collectives. Partitioned, each rank holds a
@@ -300,9 +303,8 @@ class Engine:
         else:
             self.runs.adam_(self.optimizer.param_groups, step=self.step_count, grad_scale=grad_scale,
                             adamw=self.kind == "adamw")
-        works = [w for g in groups for w in g.all_gather_params_async()]
-        for w in works:
-            w.wait()
+        if self.param_gather:
+            self.param_gather.run()
         self.scaler.update(overflow=False)
         self._end_step()
         return True

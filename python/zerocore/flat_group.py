@@ -224,14 +224,6 @@ class FlatGroup:
                         *(s[run.part] if s is not None else None for s in states[:2]), copy))
         return out
 
-    def all_gather_params_async(self) -> list:
-        """Stages 1-2: every rank's updated blocks into every rank's F, in place."""
-        if self.sharded or not self.partitioned:
-            return []
-        return [self.comm.all_gather(self.full[self.bucket_slice(b)], self.full[self.shard_slice(b)], (self.tag, b),
-                                     async_op=True)
-                for b in range(len(self.buckets))]
-
     # Whole-model views -----------------------------------------------------
     def fp32_partition(self) -> torch.Tensor:
         """This rank's partition of the params in fp32 (the master if any)."""

@@ -1,9 +1,9 @@
 """Gradient reduction across data-parallel ranks: the Python side.
 
 FullGradReducer (stages 0-1): autograd accumulates into views of each
-group's flat grad buffer; at the step boundary every bucket is all-reduced
-(stage 0) or reduce-scattered in place (stage 1), once per step however
-many backward calls came before.
+group's flat grad buffer; at the step boundary the native BucketCollectives
+all-reduces (stage 0) or reduce-scatters (stage 1) every bucket in place,
+once per step however many backward calls came before.
 
 StagedReducer (stages 2-3): autograd's per-param grad goes, as soon as it
 is accumulated, to the native BucketReducer (cpp/include/zerocore/
@@ -19,8 +19,8 @@ from __future__ import annotations
 import weakref
 
 import zerocore
-from zerocore._native import BucketReducer
-from zerocore.comm import Communicator
+from zerocore._native import BucketCollectives, BucketReducer
+from zerocore.comm import KINDS, Communicator
 from zerocore.flat_group import NATIVE_NAMES
 
 
@@ -42,6 +42,9 @@ class FullGradReducer:
         self.converted = {id(p): (g, i) for g in self.groups if g.reduce_dtype != g.dtype
                           for i, p in enumerate(g.params)}
         self.hooks = _hook_each([g.params[i] for g, i in self.converted.values()], self._on_grad)
+        kind = "reduce_scatter" if placement.partitions_optimizer else "all_reduce"
+        self.collectives = BucketCollectives(comm.queue, KINDS.index(kind),
+                                             [(g.tag, g.plan, g.grad_full) for g in self.groups])
 
     def before_backward(self):
         for g in self.groups:
@@ -58,17 +61,7 @@ class FullGradReducer:
         pass
 
     def reduce(self):
-        works = []
-        for g in self.groups:
-            for b in range(len(g.buckets)):
-                bucket = g.grad_full[g.bucket_slice(b)]
-                if not self.placement.partitions_optimizer:
-                    works.append(self.comm.all_reduce(bucket, (g.tag, b), async_op=True))
-                else:
-                    works.append(self.comm.reduce_scatter(g.grad_full[g.shard_slice(b)], bucket, (g.tag, b),
-                                                          async_op=True))
-        for w in works:
-            w.wait()
+        self.collectives.run()
 
 
 class StagedReducer:

@@ -1,6 +1,7 @@
 // The public C++ API of zerocore, for trainers that embed the runtime.
 #pragma once
 #include "zerocore/arena.h"
+#include "zerocore/bucket_collectives.h"
 #include "zerocore/bucket_reducer.h"
 #include "zerocore/comm.h"
 #include "zerocore/cpu_accumulate.h"
