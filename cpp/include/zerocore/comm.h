@@ -147,9 +147,9 @@ class CommQueue {
   std::array<int64_t, 4> stats() const;
   void reset_stats();
 
-  struct State;  // the thread, its work and the books (opaque)
-
  private:
+  struct State;  // the thread, its work and the books
+
   std::shared_ptr<Event> enqueue(const CollectiveKey& key, bool counted, std::function<void(Transport&)> work);
 
   std::unique_ptr<Transport> transport_;
