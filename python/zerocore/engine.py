@@ -1,9 +1,12 @@
 """zerocore.wrap and the Engine it returns: a module trained with ZeRO.
 
-The engine owns the model states (see flat_group.py for where they live per
-stage), runs forward through the module, backward through autograd with
-hooks that reduce gradients (grad_reducer.py) and, in stage 3, gather and
-free parameters (stage3.py), and steps the partitioned native optimizer.
+The engine builds the model states from the plan (see flat_group.py for
+where they live per stage) and the native schedule over them: the comm
+queue (comm.py), gradient reduction (grad_reducer.py: BucketReducer, or the
+step's BucketCollectives), stage 3's UnitSchedule (stage3.py) and the
+post-step param all-gather; then it runs forward through the module,
+backward through autograd with the hooks that drive that schedule, and
+steps the partitioned native optimizer in one call.
 """
 from __future__ import annotations
 
