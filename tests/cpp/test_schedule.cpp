@@ -72,6 +72,8 @@ void test_units() {
     const int64_t block_bytes = 4 * (plan_of({20, 33}).total_elems() + plan_of({9}).total_elems());
     UnitSchedule s(q, specs, DType::kFloat32, block_bytes);  // prefetch one unit
     if (s.pool_slots() != 2) ++bad;
+    // A prefetch budget larger than the model plans no more slots than units.
+    if (UnitSchedule(q, specs, DType::kFloat32, int64_t(1) << 40).pool_slots() != 3) ++bad;
     for (int step = 0; step < 3; ++step) {
       // Forward: root, then blocks 1..3 inside it.
       if (!holds_unit(s, specs, 0, s.pre_forward(0))) ++bad;

@@ -30,11 +30,12 @@ UnitSchedule::UnitSchedule(CommQueue& comm, std::vector<UnitSpec> units, DType d
       largest = std::max(largest, elems);
     }
   }
-  // The unit in use and the prefetch window: the next unit always, more
-  // while they fit in prefetch_bytes.
+  // The unit in use and the prefetch window (the next unit always, more
+  // while they fit in prefetch_bytes), and never more than there are units.
   const int64_t slot_bytes = std::max<int64_t>(1, largest * int64_t(elem_bytes_));
-  const int window = prefetch_bytes <= 0 ? 0 : int(std::max<int64_t>(1, prefetch_bytes / slot_bytes));
-  pool_ = SlotPool(dtype, largest, largest > 0 ? 1 + window : 0);
+  const int64_t window = prefetch_bytes <= 0 ? 0 : std::max<int64_t>(1, prefetch_bytes / slot_bytes);
+  const int64_t pooled = std::count_if(units_.begin(), units_.end(), [](const UnitSpec& u) { return !u.own_slot; });
+  pool_ = SlotPool(dtype, largest, int(std::min(1 + window, pooled)));
 }
 
 UnitSchedule::~UnitSchedule() {
