@@ -79,6 +79,15 @@ def test_step_before_backward():
         engine.step()
 
 
+def test_optimizer_state_dict_raises_instead_of_saving_nothing():
+    model = make()
+    engine = zerocore.wrap(model, adamw(model), {"stage": 0})
+    with pytest.raises(NotImplementedError, match="would be empty"):
+        engine.optimizer.state_dict()
+    with pytest.raises(NotImplementedError, match="native buffers"):
+        engine.optimizer.load_state_dict({})
+
+
 # Across ranks.
 
 def _mismatched(rank, world):

@@ -150,3 +150,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True):
         self._engine_zero_grad()
 
+    def state_dict(self):
+        """Not supported: torch's form would be silently empty, losing every
+        moment, the step count and the loss scale."""
+        raise NotImplementedError(
+            "zerocore: engine.optimizer.state_dict() cannot save the optimizer: its state (Adam moments, fp32 "
+            "master weights, step count, loss scale) lives partitioned across ranks in the engine's native "
+            "buffers, and torch's state_dict would be empty. Checkpoints (engine.save / engine.load) are not "
+            "built yet; engine.full_state_dict() exports the model's full fp32 params.")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError(
+            "zerocore: engine.optimizer.load_state_dict() cannot restore the optimizer: its state lives in the "
+            "engine's native buffers, and checkpoints (engine.save / engine.load) are not built yet.")
+
