@@ -227,6 +227,29 @@ def test_calling_the_module_itself_trains_the_same():
     check_against_reference(make, forward=direct)
 
 
+def _nested_units(rank, world):
+    """Blocks and every Linear as units of their own: a block stays gathered
+    while its inner units gather (more units in use at once than the planned
+    pool holds), and the head, a unit, shares its weight with the root's
+    embedding (so the root owns it)."""
+    model = make()
+    engine = zerocore.wrap(model, adamw(model.parameters()), {"stage": 3, "prefetch_bytes": 0},
+                           units=[Block, nn.Linear])
+    planned = engine.scheduler.native.pool_slots
+    state = engine_train(engine, rank, world, STEPS, 1)
+    return state, planned, engine.scheduler.native.pool_slots, len(engine.units)
+
+
+def test_nested_units_train_the_same_and_grow_the_pool_once():
+    results = run_ranks(_nested_units, 2)
+    model = make()
+    ref = reference_train(model, adamw(model.parameters()), STEPS, 1, 2)
+    for state, planned, slots, units in results:
+        assert units == 1 + 2 * 3 + 1  # root; per block: the block, up, down; the head (tied to the root's embedding)
+        assert_state_close(state, ref, rtol=1e-5, atol=1e-6, what="nested units")
+        assert planned == 1 and slots == 2  # a block and its inner Linear at once
+
+
 class DictOutput(TinyLM):
     def forward(self, idx):
         logits = super().forward(idx)

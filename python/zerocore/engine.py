@@ -165,11 +165,14 @@ class Engine:
     def _build_groups(self, module, params, names, opt_group, spec, unit_spec):
         cfg, sharded = self.config, self.placement.partitions_params
         unit_modules = find_units(module, unit_spec) if sharded else [module]
-        holders = {}
-        for i, m in enumerate(unit_modules[1:], 1):
-            for p in m.parameters():
-                holders.setdefault(id(p), []).append(i)
-        owner = {id(p): self._owning_unit(unit_modules, holders.get(id(p), [])) for p in params}
+        # Each module's innermost unit (outer units come first), then each
+        # param's users: the innermost units of the modules registering it.
+        unit_of = {id(sub): i for i, m in enumerate(unit_modules) for sub in m.modules()}
+        users = {}
+        for mod in module.modules():
+            for p in mod.parameters(recurse=False):
+                users.setdefault(id(p), set()).add(unit_of[id(mod)])
+        owner = {id(p): self._owning_unit(unit_modules, users[id(p)]) for p in params}
         state_names = _state_names(spec)
 
         def make(ps, trainable, sharded):
@@ -199,13 +202,16 @@ class Engine:
         return groups, (units if sharded else [])
 
     @staticmethod
-    def _owning_unit(unit_modules, holders) -> int:
-        """The innermost of the (non-root) units holding a param; the root
-        when none does, or several unrelated ones do (weights tied across
-        units)."""
-        inner = [i for i in holders if not any(j != i and unit_modules[j] in unit_modules[i].modules()
-                                                for j in holders)]
-        return inner[0] if len(inner) == 1 else 0
+    def _owning_unit(unit_modules, users) -> int:
+        """The unit every use of a param runs inside: the user that contains
+        all the others (a weight of a unit, or tied between a unit and a
+        unit nested in it); the root when none does (weights tied across
+        unrelated units, or between a unit and the root's own modules, such
+        as an embedding tied to a head that is a unit)."""
+        for i in users:
+            if all(j == i or any(m is unit_modules[j] for m in unit_modules[i].modules()) for j in users):
+                return i
+        return 0
 
     def _staging_buffers(self) -> int:
         """Staging buffers of gradient reduction planned at wrap: one in
