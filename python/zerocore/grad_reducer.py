@@ -94,9 +94,9 @@ class StagedReducer:
 
     def attach_grad_views(self, group):
         """Stage 3, before a unit's backward: each param's .grad becomes its
-        view into its bucket's staging buffer, so autograd accumulates there
-        in place (no per-param allocation, no copy). Params that straddle
-        buckets, and buckets already reduced, keep the copy path."""
+        view into its bucket's staging buffer, so autograd adds into it in
+        place instead of keeping a .grad of its own to be copied. Params that
+        straddle buckets, and buckets already reduced, keep the copy path."""
         if group.reduce_dtype != group.dtype:
             return
         i = self.index[id(group)]
