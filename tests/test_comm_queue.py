@@ -148,15 +148,15 @@ def test_no_gil_deadlock_on_wait_close_or_drop():
 def _collectives_over_gloo(rank, world):
     comm = Communicator(dist.group.WORLD)
     out = {}
-    # Data plane, in place as the engine uses it.
+    # Data plane, in place as the engine issues it (natively, on comm.queue).
     full = torch.arange(4.0) + 10 * rank
     comm.all_gather(full, full[2 * rank:2 * rank + 2], (0, 0))
     out["gathered"] = full.tolist()
     grads = torch.arange(4.0) + rank
-    comm.reduce_scatter(grads[2 * rank:2 * rank + 2], grads, (0, 1), async_op=True).wait()
+    comm.queue.reduce_scatter((REDUCE_SCATTER, 0, 1, 4), grads, grads[2 * rank:2 * rank + 2]).wait()
     out["reduced"] = grads[2 * rank:2 * rank + 2].tolist()
     summed = torch.full((3,), float(rank + 1), dtype=torch.bfloat16)
-    comm.all_reduce(summed, (1, 0)).wait()
+    comm.queue.all_reduce((ALL_REDUCE, 1, 0, 3), summed).wait()
     out["summed"] = summed.float().tolist()
     # Control plane: any dtype and layout, moved as bytes.
     payloads = [torch.tensor(rank + 7, dtype=torch.int64),
@@ -194,7 +194,7 @@ def _drop_communicators(group):
     def use_and_drop():
         comm = Communicator(group)
         flat = zerocore.to_torch(zerocore.empty([8]))
-        comm.all_reduce(flat, (0, 0), async_op=True)
+        comm.queue.all_reduce((ALL_REDUCE, 0, 0, 8), flat)  # left in flight
 
     use_and_drop()  # whatever the first collective starts for good
     before = (_os_threads(), zerocore.host_arena_bytes())

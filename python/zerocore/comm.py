@@ -38,7 +38,7 @@ from zerocore import _native
 from zerocore.process_group import ProcessGroupTransport
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the data plane, by native CollectiveKind
-_ALL_GATHER, _REDUCE_SCATTER, _ALL_REDUCE, _BROADCAST = range(4)
+_ALL_GATHER, _BROADCAST = 0, 3  # native CollectiveKind values
 _CONTROL = -1  # the key group of control-plane collectives
 
 
@@ -96,28 +96,14 @@ class Communicator:
     def TRACE_LIMIT(self, limit: int):
         self.queue.trace_limit = limit
 
-    @staticmethod
-    def _issued(event, async_op):
-        """The collective's event; a blocking call waits on it first."""
-        if not async_op:
-            event.wait()
-        return event
-
     # Data plane -----------------------------------------------------------
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, key, async_op=False, count=True):
-        """output (N x shard) <- every rank's shard; in place when shard is
-        this rank's block of output. key: (group tag, bucket)."""
-        return self._issued(self.queue.all_gather((_ALL_GATHER, *key, output.numel()), shard, output, count),
-                            async_op)
-
-    def reduce_scatter(self, shard: torch.Tensor, input: torch.Tensor, key, async_op=False):
-        """shard <- this rank's block of the sum of every rank's input; in
-        place when shard is this rank's block of input. key: (group tag, bucket)."""
-        return self._issued(self.queue.reduce_scatter((_REDUCE_SCATTER, *key, input.numel()), input, shard),
-                            async_op)
-
-    def all_reduce(self, tensor: torch.Tensor, key, async_op=False):
-        return self._issued(self.queue.all_reduce((_ALL_REDUCE, *key, tensor.numel()), tensor), async_op)
+    # The engine's own data-plane collectives are issued natively on
+    # self.queue (the schedule, gradient reduction, the step's gathers);
+    # this one serves whole-model views.
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, key, count=True):
+        """output (N x shard) <- every rank's shard, waited on; in place when
+        shard is this rank's block of output. key: (group tag, bucket)."""
+        self.queue.all_gather((_ALL_GATHER, *key, output.numel()), shard, output, count).wait()
 
     # Control plane (uncounted, waited on) ----------------------------------
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0):

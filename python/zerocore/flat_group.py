@@ -242,7 +242,7 @@ class FlatGroup:
         if world == 1:
             return part
         parts = torch.empty(world * plan.partition_elems, dtype=torch.float32)
-        self.comm.all_gather(parts, part, (self.tag, -1), count=False).wait()
+        self.comm.all_gather(parts, part, (self.tag, -1), count=False)
         flat = torch.empty(plan.total_elems, dtype=torch.float32)
         for r in range(world):
             for b in range(len(self.buckets)):
