@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "check.h"
+#include "thread_ranks.h"
 #include "zerocore/zerocore.h"
 
 using namespace zerocore;
@@ -20,18 +21,7 @@ namespace {
 
 constexpr int kWorld = 4;
 
-// Runs fn(rank, queue) on kWorld threads, one queue each.
-void on_ranks(const std::function<void(int, CommQueue&)>& fn) {
-  InProcessGroup group(kWorld);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] {
-      CommQueue queue(group.transport(r));
-      fn(r, queue);
-    });
-  }
-  for (auto& t : threads) t.join();
-}
+void on_ranks(const std::function<void(int, CommQueue&)>& fn) { test::on_ranks(kWorld, fn); }
 
 float value(int rank, int64_t i) { return float(rank * 1000 + i) * 0.25f; }
 

@@ -6,10 +6,10 @@
 #include <atomic>
 #include <functional>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "check.h"
+#include "thread_ranks.h"
 #include "zerocore/zerocore.h"
 
 using namespace zerocore;
@@ -19,17 +19,7 @@ namespace {
 constexpr int kWorld = 4;
 constexpr int64_t kAlign = 4, kBucketElems = 48;
 
-void on_ranks(const std::function<void(int, CommQueue&)>& fn) {
-  InProcessGroup group(kWorld);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] {
-      CommQueue queue(group.transport(r));
-      fn(r, queue);
-    });
-  }
-  for (auto& t : threads) t.join();
-}
+void on_ranks(const std::function<void(int, CommQueue&)>& fn) { test::on_ranks(kWorld, fn); }
 
 LayoutPlan plan_of(const std::vector<int64_t>& numels) {
   std::vector<ParamSpec> specs;

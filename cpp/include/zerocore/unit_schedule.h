@@ -98,7 +98,9 @@ class UnitSchedule {
   void wait(int unit);
   void release(int unit);
   int evict_prefetched();
-  void prefetch_after(int unit, const std::vector<int>& order);
+  // Starts gathering the units after `unit` in the order [begin, end).
+  template <class It>
+  void prefetch_after(int unit, It begin, It end);
   void check(int unit) const;
 
   CommQueue& comm_;

@@ -148,11 +148,12 @@ Tensor UnitSchedule::hold(int unit) {
   return s.buffer;
 }
 
-void UnitSchedule::prefetch_after(int unit, const std::vector<int>& order) {
-  const auto at = std::find(order.begin(), order.end(), unit);
-  if (at == order.end() || prefetch_bytes_ <= 0) return;
+template <class It>
+void UnitSchedule::prefetch_after(int unit, It begin, It end) {
+  const It at = std::find(begin, end, unit);
+  if (at == end || prefetch_bytes_ <= 0) return;
   int64_t budget = prefetch_bytes_;
-  for (auto next = at + 1; next != order.end(); ++next) {
+  for (It next = at + 1; next != end; ++next) {
     const int64_t bytes = unit_elems_[size_t(*next)] * int64_t(elem_bytes_);
     if (next != at + 1 && bytes > budget) break;
     budget -= bytes;
@@ -167,7 +168,7 @@ Tensor UnitSchedule::pre_forward(int unit) {
     if (std::find(forward_order_.begin(), forward_order_.end(), unit) == forward_order_.end()) {
       forward_order_.push_back(unit);
     }
-    prefetch_after(unit, last_forward_order_);
+    prefetch_after(unit, last_forward_order_.begin(), last_forward_order_.end());
   }
   return buffer;
 }
@@ -183,7 +184,7 @@ Tensor UnitSchedule::pre_backward(int unit) {
   check(unit);
   ++state_[size_t(unit)].open_backwards;
   Tensor buffer = hold(unit);
-  prefetch_after(unit, std::vector<int>(forward_order_.rbegin(), forward_order_.rend()));
+  prefetch_after(unit, forward_order_.rbegin(), forward_order_.rend());  // backward runs forward's order reversed
   return buffer;
 }
 

@@ -1,0 +1,22 @@
+// Ranks as threads for the C++ tests: fn(rank, queue) on `world` threads of
+// this process, each with its own comm queue over one in-process group.
+#pragma once
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "zerocore/comm.h"
+
+namespace zerocore::test {
+inline void on_ranks(int world, const std::function<void(int, CommQueue&)>& fn) {
+  InProcessGroup group(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      CommQueue queue(group.transport(r));
+      fn(r, queue);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+}  // namespace zerocore::test
