@@ -208,14 +208,17 @@ def _gathered_during_backward(rank, world):
             lambda m, g: seen.append(sum(u.gathered for u in engine.units if u.module is not m)))
     x, y = lm_batch(0, 0, world)
     engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
-    return seen, sum(u.gathered for u in engine.units)
+    return seen, sum(u.gathered for u in engine.units), engine.scheduler.native.pool_slots
 
 
 def test_stage3_releases_each_unit_at_its_post_backward_point():
-    for seen, after in run_ranks(_gathered_during_backward, 2):
-        # Only the root (its inputs need no grad, so it stays until backward
-        # ends): the blocks whose backward is done were released.
-        assert seen == [1, 1, 1], seen
+    for seen, after, slots in run_ranks(_gathered_during_backward, 2):
+        # The root (its inputs need no grad, so it stays until backward
+        # ends), and the block whose backward just ended, which the next
+        # block's round releases before gathering that one: the pool's one
+        # slot (no prefetch) never had to grow.
+        assert seen == [1, 2, 2], seen
+        assert slots == 1
         assert after == 0
 
 

@@ -8,12 +8,14 @@
 // distributed work; the trainer only says what happens. Per step:
 //   stage 3: the UnitSchedule gathers each unit into its gather pool before
 //            the unit's forward (pre_forward) and again before its backward
-//            (pre_backward), and releases it after (post_forward,
-//            post_backward).
-//   both:    each param's grad goes to the BucketReducer (grad_ready), which
-//            reduce-scatters complete buckets into this rank's grad
+//            (pre_backward), and releases it once every rank is done with
+//            it (post_forward, post_backward say this rank is).
+//   both:    each param's grad goes to the BucketReducer (grad_ready).
+//            Stage 2 reduce-scatters complete buckets into this rank's grad
 //            partition on the comm queue while the next unit's backward
-//            computes; end_backward waits for the last.
+//            computes; in stage 3 the schedule says when every rank has a
+//            unit's grads (its grads_final callback). end_backward waits
+//            for the last.
 //   both:    one native Adam call updates every run of the rank's partition.
 //   stage 2: the updated blocks are all-gathered in place into every rank's
 //            full params (stage 3 keeps only its shard).
@@ -64,13 +66,17 @@ class ZeroMlp {
     for (int u = int(layers_.size()) - 1; u >= 0; --u) {
       groups.push_back(ReduceGroup{u, layers_[size_t(u)].plan, layers_[size_t(u)].grad_part});
     }
-    reducer_ = std::make_unique<BucketReducer>(comm, groups, DType::kFloat32, 2);
+    reducer_ = std::make_unique<BucketReducer>(comm, groups, DType::kFloat32, 2, /*on_request=*/stage_ == 3);
     if (stage_ == 3) {
       std::vector<UnitSpec> units;
       for (int u = 0; u < int(layers_.size()); ++u) {
         units.push_back(UnitSpec{{UnitGroup{u, layers_[size_t(u)].plan, layers_[size_t(u)].params}}, false});
       }
-      schedule_ = std::make_unique<UnitSchedule>(comm, units, DType::kFloat32, /*prefetch_bytes=*/1);
+      auto grads_final = [this](int unit, bool reduce) {
+        const std::vector<int> group{reduce_group(unit)};
+        reduce ? reducer_->reduce_groups(group) : reducer_->skip_groups(group);
+      };
+      schedule_ = std::make_unique<UnitSchedule>(comm, units, DType::kFloat32, /*prefetch_bytes=*/1, grads_final);
     } else {
       std::vector<FlatBuffer> full;
       for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan, layers_[size_t(u)].params});
@@ -104,11 +110,9 @@ class ZeroMlp {
     std::vector<float> d_h = backward(layers_[1], h, d_out, rows);
     for (size_t i = 0; i < d_h.size(); ++i) d_h[i] = h[i] > 0.0f ? d_h[i] : 0.0f;
     backward(layers_[0], x, d_h, rows);
+    if (schedule_) schedule_->end_backward();  // first: its last round hands the units' grads to the reducer
     reducer_->end_backward();
-    if (schedule_) {
-      schedule_->end_backward();
-      schedule_->end_step();
-    }
+    if (schedule_) schedule_->end_step();
     // The grads hold the sum over ranks of per-rank means: average them.
     AdamOptions adam;
     adam.lr = 1e-2;
@@ -178,9 +182,10 @@ class ZeroMlp {
   }
 
   int unit(const Layer& l) const { return int(&l - layers_.data()); }
+  int reduce_group(int unit) const { return int(layers_.size()) - 1 - unit; }  // the reducer's groups are in backward order
 
   std::vector<float> forward(const Layer& l, const std::vector<float>& x, int rows) {
-    const float* flat = (schedule_ ? schedule_->pre_forward(unit(l)) : l.params).data_as<float>();
+    const float* flat = (schedule_ ? schedule_->pre_forward(unit(l), /*marks_post_backward=*/true) : l.params).data_as<float>();
     const float* w = flat + l.plan.params()[1].offset;
     const float* b = flat + l.plan.params()[0].offset;
     std::vector<float> y(size_t(rows) * l.out);
@@ -191,7 +196,7 @@ class ZeroMlp {
         y[size_t(s * l.out + o)] = acc;
       }
     }
-    if (schedule_) schedule_->post_forward(unit(l));
+    if (schedule_) schedule_->post_forward(unit(l), /*backward_follows=*/true);
     return y;
   }
 
@@ -214,7 +219,7 @@ class ZeroMlp {
         }
       }
     }
-    const int group = int(layers_.size()) - 1 - unit(l);  // the reducer's groups are in backward order
+    const int group = reduce_group(unit(l));
     for (int p = 0; p < int(l.plan.params().size()); ++p) {
       const ParamSlot& slot = l.plan.params()[size_t(p)];
       reducer_->grad_ready(group, p, l.grads.slice(slot.offset, slot.numel));

@@ -3,6 +3,7 @@
 // to say what happened; every call that may wait for a collective releases
 // the GIL, since the queue's thread may need it to run a transport written
 // in Python.
+#include <nanobind/stl/function.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -57,25 +58,27 @@ void bind_schedule(nb::module_& m) {
       .def(
           "__init__",
           [](UnitSchedule* self, const BoundQueue& queue, const nb::list& units, const std::string& dtype,
-             int64_t prefetch_bytes) {
+             int64_t prefetch_bytes, UnitSchedule::GradsFinal grads_final) {
             std::vector<UnitSpec> spec;
             for (nb::handle unit : units) {
               auto [own_slot, groups] = nb::cast<std::tuple<bool, nb::list>>(unit);
               spec.push_back(UnitSpec{specs<UnitGroup>(groups, "UnitSchedule: shard"), own_slot});
             }
-            new (self) UnitSchedule(queue.get(), std::move(spec), parse_dtype(dtype), prefetch_bytes);
+            new (self) UnitSchedule(queue.get(), std::move(spec), parse_dtype(dtype), prefetch_bytes,
+                                    std::move(grads_final));
           },
-          "queue"_a, "units"_a, "dtype"_a, "prefetch_bytes"_a, nb::keep_alive<1, 2>(),
-          "units: per unit (own_slot, [(tag, LayoutPlan, shard tensor) per flat group]).")
-      .def("pre_forward", unlocked(&UnitSchedule::pre_forward), "unit"_a,
+          "queue"_a, "units"_a, "dtype"_a, "prefetch_bytes"_a, "grads_final"_a = nb::none(), nb::keep_alive<1, 2>(),
+          "units: per unit (own_slot, [(tag, LayoutPlan, shard tensor) per flat group]). grads_final(unit, "
+          "reduce): called in backward, alike on every rank, once a unit's grads are complete everywhere.")
+      .def("pre_forward", unlocked(&UnitSchedule::pre_forward), "unit"_a, "marks_post_backward"_a,
            "The unit is about to run forward: its buffer, gathered.")
-      .def("post_forward", unlocked(&UnitSchedule::post_forward), "unit"_a)
+      .def("post_forward", unlocked(&UnitSchedule::post_forward), "unit"_a, "backward_follows"_a)
       .def("begin_backward", unlocked(&UnitSchedule::begin_backward))
       .def("pre_backward", unlocked(&UnitSchedule::pre_backward), "unit"_a,
            "The unit's backward begins: its buffer, gathered.")
       .def("post_backward", unlocked(&UnitSchedule::post_backward), "unit"_a)
-      .def("end_forward", unlocked(&UnitSchedule::end_forward))
-      .def("end_backward", unlocked(&UnitSchedule::end_backward))
+      .def("end_forward", unlocked(&UnitSchedule::end_forward), "failed"_a = false)
+      .def("end_backward", unlocked(&UnitSchedule::end_backward), "failed"_a = false)
       .def("end_step", unlocked(&UnitSchedule::end_step))
       .def("gather_into", unlocked(&UnitSchedule::gather_into), "unit"_a, "out"_a,
            "The unit's full flat params into out (a zerocore.Tensor), uncounted and outside the pool.")
@@ -84,19 +87,23 @@ void bind_schedule(nb::module_& m) {
       .def("unit_elems", &UnitSchedule::unit_elems, "unit"_a)
       .def("group_offset", &UnitSchedule::group_offset, "unit"_a, "group"_a)
       .def_prop_ro("buffer_bytes", &UnitSchedule::buffer_bytes)
-      .def_prop_ro("pool_slots", &UnitSchedule::pool_slots);
+      .def_prop_ro("pool_slots", &UnitSchedule::pool_slots)
+      .def_prop_ro("rounds", &UnitSchedule::rounds, "Rounds run since construction.")
+      .def_prop_ro("round_seconds", &UnitSchedule::round_seconds, "Seconds spent in the rounds' all-reduces.");
 
   nb::class_<BucketReducer>(m, "BucketReducer",
                             "Stages 2-3's bucket state machine for gradient reduction (see bucket_reducer.h).")
       .def(
           "__init__",
           [](BucketReducer* self, const BoundQueue& queue, const nb::list& groups, const std::string& reduce_dtype,
-             int staging_buffers) {
+             int staging_buffers, bool on_request) {
             new (self) BucketReducer(queue.get(), specs<ReduceGroup>(groups, "BucketReducer: grad_part"),
-                                     parse_dtype(reduce_dtype), staging_buffers);
+                                     parse_dtype(reduce_dtype), staging_buffers, on_request);
           },
-          "queue"_a, "groups"_a, "reduce_dtype"_a, "staging_buffers"_a, nb::keep_alive<1, 2>(),
-          "groups: [(tag, LayoutPlan, grad partition tensor)] in reduction order.")
+          "queue"_a, "groups"_a, "reduce_dtype"_a, "staging_buffers"_a, "on_request"_a = false,
+          nb::keep_alive<1, 2>(),
+          "groups: [(tag, LayoutPlan, grad partition tensor)] in reduction order. on_request: issue only on "
+          "reduce_groups() and end_backward() (stage 3).")
       .def(
           "grad_ready",
           [](BucketReducer& self, int group, int param, nb::handle grad) {
@@ -108,6 +115,8 @@ void bind_schedule(nb::module_& m) {
       .def("grad_view", [](BucketReducer& self, int group, int param) { return maybe(self.grad_view(group, param)); },
            "group"_a, "param"_a,
            "The staging piece the param's grad may accumulate in, or None.")
+      .def("reduce_groups", unlocked(&BucketReducer::reduce_groups), "groups"_a)
+      .def("skip_groups", &BucketReducer::skip_groups, "groups"_a)
       .def("end_backward", unlocked(&BucketReducer::end_backward))
       .def_prop_ro("staging_bytes", &BucketReducer::staging_bytes)
       .def_prop_ro("staging_slots", &BucketReducer::staging_slots);

@@ -166,10 +166,7 @@ class Communicator:
 
         ranks = "\n".join(f"  rank {r}: {what(t)}" for r, t in enumerate(traces))
         return (f"zerocore: ranks issued different collectives since the last step; collective #{first + 1} was\n"
-                f"{ranks}\nNothing was updated. Every rank must issue the same collectives in the same order: in "
-                "stage 3 every rank must run the same units in the same order, so a module that ranks run or "
-                "skip depending on their data (experts chosen by routing) must sit inside a unit that every rank "
-                "runs: pass wrap(..., units=[the layer holding the experts]).")
+                f"{ranks}\nNothing was updated. Every rank must issue the same collectives in the same order.")
 
     def _gather_rows(self, values, dtype) -> list:
         """Every rank's list of numbers (all of one length, 8-byte dtype), in rank order."""

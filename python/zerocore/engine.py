@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -129,10 +130,16 @@ class Engine:
         if not placement.partitions_grads:
             self.reducer = FullGradReducer(self.groups, self.comm, placement)
         else:
-            self.reducer = StagedReducer(self.groups, self.comm, self._staging_buffers())
+            self.reducer = StagedReducer(self.groups, self.comm, self._staging_buffers(),
+                                         on_request=placement.partitions_params)
         if placement.partitions_params:
+            # Each unit's trainable groups, by their place in the reducer's order.
+            self._unit_reduce_groups = [[self.reducer.index[id(g)] for g in u.groups if g.trainable]
+                                        for u in self.units]
+            ref = weakref.WeakMethod(self._unit_grads_final)  # the native schedule must not keep the engine alive
             schedule = UnitSchedule(self.comm.queue, [u.native_spec() for u in self.units],
-                                    NATIVE_NAMES[self.dtype], cfg.prefetch_bytes)
+                                    NATIVE_NAMES[self.dtype], cfg.prefetch_bytes,
+                                    lambda unit, reduce: ref()(unit, reduce))
             self.scheduler = UnitScheduler(self.units, schedule, self._attach_unit_grads)
         self.optimizer = ZeroOptimizer(spec, self._step, self.zero_grad)
         self._backward_calls = 0
@@ -226,6 +233,12 @@ class Engine:
         buckets = [sum(len(g.buckets) for g in u.groups if g.trainable) for u in self.units]
         return 1 + buckets[0] + max(buckets[1:], default=0)
 
+    def _unit_grads_final(self, unit: int, reduce: bool):
+        """Stage 3: every rank is done with the unit's backward (the schedule's
+        round says so, alike on every rank): reduce its grads, or skip them
+        when no rank produced any."""
+        self.reducer.grads_final(self._unit_reduce_groups[unit], reduce)
+
     def _attach_unit_grads(self, unit):
         for g in unit.groups:
             if g.trainable:
@@ -254,11 +267,14 @@ class Engine:
             cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             args = torch.utils._pytree.tree_map(cast, args)
             kwargs = torch.utils._pytree.tree_map(cast, kwargs)
+        failed = True
         try:
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+            failed = False
+            return out
         finally:
             if self.scheduler:
-                self.scheduler.end_forward()
+                self.scheduler.end_forward(failed)
 
     def backward(self, loss: torch.Tensor):
         """loss.backward() with gradient reduction. Call it k times before
@@ -268,12 +284,16 @@ class Engine:
         self.reducer.before_backward()
         if self.scheduler:
             self.scheduler.begin_backward()
+        failed = True
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+            failed = False
         finally:
-            self.reducer.after_backward()
-            if self.scheduler:
-                self.scheduler.end_backward()
+            try:
+                if self.scheduler:  # first: its last round hands the units' grads to the reducer
+                    self.scheduler.end_backward(failed)
+            finally:
+                self.reducer.after_backward()
         self._backward_calls += 1
 
     def step(self) -> bool:

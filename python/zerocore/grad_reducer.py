@@ -10,7 +10,9 @@ is accumulated, to the native BucketReducer (cpp/include/zerocore/
 bucket_reducer.h), which stages it in its bucket, reduce-scatters complete
 buckets in one fixed order on every rank and adds each rank's block into
 its grad partition; only the partitions and a few constant-size staging
-buffers outlive backward. Params that produced no grad count as zero; a
+buffers outlive backward. In stage 3 the unit schedule's rounds say when a
+unit's buckets are reduced (grads_final), since ranks may run different
+units. Params that produced no grad count as zero; a
 grad that arrives after its bucket was reduced (reentrant checkpointing)
 gets its bucket reduced again at the end of backward, on every rank.
 """
@@ -68,9 +70,10 @@ class StagedReducer:
     """The hooks of the native BucketReducer (zerocore._native): each
     param's grad, once accumulated, is handed to it and dropped."""
 
-    def __init__(self, groups, comm: Communicator, staging_buffers: int):
+    def __init__(self, groups, comm: Communicator, staging_buffers: int, on_request=False):
         self.comm = comm
         self.staging_buffers = staging_buffers
+        self.on_request = on_request
         self.order([g for g in groups if g.trainable])
         self.hooks = _hook_each([p for g in self.groups for p in g.params], self._on_grad)
         self.viewed = []  # params whose .grad is a view into a staging buffer
@@ -83,7 +86,7 @@ class StagedReducer:
         self.where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g.params)}
         reduce_dtype = NATIVE_NAMES[groups[0].reduce_dtype] if groups else "float32"
         self.native = BucketReducer(self.comm.queue, [(g.tag, g.plan, g.grad_part) for g in groups], reduce_dtype,
-                                    self.staging_buffers)
+                                    self.staging_buffers, self.on_request)
 
     @property
     def pool_bytes(self) -> int:
@@ -106,6 +109,15 @@ class StagedReducer:
                 if view is not None:
                     p.grad = zerocore.to_torch(view).view(shape)
                     self.viewed.append(p)
+
+    def grads_final(self, indices, reduce: bool):
+        """Stage 3 (on request): the groups at these places in the order have
+        all their grads on every rank; reduce them, or, when no rank has
+        any, skip them."""
+        if reduce:
+            self.native.reduce_groups(indices)
+        else:
+            self.native.skip_groups(indices)
 
     def _on_grad(self, p):
         i, j = self.where[id(p)]

@@ -1,7 +1,8 @@
 """Stage 3: parameters live as shards; a unit's params are gathered just
 before the unit runs (forward, and again in backward) and released after.
 The schedule itself is native (zerocore._native.UnitSchedule: which unit is
-gathered in which buffer of the fixed gather pool, prefetch, release); this
+gathered in which buffer of the fixed gather pool, prefetch, release, when
+a unit's grads are reduced); this
 module holds only what must be Python: the module and autograd hooks that
 tell it what happened, the binding of each unit's nn.Parameters to the
 buffer it is gathered in, and the saved-tensor hooks that keep what
@@ -9,28 +10,25 @@ autograd saved pointing at the right bytes.
 
 A unit is a module whose params are gathered together: by default the
 modules held directly by the outermost nn.ModuleList/nn.Sequential
-containers (the transformer blocks of a typical model; ModuleDicts and
-nested lists are looked through, having no forward of their own), plus the
-root for everything else. Every rank must run the same units in the same
-order; what happens inside a unit may differ between ranks (mixture-of-
-experts routing inside a block), since the unit is gathered and reduced
-whole. A model whose ranks skip whole units (experts held directly by a
-top-level list) must name coarser units with wrap(..., units=[...]).
+containers (the transformer blocks of a typical model; ModuleDicts are
+looked through, having no forward of their own), the modules held by a
+ModuleList or ModuleDict inside such a unit (the experts of a mixture-of-
+experts layer), plus the root for everything else.
 
-Schedule, with no recorded trace:
-- forward: a unit's pre-hook gathers it (waiting for a prefetch if one is
-  in flight) and prefetches the units that followed it in the previous
-  step's forward, up to prefetch_bytes; when its inputs need grads it
-  routes them through _PostBackward, to find its post-backward point. Its
-  post-hook releases it and, when its outputs need grads, hooks them so
-  that backward gathers it again before its grads are computed, prefetching
-  the unit that ran before it in this step's forward;
-- backward: a unit is released at its post-backward point, when the grads
-  of its inputs are complete: every param its backward reads (frozen
-  weights that input grads need included) has been read by then. A unit
-  whose inputs need no grad (the first one) stays gathered until backward
-  ends, when every unit still gathered is released;
-- a forward under no_grad (eval) releases each unit after it runs.
+Ranks may run different units, a different number of times (experts chosen
+by the data): every hook that needs params runs a round of the native
+schedule, in which the ranks agree on what to gather, release and reduce
+(unit_schedule.h says how). The hooks only report:
+- forward: a unit's pre-hook needs it, and says whether it routed the
+  inputs that need grads through _PostBackward (to find its post-backward
+  point); its post-hook says it is done and whether its outputs need
+  grads, which it then hooks so that backward needs the unit again before
+  its grads are computed. The root's post-hook ends the forward: rounds
+  until every rank's forward has ended;
+- backward: a unit is done at its post-backward point, when the grads of
+  its inputs are complete: every param its backward reads (frozen weights
+  that input grads need included) has been read by then. A unit whose
+  inputs need no grad (the first one) stays until backward ends.
 Prefetch is only ever a guess: a wrong one costs a gather, never a wrong
 result, and every rank makes the same guesses.
 
@@ -63,15 +61,16 @@ def find_units(module: nn.Module, units=None) -> list:
     picked = []
     containers = (nn.ModuleList, nn.ModuleDict)  # hold modules, have no forward
 
-    def visit(m):
+    def visit(m, inside_unit):
         for child in m.children():
-            in_list = isinstance(m, (nn.ModuleList, nn.Sequential))
-            if in_list and not isinstance(child, containers) and any(True for _ in child.parameters()):
+            listed = isinstance(m, containers) if inside_unit else isinstance(m, (nn.ModuleList, nn.Sequential))
+            if listed and not isinstance(child, containers) and any(True for _ in child.parameters()):
                 picked.append(child)
+                visit(child, True)
             else:
-                visit(child)
+                visit(child, inside_unit)
 
-    visit(module)
+    visit(module, False)
     return [module] + picked
 
 
@@ -170,8 +169,21 @@ class UnitScheduler:
         def hook(module, args, kwargs):
             if unit.index == 0 and not self.in_backward:
                 self._save_param_views(True)
-            self._bind(unit, self.native.pre_forward(unit.index))
-            return self._mark_post_backward(unit, args, kwargs)
+            flat, spec = tree_flatten((args, kwargs))
+            need = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            marks = bool(need) and torch.is_grad_enabled()
+            buffer = self.native.pre_forward(unit.index, marks)
+            self._unbind_released()
+            self._bind(unit, buffer)
+            if not marks:
+                return None
+            # Its inputs go through _PostBackward, to find its post-backward
+            # point. Under no_grad (reentrant checkpointing's first pass)
+            # nothing is recorded; its recomputation in backward records it.
+            marked = _PostBackward.apply(self._post_backward(unit), *(flat[i] for i in need))
+            for i, t in zip(need, marked):
+                flat[i] = t
+            return tree_unflatten(flat, spec)
         return hook
 
     def _save_param_views(self, on: bool):
@@ -183,38 +195,22 @@ class UnitScheduler:
             self.saved_views.__exit__(None, None, None)
         self.saving = on
 
-    def _mark_post_backward(self, unit, args, kwargs):
-        """Routes the inputs that need grads through _PostBackward. Under
-        no_grad (reentrant checkpointing's first pass) nothing is recorded;
-        its recomputation in backward, with grads enabled, records it."""
-        flat, spec = tree_flatten((args, kwargs))
-        need = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not need or not torch.is_grad_enabled():
-            return None
-        marked = _PostBackward.apply(self._post_backward(unit), *(flat[i] for i in need))
-        for i, t in zip(need, marked):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
-
     def _post_forward(self, unit):
         def hook(module, args, output):
-            if self.in_backward:  # recomputation for checkpointing
-                return output
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
+            if tensors and not self.in_backward:  # a recomputation's backward is the one already running
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-            self.native.post_forward(unit.index)
-            self._unbind_released()
-            if unit.index == 0:
-                self._save_param_views(False)
+            self.native.post_forward(unit.index, bool(tensors))
+            if unit.index == 0 and not self.in_backward:  # the end of the forward, however it was called
+                self.end_forward()
             return output
         return hook
 
-    def end_forward(self):
-        """After the root's forward (or its failure): drop prefetches that
-        were not used."""
+    def end_forward(self, failed=False):
+        """After the root's forward (or its failure): rounds until every
+        rank's forward is over, then drops what is still gathered."""
         self._save_param_views(False)
-        self.native.end_forward()
+        self.native.end_forward(failed)
         self._unbind_released()
 
     # Backward --------------------------------------------------------------
@@ -224,20 +220,23 @@ class UnitScheduler:
 
     def _pre_backward(self, unit):
         def hook(_grad):
-            self._bind(unit, self.native.pre_backward(unit.index))
+            buffer = self.native.pre_backward(unit.index)
+            self._unbind_released()
+            self._bind(unit, buffer)
             self.on_unit_backward(unit)
         return hook
 
     def _post_backward(self, unit):
-        def hook():
-            self.native.post_backward(unit.index)
-            self._unbind_released()
-        return hook
+        return lambda: self.native.post_backward(unit.index)
 
-    def end_backward(self):
-        self.native.end_backward()
-        self._unbind_released()
-        self.in_backward = False
+    def end_backward(self, failed=False):
+        """Rounds until every rank's backward is over; the last one reduces
+        the grads of every unit not reduced yet and releases every unit."""
+        try:
+            self.native.end_backward(failed)
+        finally:
+            self._unbind_released()
+            self.in_backward = False
 
     def end_step(self):
         """Called once per optimizer step: this step's order guides the next."""

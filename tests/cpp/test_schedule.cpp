@@ -3,7 +3,9 @@
 // along the last step's order and release at structural points; gradient
 // buckets reduce to the sum over ranks whatever order (or whether) grads
 // arrive on each rank, late grads included.
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <functional>
 #include <random>
 #include <vector>
@@ -66,25 +68,25 @@ void test_units() {
     if (UnitSchedule(q, specs, DType::kFloat32, int64_t(1) << 40).pool_slots() != 3) ++bad;
     for (int step = 0; step < 3; ++step) {
       // Forward: root, then blocks 1..3 inside it.
-      if (!holds_unit(s, specs, 0, s.pre_forward(0))) ++bad;
+      if (!holds_unit(s, specs, 0, s.pre_forward(0, false))) ++bad;
       for (int u = 1; u < 4; ++u) {
-        if (!holds_unit(s, specs, u, s.pre_forward(u))) ++bad;
+        if (!holds_unit(s, specs, u, s.pre_forward(u, true))) ++bad;
+        if (u > 1 && s.gathered(u - 1)) ++bad;  // released by this round: every rank finished it
         // From the second step on, the next block is on its way.
         if (step > 0 && u < 3 && !s.gathered(u + 1)) ++bad;
-        s.post_forward(u);
-        if (s.gathered(u)) ++bad;  // released after its forward
+        s.post_forward(u, true);
       }
-      s.post_forward(0);
+      s.post_forward(0, true);
       s.end_forward();
       for (int u = 0; u < 4; ++u) bad += s.gathered(u) ? 1 : 0;
-      // Backward: root first, then blocks 3..1, each released at its post-backward point.
+      // Backward: root first, then blocks 3..1, each released by the round after its post-backward point.
       s.begin_backward();
       if (!holds_unit(s, specs, 0, s.pre_backward(0))) ++bad;
       for (int u = 3; u >= 1; --u) {
         if (!holds_unit(s, specs, u, s.pre_backward(u))) ++bad;
+        if (u < 3 && s.gathered(u + 1)) ++bad;
         if (u > 1 && !s.gathered(u - 1)) ++bad;  // prefetched in reverse forward order
         s.post_backward(u);
-        if (s.gathered(u)) ++bad;
       }
       if (!s.gathered(0)) ++bad;  // the root's inputs need no grad: held to the end
       s.end_backward();
@@ -94,7 +96,7 @@ void test_units() {
     }
     // Three blocks in use at once (nested units): the pool grows, contents stay right.
     std::vector<Tensor> held;
-    for (int u = 1; u < 4; ++u) held.push_back(s.pre_forward(u));
+    for (int u = 1; u < 4; ++u) held.push_back(s.pre_forward(u, false));
     for (int u = 1; u < 4; ++u) {
       if (!holds_unit(s, specs, u, held[size_t(u - 1)])) ++bad;
     }
@@ -170,10 +172,92 @@ void test_buckets() {
   CHECK(bad == 0);
 }
 
+// Ranks that run different units, a different number of times (experts
+// chosen by the data): rank 0 runs block 1 twice, rank 1 block 2, rank 2
+// blocks 3 and 1, rank 3 none; nobody runs block 4. Every unit is gathered
+// right where it runs, every rank sees the same grads_final calls, and the
+// partitions hold the sum of the grads, zeros from the ranks that skipped.
+void test_divergent_units() {
+  constexpr int kUnits = 5;
+  const std::vector<int64_t> numels = {20, 33};
+  const std::vector<std::vector<int>> runs = {{1, 1}, {2}, {3, 1}, {}};
+  std::vector<std::vector<std::pair<int, bool>>> finals(kWorld);
+  std::atomic<int> bad{0};
+  on_ranks([&](int r, CommQueue& q) {
+    std::vector<UnitSpec> specs(kUnits);
+    specs[0].own_slot = true;
+    std::vector<ReduceGroup> reduce;  // reduction order: the last unit first
+    for (int u = kUnits - 1; u >= 0; --u) {
+      specs[size_t(u)].groups.push_back(unit_group(u, 0, r, numels));
+      ReduceGroup rg{int32_t(u), plan_of(numels), Tensor::empty({plan_of(numels).partition_elems()}, DType::kFloat32)};
+      std::fill(rg.grad_part.data_as<float>(), rg.grad_part.data_as<float>() + rg.grad_part.numel(), 0.0f);
+      reduce.push_back(rg);
+    }
+    BucketReducer reducer(q, reduce, DType::kFloat32, 2, /*on_request=*/true);
+    auto grads_final = [&](int unit, bool any) {
+      finals[size_t(r)].emplace_back(unit, any);
+      const std::vector<int> group{kUnits - 1 - unit};
+      any ? reducer.reduce_groups(group) : reducer.skip_groups(group);
+    };
+    const int64_t block_bytes = 4 * plan_of(numels).total_elems();
+    UnitSchedule s(q, specs, DType::kFloat32, block_bytes, grads_final);
+    auto report_grads = [&](int u) {
+      for (int p = 0; p < 2; ++p) {
+        Tensor t = Tensor::empty({numels[size_t(p)]}, DType::kFloat32);
+        for (int64_t i = 0; i < t.numel(); ++i) t.data_as<float>()[i] = grad_value(r, u, p, i);
+        reducer.grad_ready(kUnits - 1 - u, p, t);
+      }
+    };
+    for (int step = 0; step < 2; ++step) {
+      if (!holds_unit(s, specs, 0, s.pre_forward(0, false))) ++bad;
+      for (int u : runs[size_t(r)]) {
+        if (!holds_unit(s, specs, u, s.pre_forward(u, true))) ++bad;
+        s.post_forward(u, true);
+      }
+      s.post_forward(0, true);
+      s.end_forward();
+      s.begin_backward();
+      if (!holds_unit(s, specs, 0, s.pre_backward(0))) ++bad;
+      for (auto u = runs[size_t(r)].rbegin(); u != runs[size_t(r)].rend(); ++u) {
+        if (!holds_unit(s, specs, *u, s.pre_backward(*u))) ++bad;
+        report_grads(*u);  // a unit run twice reports twice: its grads add up
+        s.post_backward(*u);
+      }
+      report_grads(0);
+      s.end_backward();
+      reducer.end_backward();
+      s.end_step();
+      for (int u = 0; u < kUnits; ++u) bad += s.gathered(u) ? 1 : 0;
+    }
+    for (int u = 0; u < kUnits; ++u) {
+      const ReduceGroup& rg = reduce[size_t(kUnits - 1 - u)];
+      for (const Segment& seg : rg.plan.segments(r)) {
+        for (int64_t i = 0; i < seg.numel; ++i) {
+          float want = 0.0f;
+          for (int k = 0; k < kWorld; ++k) {
+            const auto& ran = runs[size_t(k)];
+            const int times = u == 0 ? 1 : int(std::count(ran.begin(), ran.end(), u));
+            want += float(times) * grad_value(k, u, seg.param, seg.param_offset + i);
+          }
+          want *= 2.0f;  // two steps
+          const float got = rg.grad_part.data_as<float>()[seg.partition_offset + i];
+          if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
+        }
+      }
+    }
+  });
+  CHECK(bad == 0);
+  for (int r = 1; r < kWorld; ++r) CHECK(finals[size_t(r)] == finals[0]);
+  // Per backward every unit once, block 4 (run nowhere) skipped.
+  CHECK(finals[0].size() == 2 * kUnits);
+  CHECK(std::count(finals[0].begin(), finals[0].end(), std::make_pair(4, false)) == 2);
+}
+
 }  // namespace
 
 int main() {
   test_units();
   test_buckets();
+  test_divergent_units();
   return test::finish("test_schedule");
 }

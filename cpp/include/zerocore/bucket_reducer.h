@@ -15,12 +15,18 @@
 // (reentrant checkpointing) is staged again, and the ranks agree, in one
 // control all-reduce, which buckets to reduce once more.
 //
+// Stage 3 issues on request instead: ranks may run different units, so
+// grads arrive at different points of the collective sequence, and only
+// the unit schedule's rounds know when every rank is done with a unit
+// (reduce_groups; skip_groups where no rank produced grads).
+//
 //   open --all params reported--> ready --its turn--> in flight --event--> open
 //    (staging taken on the first grad)                 (shard added, staging back)
 #pragma once
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "zerocore/comm.h"
@@ -39,8 +45,10 @@ struct ReduceGroup {
 class BucketReducer {
  public:
   // staging_buffers: staging slots allocated up front (the pool grows past
-  // them only when more buckets are open at once).
-  BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype, int staging_buffers);
+  // them only when more buckets are open at once). on_request: buckets are
+  // issued only by reduce_groups() and end_backward(), never as they fill.
+  BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype, int staging_buffers,
+                bool on_request = false);
   ~BucketReducer();  // waits for reductions in flight
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
@@ -51,6 +59,13 @@ class BucketReducer {
   // buffer), or an undefined tensor when it must be added instead: a param
   // spanning buckets, or one whose bucket was already issued.
   Tensor grad_view(int group, int param);
+  // Issues every bucket of these groups not yet issued, in this order; the
+  // same calls on every rank.
+  void reduce_groups(const std::vector<int>& groups);
+  // These groups got no grad on any rank (the caller knows it from every
+  // rank): their buckets are done without a collective. A grad staged here
+  // anyway is reduced at end_backward, as a late one.
+  void skip_groups(const std::vector<int>& groups);
   // Issues what is left, agrees with the other ranks on late grads, and
   // waits until every reduction has been added into the partitions.
   void end_backward();
@@ -80,6 +95,8 @@ class BucketReducer {
   void issue(int bucket);
   void complete_oldest();
   const std::vector<Piece>& pieces(int group, int param) const;
+  // The buckets of group `group`, as indices into buckets_.
+  std::pair<int, int> bucket_range(int group) const;
 
   CommQueue& comm_;
   std::vector<ReduceGroup> groups_;
@@ -90,6 +107,8 @@ class BucketReducer {
   std::deque<InFlight> in_flight_;
   Tensor late_flags_;  // one fp32 flag a bucket, for the late-grad agreement
   size_t next_ = 0;    // the next bucket to issue
+  bool on_request_ = false;
+  std::vector<int> first_bucket_;  // per group: its first index in buckets_
 };
 
 }  // namespace zerocore

@@ -18,8 +18,8 @@ constexpr size_t kMaxInFlight = 1;
 }  // namespace
 
 BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype,
-                             int staging_buffers)
-    : comm_(comm), groups_(std::move(groups)) {
+                             int staging_buffers, bool on_request)
+    : comm_(comm), groups_(std::move(groups)), on_request_(on_request) {
   int64_t largest = 0;
   for (int g = 0; g < int(groups_.size()); ++g) {
     const ReduceGroup& group = groups_[size_t(g)];
@@ -33,6 +33,7 @@ BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, D
                             std::to_string(plan.world_size()) + " ranks, the queue has " +
                             std::to_string(comm.world_size()));
     }
+    first_bucket_.push_back(int(buckets_.size()));
     pieces_.emplace_back(plan.params().size());
     reported_.emplace_back(plan.params().size());
     for (int b = 0; b < int(plan.buckets().size()); ++b) {
@@ -114,11 +115,43 @@ void BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
       --b.waiting;
     }
   }
-  issue_ready();
+  if (!on_request_) issue_ready();
 }
 
 void BucketReducer::issue_ready() {
-  while (next_ < buckets_.size() && buckets_[next_].waiting == 0) issue(int(next_++));
+  while (next_ < buckets_.size() && (buckets_[next_].issued || buckets_[next_].waiting == 0)) {
+    if (!buckets_[next_].issued) issue(int(next_));
+    ++next_;
+  }
+}
+
+std::pair<int, int> BucketReducer::bucket_range(int group) const {
+  if (group < 0 || group >= int(groups_.size())) {
+    throw InvalidArgument("BucketReducer: no group index " + std::to_string(group));
+  }
+  const int end = group + 1 < int(groups_.size()) ? first_bucket_[size_t(group) + 1] : int(buckets_.size());
+  return {first_bucket_[size_t(group)], end};
+}
+
+void BucketReducer::reduce_groups(const std::vector<int>& groups) {
+  for (int g : groups) {
+    const auto [begin, end] = bucket_range(g);
+    for (int i = begin; i < end; ++i) {
+      if (!buckets_[size_t(i)].issued) issue(i);
+    }
+  }
+}
+
+void BucketReducer::skip_groups(const std::vector<int>& groups) {
+  for (int g : groups) {
+    const auto [begin, end] = bucket_range(g);
+    for (int i = begin; i < end; ++i) {
+      BucketState& b = buckets_[size_t(i)];
+      if (b.issued) continue;
+      b.issued = true;
+      b.dirty = b.staging >= 0;  // staged after all: reduced with the late grads
+    }
+  }
 }
 
 void BucketReducer::issue(int index) {

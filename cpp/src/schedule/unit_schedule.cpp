@@ -1,15 +1,19 @@
 #include "zerocore/unit_schedule.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <string>
 
 #include "zerocore/error.h"
 
 namespace zerocore {
 
-UnitSchedule::UnitSchedule(CommQueue& comm, std::vector<UnitSpec> units, DType dtype, int64_t prefetch_bytes)
+UnitSchedule::UnitSchedule(CommQueue& comm, std::vector<UnitSpec> units, DType dtype, int64_t prefetch_bytes,
+                           GradsFinal grads_final)
     : comm_(comm), units_(std::move(units)), own_(units_.size()), state_(units_.size()),
-      prefetch_bytes_(prefetch_bytes), dtype_(dtype), elem_bytes_(dtype_size(dtype)) {
+      prefetch_bytes_(prefetch_bytes), dtype_(dtype), elem_bytes_(dtype_size(dtype)),
+      grads_final_(std::move(grads_final)) {
   int64_t largest = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
     int64_t elems = 0;
@@ -36,6 +40,9 @@ UnitSchedule::UnitSchedule(CommQueue& comm, std::vector<UnitSpec> units, DType d
   const int64_t window = prefetch_bytes <= 0 ? 0 : std::max<int64_t>(1, prefetch_bytes / slot_bytes);
   const int64_t pooled = std::count_if(units_.begin(), units_.end(), [](const UnitSpec& u) { return !u.own_slot; });
   pool_ = SlotPool(dtype, largest, int(std::min(1 + window, pooled)));
+  // A control buffer, not an arena: it is no communication buffer of the plan.
+  auto flags = std::make_shared<std::vector<float>>(units_.size() * kFlags + 2);
+  round_flags_ = Tensor(flags->data(), DType::kFloat32, Device{}, {int64_t(flags->size())}, flags);
 }
 
 UnitSchedule::~UnitSchedule() {
@@ -94,7 +101,7 @@ std::vector<std::shared_ptr<Event>> UnitSchedule::issue(int unit, const Tensor& 
   return events;
 }
 
-bool UnitSchedule::gather(int unit, bool must) {
+bool UnitSchedule::gather(int unit, bool must, const Sums& sums) {
   State& s = state_[size_t(unit)];
   if (s.buffer.data() != nullptr) return true;
   if (units_[size_t(unit)].own_slot) {
@@ -102,7 +109,7 @@ bool UnitSchedule::gather(int unit, bool must) {
   } else {
     int slot = pool_.try_acquire();
     if (slot < 0 && !must) return false;
-    if (slot < 0) slot = evict_prefetched();
+    if (slot < 0) slot = evict_prefetched(sums);
     if (slot < 0) slot = pool_.acquire();  // more units in use at once than planned: the pool grows
     s.slot = slot;
     s.buffer = pool_.slot(slot).slice(0, unit_elems_[size_t(unit)]);
@@ -111,13 +118,14 @@ bool UnitSchedule::gather(int unit, bool must) {
   return true;
 }
 
-int UnitSchedule::evict_prefetched() {
+int UnitSchedule::evict_prefetched(const Sums& sums) {
   for (int u = 0; u < num_units(); ++u) {
     State& s = state_[size_t(u)];
-    if (s.slot >= 0 && !s.held) {
+    if (s.slot >= 0 && sums.at(u, kHeld) == 0 && sums.at(u, kNeed) == 0) {
       const int slot = s.slot;
       wait(u);
-      s = State{};
+      s.slot = -1;
+      s.buffer = Tensor();
       return slot;  // still taken: handed straight to the caller
     }
   }
@@ -137,77 +145,213 @@ void UnitSchedule::release(int unit) {
   if (s.buffer.data() == nullptr) return;
   wait(unit);  // the gather writes into the slot until its event
   if (s.slot >= 0) pool_.release(s.slot);
-  s = State{};
+  s.slot = -1;
+  s.buffer = Tensor();
 }
 
 Tensor UnitSchedule::hold(int unit) {
-  gather(unit, true);
   wait(unit);
   State& s = state_[size_t(unit)];
   s.held = true;
   return s.buffer;
 }
 
-template <class It>
-void UnitSchedule::prefetch_after(int unit, It begin, It end) {
-  const It at = std::find(begin, end, unit);
-  if (at == end || prefetch_bytes_ <= 0) return;
-  int64_t budget = prefetch_bytes_;
-  for (It next = at + 1; next != end; ++next) {
-    const int64_t bytes = unit_elems_[size_t(*next)] * int64_t(elem_bytes_);
-    if (next != at + 1 && bytes > budget) break;
-    budget -= bytes;
-    if (!gather(*next, false)) break;
-  }
+void UnitSchedule::unhold(int unit) {
+  State& s = state_[size_t(unit)];
+  if (s.held) s.finished = true;
+  s.held = false;
 }
 
-Tensor UnitSchedule::pre_forward(int unit) {
-  check(unit);
-  Tensor buffer = hold(unit);
-  if (!in_backward_) {
-    if (std::find(forward_order_.begin(), forward_order_.end(), unit) == forward_order_.end()) {
-      forward_order_.push_back(unit);
+// Rounds ----------------------------------------------------------------------
+
+UnitSchedule::Sums UnitSchedule::round(int need, bool done, bool failed) {
+  const int n = num_units();
+  float* flags = round_flags_.data_as<float>();
+  for (int u = 0; u < n; ++u) {
+    const State& s = state_[size_t(u)];
+    float* f = flags + size_t(u) * kFlags;
+    f[kNeed] = u == need ? 1.0f : 0.0f;
+    f[kHeld] = s.held ? 1.0f : 0.0f;
+    f[kFinished] = s.finished ? 1.0f : 0.0f;
+    f[kExpects] = s.marked > 0 || s.unbounded ? 1.0f : 0.0f;
+    f[kRan] = s.ran ? 1.0f : 0.0f;
+  }
+  flags[size_t(n) * kFlags] = done ? 1.0f : 0.0f;
+  flags[size_t(n) * kFlags + 1] = failed ? 1.0f : 0.0f;
+  const auto start = std::chrono::steady_clock::now();
+  comm_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, round_flags_.numel()}, round_flags_)->wait();
+  round_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ++rounds_;
+  Sums sums{std::vector<float>(flags, flags + size_t(n) * kFlags), flags[size_t(n) * kFlags],
+            flags[size_t(n) * kFlags + 1]};
+  for (State& s : state_) s.finished = false;
+  if (sums.failed > 0) {
+    reset_after_failure(failed);
+    if (!failed) {
+      throw PeerFailed("zerocore: " + std::to_string(int(sums.failed)) + " other rank(s) failed during this " +
+                       (in_backward_ ? "backward" : "forward") +
+                       " (their errors say why); this rank stopped with them at the same point, so that no rank "
+                       "waits for the others forever");
     }
-    prefetch_after(unit, last_forward_order_.begin(), last_forward_order_.end());
+    return sums;
   }
-  return buffer;
+  release_finished(sums);
+  for (int u = 0; u < n; ++u) {
+    if (sums.at(u, kNeed) > 0) gather(u, true, sums);
+  }
+  if (!in_backward_) {
+    for (int u = 0; u < n; ++u) {
+      if (sums.at(u, kNeed) > 0 && std::find(order_.begin(), order_.end(), u) == order_.end()) order_.push_back(u);
+    }
+  }
+  prefetch(sums);
+  if (in_backward_) finalize_grads(sums, false);
+  return sums;
 }
 
-void UnitSchedule::post_forward(int unit) {
+void UnitSchedule::release_finished(const Sums& sums) {
+  for (int u = 0; u < num_units(); ++u) {
+    if (sums.at(u, kFinished) > 0 && sums.at(u, kHeld) == 0 && sums.at(u, kNeed) == 0) release(u);
+  }
+}
+
+void UnitSchedule::prefetch(const Sums& sums) {
+  if (prefetch_bytes_ <= 0) return;
+  // Forward follows the last step's order; backward this step's, reversed.
+  const std::vector<int>& order = in_backward_ ? order_ : last_order_;
+  const int n = int(order.size());
+  auto at = [&](int i) { return in_backward_ ? order[size_t(n - 1 - i)] : order[size_t(i)]; };
+  int from = -1;  // the furthest unit needed now
+  for (int i = 0; i < n; ++i) {
+    if (sums.at(at(i), kNeed) > 0) from = i;
+  }
+  if (from < 0) return;
+  int64_t budget = prefetch_bytes_;
+  for (int i = from + 1; i < n; ++i) {
+    const int64_t bytes = unit_elems_[size_t(at(i))] * int64_t(elem_bytes_);
+    if (i != from + 1 && bytes > budget) break;
+    budget -= bytes;
+    if (!gather(at(i), false, sums)) break;
+  }
+}
+
+void UnitSchedule::finalize_grads(const Sums& sums, bool all) {
+  for (int u = num_units() - 1; u >= 0; --u) {  // reduction order: the root, unit 0, last
+    State& s = state_[size_t(u)];
+    const bool ran = sums.at(u, kRan) > 0;
+    if (s.final || !(all || (ran && sums.at(u, kExpects) == 0))) continue;
+    s.final = true;
+    if (grads_final_) grads_final_(u, ran);
+  }
+}
+
+void UnitSchedule::join(bool failed, bool backward) {
+  Sums sums;
+  do {
+    sums = round(-1, true, failed);
+    if (sums.failed > 0) return;
+  } while (sums.done < float(comm_.world_size()));
+  // Every rank is at this same round: the pass is over everywhere.
+  for (int u = 0; u < num_units(); ++u) {
+    State& s = state_[size_t(u)];
+    s.held = false;
+    s.open_backwards = 0;
+    s.marks.clear();
+    release(u);
+  }
+  if (backward) {
+    finalize_grads(sums, true);
+    for (State& s : state_) {
+      s.final = s.unbounded = s.ran = false;
+      s.marked = 0;
+    }
+  }
+}
+
+void UnitSchedule::reset_after_failure(bool failed_here) {
+  // Every rank is at this same round: each drops all it gathered.
+  for (int u = 0; u < num_units(); ++u) {
+    State& s = state_[size_t(u)];
+    try {
+      wait(u);
+    } catch (...) {  // a gather that failed: the failure being raised already says why
+    }
+    if (s.slot >= 0) pool_.release(s.slot);
+    s = State{};
+  }
+  in_forward_ = false;
+  aborted_ = !failed_here;  // this rank throws; its end_forward/end_backward then has nothing to join
+}
+
+// Hooks -----------------------------------------------------------------------
+
+Tensor UnitSchedule::pre_forward(int unit, bool marks_post_backward) {
   check(unit);
-  if (!in_backward_) release(unit);  // in backward: a recomputation, released at its post-backward point
+  if (!in_backward_ && !in_forward_) {
+    in_forward_ = true;
+    aborted_ = false;
+  }
+  round(unit, false, false);
+  State& s = state_[size_t(unit)];
+  s.marks.push_back(marks_post_backward);
+  if (marks_post_backward) ++s.marked;
+  return hold(unit);
+}
+
+void UnitSchedule::post_forward(int unit, bool backward_follows) {
+  check(unit);
+  State& s = state_[size_t(unit)];
+  const bool marked = !s.marks.empty() && s.marks.back();
+  if (!s.marks.empty()) s.marks.pop_back();
+  if (backward_follows) {
+    s.ran = true;
+    if (!marked) s.unbounded = true;  // its grads come, but no post-backward point tells when they are complete
+  }
+  if (!in_backward_) unhold(unit);  // in backward: a recomputation, held until its post-backward point
 }
 
 void UnitSchedule::begin_backward() { in_backward_ = true; }
 
 Tensor UnitSchedule::pre_backward(int unit) {
   check(unit);
-  ++state_[size_t(unit)].open_backwards;
-  Tensor buffer = hold(unit);
-  prefetch_after(unit, forward_order_.rbegin(), forward_order_.rend());  // backward runs forward's order reversed
-  return buffer;
+  State& s = state_[size_t(unit)];
+  ++s.open_backwards;
+  s.ran = true;
+  round(unit, false, false);
+  return hold(unit);
 }
 
 void UnitSchedule::post_backward(int unit) {
   check(unit);
   State& s = state_[size_t(unit)];
+  s.marked = std::max(0, s.marked - 1);
   s.open_backwards = std::max(0, s.open_backwards - 1);
-  if (s.open_backwards == 0) release(unit);
+  if (s.open_backwards == 0) unhold(unit);
 }
 
-void UnitSchedule::end_forward() {
+void UnitSchedule::end_forward(bool failed) {
   if (in_backward_) return;
-  for (int u = 0; u < num_units(); ++u) release(u);
+  if (aborted_) {
+    aborted_ = false;
+    return;
+  }
+  if (!in_forward_ && !failed) return;  // ended already
+  join(failed, false);
+  in_forward_ = false;
 }
 
-void UnitSchedule::end_backward() {
-  for (int u = 0; u < num_units(); ++u) release(u);
+void UnitSchedule::end_backward(bool failed) {
+  if (aborted_) {
+    aborted_ = false;
+  } else {
+    join(failed, true);
+  }
   in_backward_ = false;
 }
 
 void UnitSchedule::end_step() {
-  if (!forward_order_.empty()) last_forward_order_.swap(forward_order_);
-  forward_order_.clear();
+  if (!order_.empty()) last_order_.swap(order_);
+  order_.clear();
 }
 
 void UnitSchedule::gather_into(int unit, const Tensor& out) {

@@ -1,0 +1,189 @@
+"""Stage 3 with ranks that run different units: experts chosen by the data,
+each its own unit by default, trained with no annotation. Each rank runs the
+experts its samples route to (none, some, one twice); the engine must equal
+single-process torch and stage 2 on the same global batch, and never hang."""
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zerocore
+from dist_harness import run_ranks
+from models import DIM, VOCAB, Block, assert_state_close, engine_train, lm_batch, lm_loss, make, reference_train
+
+EXPERTS = 3
+STEPS = 3
+
+
+class MoEBlock(nn.Module):
+    """Each sample's route code picks what the block does: -1 nothing (the
+    residual only), e < EXPERTS expert e, EXPERTS + e expert e twice."""
+
+    def __init__(self, checkpointing=None):
+        super().__init__()
+        self.experts = nn.ModuleList(Block() for _ in range(EXPERTS))
+        self.checkpointing = checkpointing
+
+    def _run(self, expert, x):
+        if self.checkpointing is None:
+            return expert(x)
+        return checkpoint(expert, x, use_reentrant=self.checkpointing == "reentrant")
+
+    def forward(self, x, codes):
+        out = x
+        for e, expert in enumerate(self.experts):
+            once = (codes == e).nonzero().flatten()
+            if once.numel():
+                out = out.index_add(0, once, self._run(expert, x[once]))
+            twice = (codes == EXPERTS + e).nonzero().flatten()
+            if twice.numel():
+                out = out.index_add(0, twice, self._run(expert, self._run(expert, x[twice])))
+        return out
+
+
+class DataRouted(nn.Module):
+    """Block l routes each sample by its token at position l: code = token - 1."""
+
+    def __init__(self, layers=2, checkpointing=None):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(MoEBlock(checkpointing) for _ in range(layers))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, idx[:, layer] - 1)
+        return self.head(x)
+
+
+def routed(codes_of):
+    """A batch function whose samples on rank r, in step s and micro-batch m,
+    take the route codes codes_of(r, s, m, layer) (one per local sample)."""
+
+    def batch(step, micro, world):
+        x, y = lm_batch(step, micro, world)
+        per_rank = x.shape[0] // world
+        for r in range(world):
+            for layer in range(2):
+                codes = torch.as_tensor(codes_of(r, step, micro, layer), dtype=x.dtype).expand(per_rank)
+                x[r * per_rank:(r + 1) * per_rank, layer] = codes + 1
+        return x, y
+
+    return batch
+
+
+def random_codes(r, step, micro, layer, low=-1):
+    """Fresh random routes per rank, step, micro-batch and layer (skips included)."""
+    g = torch.Generator().manual_seed(7919 * r + 104729 * step + 31 * micro + layer)
+    return torch.randint(low, EXPERTS, (2,), generator=g)
+
+
+def _train(rank, world, model_fn, batch, accum, stages):
+    out = {}
+    for stage in stages:
+        model = model_fn()
+        engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
+                               {"stage": stage, "bucket_bytes": 512})
+        out[stage] = engine_train(engine, rank, world, STEPS, accum, batch=batch)
+        if stage == 3:
+            out["experts are units"] = sum(isinstance(u.module, Block) for u in engine.units)
+    return out
+
+
+def check(model_fn, batch, world=2, accum=1):
+    """Stages 2 and 3 on `world` ranks against one process on the global batch."""
+    results = run_ranks(_train, world, model_fn, batch, accum, (2, 3), timeout=90)
+    model = model_fn()
+    ref = reference_train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), STEPS, accum,
+                          world, batch=batch)
+    for rank, result in enumerate(results):
+        assert result["experts are units"] == len(model.blocks) * EXPERTS  # no units= given: the default policy
+        for stage in (2, 3):
+            assert_state_close(result[stage], ref, rtol=1e-5, atol=1e-6, what=f"stage {stage} rank {rank}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_experts_chosen_by_data(world):
+    check(functools.partial(make, DataRouted), routed(random_codes), world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_expert_per_rank(world):
+    """Every rank runs a different expert of each layer, the same number of times."""
+    check(functools.partial(make, DataRouted), routed(lambda r, s, m, layer: r % EXPERTS), world)
+
+
+def test_a_rank_skipping_a_whole_layers_experts():
+    skip_first = lambda r, s, m, layer: -1 if r == 1 and layer == 0 else random_codes(r, s, m, layer, low=0)  # noqa: E731
+    check(functools.partial(make, DataRouted), routed(skip_first), world=4)
+
+
+def test_an_expert_run_twice_on_one_rank_only():
+    twice = lambda r, s, m, layer: EXPERTS + 1 if r == 0 else random_codes(r, s, m, layer)  # noqa: E731
+    check(functools.partial(make, DataRouted), routed(twice), world=2)
+
+
+def test_accumulation_with_routes_changing_per_micro_batch():
+    check(functools.partial(make, DataRouted), routed(random_codes), world=2, accum=3)
+
+
+@pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
+def test_checkpointing_inside_experts(mode):
+    twice = lambda r, s, m, layer: EXPERTS if r == 1 else random_codes(r, s, m, layer)  # noqa: E731
+    check(functools.partial(make, DataRouted, checkpointing=mode), routed(twice), world=2)
+
+
+# Cost and failure -----------------------------------------------------------
+
+def _rounds_per_step(rank, world, model_fn):
+    model = model_fn()
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3})
+    x, y = lm_batch(0, 0, world)
+    counts = []
+    for _ in range(2):
+        before = engine.scheduler.native.rounds
+        engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
+        engine.step()
+        counts.append(engine.scheduler.native.rounds - before)
+    return counts, len(engine.units)
+
+
+def test_a_dense_model_pays_one_round_per_unit_and_pass():
+    """Each unit hook that needs params runs one round, and each pass ends
+    with one: no retries, whatever the schedule does in between."""
+    for counts, units in run_ranks(_rounds_per_step, 2, make):
+        assert counts == [2 * units + 2] * 2, (counts, units)
+
+
+class FailsOnRank1(DataRouted):
+    def forward(self, idx):
+        x = self.blocks[0](self.embed(idx), idx[:, 0] - 1)
+        if torch.distributed.get_rank() == 1:
+            raise ValueError("rank 1's forward failed")
+        return self.head(self.blocks[1](x, idx[:, 1] - 1))
+
+
+def _fail(rank, world):
+    model = make(FailsOnRank1)
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3})
+    x, y = routed(random_codes)(0, 0, world)
+    try:
+        engine(x.chunk(world)[rank])
+    except (ValueError, RuntimeError) as e:
+        first = f"{type(e).__name__}: {e}"
+    else:
+        first = None
+    # Every rank stopped at the same point: the engine trains on afterwards.
+    model.forward = functools.partial(DataRouted.forward, model)
+    engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
+    engine.step()
+    return first
+
+
+def test_a_forward_failing_on_one_rank_raises_on_every_rank():
+    first = run_ranks(_fail, 2, timeout=60)
+    assert first[1] == "ValueError: rank 1's forward failed"
+    assert first[0].startswith("RuntimeError: zerocore: 1 other rank(s) failed during this forward"), first[0]
