@@ -1,6 +1,6 @@
-"""The example GPT model, its data source and the main training job."""
+"""The example GPT model, its data source and the main training job (dense and MoE)."""
 
-import os
+import re
 import subprocess
 import sys
 
@@ -9,6 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from zerocore.examples.gpt import CORPUS_PATH, GPT, CharTokenizer, GPTConfig, TextData, load_corpus  # noqa: E402
+from zerocore.examples.moe import MoEGPT  # noqa: E402
+from zerocore.examples.train import _param_groups, build_model, parse_args  # noqa: E402
 
 TINY = dict(n_layer=2, n_head=2, d_model=32, seq_len=16)
 
@@ -93,13 +95,20 @@ def _has_engine():
     return hasattr(zerocore, "wrap")
 
 
+RUN_FLAGS = ["--steps", "3", "--ranks", "2", "--timeout", "60"]
+
+
+def _run_train(flags) -> str:
+    """The train job's output, run as a user runs it; the job must succeed."""
+    cmd = [sys.executable, "-m", "zerocore.examples.train", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 @pytest.mark.skipif(not _has_engine(), reason="zerocore.wrap (the engine) is not built yet")
 def test_train_job_runs():
-    env = dict(os.environ)
-    cmd = [sys.executable, "-m", "zerocore.examples.train", "--steps", "3", "--ranks", "2", "--timeout", "60"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    out = _run_train(RUN_FLAGS)
     assert "step    3/3" in out
     assert "model-state memory per rank" in out and "communication in one optimizer step" in out
     # It says what it trains on, what loss means, and what every symbol and column is.
@@ -111,6 +120,53 @@ def test_train_job_runs():
     # What ZeRO saved: stage 3 on 2 ranks holds half of plain data parallelism's model states.
     saved = [line for line in out.splitlines() if line.strip().startswith("saved by ZeRO")]
     assert saved and "2.00x less" in saved[0], saved
+
+
+# Few tokens per rank (2 sequences x 8) over 8 experts: each rank leaves some experts idle.
+MOE_FLAGS = RUN_FLAGS + ["--model", "moe", "--stage", "2", "--dtype", "fp32", "--experts", "8", "--layers", "2",
+                         "--heads", "2", "--d-model", "32", "--seq-len", "8", "--batch", "4"]
+
+
+def _moe_reference(args, world):
+    """Per-step losses of the job's MoE model trained in one process, each step's loss the
+    mean of the ranks' losses on their slices (the balancing term is per rank), and, for
+    each step, the (block, expert) pairs each rank ran."""
+    data, tok = TextData.from_corpus(args.seq_len, args.batch, seed=args.seed)
+    model = build_model(args, tok.vocab_size)
+    opt = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    ran = set()
+    for b, block in enumerate(model.blocks):
+        for e, expert in enumerate(block.mlp.experts):
+            expert.register_forward_hook(lambda *_, key=(b, e): ran.add(key))
+    losses, experts_run = [], []
+    for step in range(args.steps):
+        loss, per_rank = 0.0, []
+        for rank in range(world):
+            ran.clear()
+            loss = loss + model(*data.batch(step, rank, world))["loss"] / world
+            per_rank.append(frozenset(ran))
+        experts_run.append(per_rank)
+        loss.backward()
+        for p in model.parameters():  # the engine counts a param no rank gave a grad as a zero grad
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, experts_run
+
+
+@pytest.mark.skipif(not _has_engine(), reason="zerocore.wrap (the engine) is not built yet")
+def test_train_job_runs_moe_at_stage_2():
+    args = parse_args(MOE_FLAGS)
+    losses, experts_run = _moe_reference(args, world=2)
+    # The case this run is for: in some step the two ranks ran different experts.
+    assert any(len(set(per_rank)) > 1 for per_rank in experts_run), experts_run
+
+    out = _run_train(MOE_FLAGS)
+    assert "model:  MoE GPT (8 experts, top-1), 2 blocks" in out
+    printed = [float(x) for x in re.findall(r"^step +\d+/3 +loss (\S+)", out, re.M)]
+    assert printed == pytest.approx(losses, abs=2e-4)  # printed with 4 decimals
 
 
 def test_train_job_help_shows_each_default_once():
@@ -125,10 +181,17 @@ def test_train_job_help_shows_each_default_once():
 
 
 def test_train_job_rejects_bad_flags(capsys):
-    from zerocore.examples.train import parse_args
-
     for argv, msg in ((["--d-model", "30", "--heads", "4"], "divisible"), (["--steps", "0"], "--steps"),
-                      (["--loss-scale", "big"], "loss-scale"), (["--stage", "4"], "invalid choice")):
+                      (["--loss-scale", "big"], "loss-scale"), (["--stage", "4"], "invalid choice"),
+                      (["--experts", "1"], "--experts"), (["--experts", "65"], "--experts"),
+                      (["--top-k", "3"], "invalid choice"), (["--model", "dense"], "invalid choice")):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code != 0 and msg in capsys.readouterr().err
+
+
+def test_train_job_model_flag_chooses_the_model():
+    moe = build_model(parse_args(["--model", "moe", "--experts", "3", "--top-k", "2", "--layers", "1"]), 40)
+    assert isinstance(moe, MoEGPT) and (moe.cfg.n_experts, moe.cfg.top_k, moe.cfg.vocab) == (3, 2, 40)
+    assert len(moe.blocks) == 1 and len(moe.blocks[0].mlp.experts) == 3
+    assert type(build_model(parse_args(["--layers", "1"]), 40)) is GPT

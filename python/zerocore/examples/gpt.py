@@ -38,10 +38,10 @@ class GPTConfig:
         for name in ("vocab", "n_layer", "n_head", "d_model", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+                raise ValueError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(
-                f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+                f"{type(self).__name__}.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
             )
 
 
@@ -72,14 +72,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
 
-    def __init__(self, cfg: GPTConfig):
+    ``mlp`` replaces the dense :class:`MLP` (the MoE example passes its
+    mixture of experts).
+    """
+
+    def __init__(self, cfg: GPTConfig, mlp: Optional[nn.Module] = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -92,11 +96,15 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.make_block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied: one Parameter, two uses
         self.reset_parameters(seed)
+
+    def make_block(self, cfg: GPTConfig) -> nn.Module:
+        """One transformer block; a subclass builds its own (examples/moe.py)."""
+        return Block(cfg)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:

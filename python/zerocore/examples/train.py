@@ -2,18 +2,21 @@
 
     python -m zerocore.examples.train                 # stage 3, 2 ranks, bf16
     python -m zerocore.examples.train --stage 1 --ranks 4 --dtype fp32 --steps 50
+    python -m zerocore.examples.train --model moe     # mixture of experts, 4 experts, top-1
     torchrun --nproc-per-node 2 -m zerocore.examples.train --stage 2
 
-It trains a character-level GPT on the corpus bundled with the package
-(``zerocore/examples/data/tiny_corpus.txt``, a short story), so it needs no
-download. With ``--ranks N`` the job starts N local processes itself (gloo
-over 127.0.0.1, a free port); under torchrun (RANK/WORLD_SIZE set) it uses
-the launcher's environment instead. Rank 0 prints the loss and tokens/s of
-every step. At the end every rank's measured model-state memory
-(``engine.memory_report()``) is printed beside the ZeRO formula
-(``zerocore.accounting.predicted_memory``, docs/design.md) and beside what
-plain data parallelism would hold, and the elements moved by each kind of
-collective in one step (``engine.comm_stats()``) beside
+It trains a character-level GPT (``--model gpt``, zerocore.examples.gpt)
+or its mixture-of-experts variant (``--model moe``, zerocore.examples.moe,
+where each rank runs only the experts its tokens are routed to) on the
+corpus bundled with the package (``zerocore/examples/data/tiny_corpus.txt``,
+a short story), so it needs no download. With ``--ranks N`` the job starts
+N local processes itself (gloo over 127.0.0.1, a free port); under torchrun
+(RANK/WORLD_SIZE set) it uses the launcher's environment instead. Rank 0
+prints the loss and tokens/s of every step. At the end every rank's
+measured model-state memory (``engine.memory_report()``) is printed beside
+the ZeRO formula (``zerocore.accounting.predicted_memory``, docs/design.md)
+and beside what plain data parallelism would hold, and the elements moved
+by each kind of collective in one step (``engine.comm_stats()``) beside
 ``zerocore.accounting.predicted_comm``.
 
 The job exits non-zero with a message on any failure; every collective and
@@ -60,9 +63,9 @@ def _engine_default(field: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m zerocore.examples.train",
-        description="Train a small character-level GPT on the bundled corpus with zerocore's ZeRO stages "
-                    "on CPU ranks (gloo), then report per-rank memory and communication beside the ZeRO "
-                    "formulas (docs/design.md).",
+        description="Train a small character-level GPT (dense or mixture-of-experts) on the bundled corpus "
+                    "with zerocore's ZeRO stages on CPU ranks (gloo), then report per-rank memory and "
+                    "communication beside the ZeRO formulas (docs/design.md).",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3),
@@ -80,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--model", default="gpt", choices=("gpt", "moe"),
+                   help="gpt: dense MLPs; moe: a routed mixture of experts in place of each block's MLP")
+    p.add_argument("--experts", type=int, default=4, help="--model moe: experts per block, 2 to 64")
+    p.add_argument("--top-k", type=int, default=1, choices=(1, 2),
+                   help="--model moe: experts each token is routed to")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     p.add_argument("--max-grad-norm", type=float, default=None,
@@ -114,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.d_model % args.heads:
         p.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
+    if not 2 <= args.experts <= 64:
+        p.error(f"--experts must be from 2 to 64, got {args.experts}")
     if args.loss_scale is not None and args.loss_scale != "dynamic":
         try:
             args.loss_scale = float(args.loss_scale)
@@ -161,6 +171,18 @@ def _engine_config(args) -> dict:
     return cfg
 
 
+def build_model(args, vocab: int):
+    """The model --model names, initialised from --seed (the same on every rank)."""
+    from zerocore.examples.gpt import GPT, GPTConfig
+    from zerocore.examples.moe import MoEConfig, MoEGPT
+
+    shape = dict(vocab=vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
+                 seq_len=args.seq_len)
+    if args.model == "moe":
+        return MoEGPT(MoEConfig(**shape, n_experts=args.experts, top_k=args.top_k), seed=args.seed)
+    return GPT(GPTConfig(**shape), seed=args.seed)
+
+
 def _param_groups(model, weight_decay: float):
     """Weight decay on matrices only (embeddings and linear weights), none on biases and LayerNorms."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -178,14 +200,12 @@ def train(args, rank: int, world: int) -> dict:
 
     import zerocore
     from zerocore import accounting
-    from zerocore.examples.gpt import CORPUS_PATH, GPT, GPTConfig, TextData
+    from zerocore.examples.gpt import CORPUS_PATH, TextData
 
     data, tok = TextData.from_corpus(args.seq_len, args.batch, seed=args.seed)
     if args.batch % world:
         raise JobError(f"--batch {args.batch} does not split evenly over {world} ranks")
-    cfg = GPTConfig(vocab=tok.vocab_size, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.d_model, seq_len=args.seq_len)
-    model = GPT(cfg, seed=args.seed)  # same init on every rank
+    model = build_model(args, tok.vocab_size)
     opt = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     engine_cfg = _engine_config(args)
     engine = zerocore.wrap(model, opt, zerocore.Config(**engine_cfg))
@@ -247,10 +267,11 @@ def train(args, rank: int, world: int) -> dict:
 def banner(args, world, corpus_name, corpus_tokens, vocab, numel, engine_cfg, threads) -> str:
     """What the job is about to do, printed by rank 0 before the first step."""
     precision = "fp32" if args.dtype == "fp32" else f"{args.dtype} compute with fp32 master weights"
+    model = "GPT" if args.model == "gpt" else f"MoE GPT ({args.experts} experts, top-{args.top_k})"
     return "\n".join([
         f"zerocore: ZeRO stage {args.stage} on {world} CPU rank(s) (gloo), {precision}, "
         f"{threads} thread(s) per rank",
-        f"model:  GPT, {args.layers} blocks x width {args.d_model} ({args.heads} heads), "
+        f"model:  {model}, {args.layers} blocks x width {args.d_model} ({args.heads} heads), "
         f"{numel:,} trainable params",
         f"data:   the corpus bundled with the package ({corpus_name}, {corpus_tokens:,} characters), one token "
         f"per character, vocabulary {vocab}; each step {args.batch} sequences x {args.seq_len} tokens "
