@@ -123,7 +123,7 @@ def test_train_job_runs():
 
 
 # Few tokens per rank (2 sequences x 8) over 8 experts: each rank leaves some experts idle.
-MOE_FLAGS = RUN_FLAGS + ["--model", "moe", "--stage", "2", "--dtype", "fp32", "--experts", "8", "--layers", "2",
+MOE_FLAGS = RUN_FLAGS + ["--model", "moe", "--dtype", "fp32", "--experts", "8", "--layers", "2",
                          "--heads", "2", "--d-model", "32", "--seq-len", "8", "--batch", "4"]
 
 
@@ -157,13 +157,15 @@ def _moe_reference(args, world):
 
 
 @pytest.mark.skipif(not _has_engine(), reason="zerocore.wrap (the engine) is not built yet")
-def test_train_job_runs_moe_at_stage_2():
-    args = parse_args(MOE_FLAGS)
+@pytest.mark.parametrize("stage", [2, 3])  # stage 3: each expert is a unit, gathered only where ranks agree
+def test_train_job_runs_moe(stage):
+    flags = MOE_FLAGS + ["--stage", str(stage)]
+    args = parse_args(flags)
     losses, experts_run = _moe_reference(args, world=2)
     # The case this run is for: in some step the two ranks ran different experts.
     assert any(len(set(per_rank)) > 1 for per_rank in experts_run), experts_run
 
-    out = _run_train(MOE_FLAGS)
+    out = _run_train(flags)
     assert "model:  MoE GPT (8 experts, top-1), 2 blocks" in out
     printed = [float(x) for x in re.findall(r"^step +\d+/3 +loss (\S+)", out, re.M)]
     assert printed == pytest.approx(losses, abs=2e-4)  # printed with 4 decimals

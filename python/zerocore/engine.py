@@ -366,7 +366,10 @@ class Engine:
         collectives work in (comm_buffers: gradient reduction's staging and,
         in stage 3, the pool units are gathered into), which are not model
         states. Stage 3 params count their shard. All of it is allocated at
-        wrap: the report is the same before the first step and after."""
+        wrap: the report is the same before the first step and after, except
+        that stage 3's gather pool grows once (a slot, kept) when ranks need
+        more units at the same time than planned (different experts on
+        different ranks, units nested in units)."""
         out = {"param": 0, "grad": 0, "optim": 0}
         for g in self.groups:
             for k, v in g.memory().items():

@@ -292,7 +292,8 @@ MEMORY_LEGEND = """\
   total         param + grad + optim: the model states the ZeRO paper counts
   buffers       the module's buffers (not model states; in no formula)
   comm_buffers  buffers collectives work in, allocated at wrap: the gradient reduction's staging
-                buckets and, in stage 3, the pool units are gathered into (not model states)
+                buckets and, in stage 3, the pool units are gathered into (not model states; with
+                experts, the pool grows once to the units the ranks need at the same time)
   formula       the ZeRO formula for this stage (docs/design.md, zerocore.accounting)
   plain DP      what plain data parallelism (stage 0, as DDP) would hold on every rank
   measured may exceed the formula by alignment padding; stage-3 params under --persist-threshold
@@ -302,7 +303,8 @@ COMM_LEGEND = """\
   Elements (not bytes) moved by each kind of collective in the last step, each collective counted at
   its full, unpartitioned size, as docs/design.md does: stages 1-2 reduce-scatter and all-gather Ψ
   (the volume of plain data parallelism's all-reduce), stage 3 all-gathers params twice (forward and
-  backward), 1.5x."""
+  backward), 1.5x. Stage 3 moves only the units some rank ran: with --model moe, experts that no
+  rank's tokens were routed to are neither gathered nor reduced, so it may stay under the formula."""
 
 
 def report(args, results: list) -> str:
