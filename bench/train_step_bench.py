@@ -3,17 +3,22 @@
     python bench/train_step_bench.py                       # 2 ranks, fp32, all configs
     python bench/train_step_bench.py --dtype bf16 --steps 6
     python bench/train_step_bench.py --configs zero3,fsdp2 --repeats 3
+    python bench/train_step_bench.py --model moe --experts 8  # mixture of experts
 
-The same GPT-style model (zerocore.examples.gpt), the same data and the same
+The same GPT-style model (zerocore.examples.gpt, or with --model moe its
+mixture-of-experts variant, zerocore.examples.moe: each expert its own
+stage-3 unit, so ranks run different units), the same data and the same
 world size are trained a few steps under each configuration:
 
     zero0..zero3  zerocore.wrap(model, AdamW, Config(stage=s, dtype=...))
     ddp           torch DistributedDataParallel + torch.optim.AdamW
-                  (16-bit: torch.autocast over fp32 params, as DDP users do)
+                  (16-bit: torch.autocast over fp32 params, as DDP users do;
+                  MoE: find_unused_parameters, which experts need)
     fsdp2         torch.distributed.fsdp.fully_shard per block and on the root
                   + torch.optim.AdamW (16-bit: MixedPrecisionPolicy with
                   param_dtype = reduce_dtype = the dtype, like zerocore's
-                  default reduce_dtype)
+                  default reduce_dtype; MoE: a block's experts inside its
+                  unit, as FSDP needs: per-expert units would hang)
 
 Every configuration runs in fresh processes (one per rank), so the peak
 resident set size (getrusage ru_maxrss) is that configuration's own. Step
@@ -31,6 +36,17 @@ Targets (the runtime issue; run once with default glibc settings and once
 with MALLOC_MMAP_THRESHOLD_=1048576): zero3 step time <= 0.85x FSDP2's, zero3
 "train" memory (peak RSS growth) <= 0.8x FSDP2's, zero3 peak RSS below DDP's,
 zero1 and zero2 step time within 5% of DDP's. Each prints PASS or MISS.
+
+Stage 3's ranks agree on every gather in rounds (docs/design.md, section 6);
+zero3 also reports the rounds per step and the time spent in their
+all-reduces as a share of the step (information: it includes waiting for
+the slower rank, which without rounds is spent waiting elsewhere). To
+measure what a change to the engine costs, --baseline-python names the
+interpreter of another build (a venv with an earlier commit installed):
+each zerocore config then also runs there as "<config>@base", interleaved,
+and the ratio is printed. Target (the divergent-routing issue, its rounds
+against the commit before them): zero3 within 3% of zero3@base on the
+dense model.
 """
 
 from __future__ import annotations
@@ -58,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--repeats", type=int, default=1, help="runs of each config (lowest median step time, median memory); configs interleave")
+    p.add_argument("--model", default="gpt", choices=("gpt", "moe"))
+    p.add_argument("--experts", type=int, default=8, help="--model moe: experts per block")
+    p.add_argument("--top-k", type=int, default=2, choices=(1, 2), help="--model moe: experts per token")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -69,6 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="threads per rank (default cores / ranks)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration before it is killed")
     p.add_argument("--json", default=None, help="also write all results to this file")
+    p.add_argument("--baseline-python", default=None,
+                   help="another build's interpreter: zerocore configs also run with it, as <config>@base")
     p.add_argument("--phases", action="store_true", help="print rank 0's RSS / peak RSS after each phase")
     # internal: one rank of one configuration
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -111,9 +132,14 @@ def worker(args) -> None:
                          round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
 
     data, tok = TextData.from_corpus(args.seq_len, args.batch, seed=0)
-    cfg = GPTConfig(vocab=tok.vocab_size, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.d_model, seq_len=args.seq_len)
-    model = GPT(cfg, seed=0)
+    shape = dict(vocab=tok.vocab_size, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
+                 seq_len=args.seq_len)
+    if args.model == "moe":
+        from zerocore.examples.moe import MoEConfig, MoEGPT
+
+        model = MoEGPT(MoEConfig(**shape, n_experts=args.experts, top_k=args.top_k), seed=0)
+    else:
+        model = GPT(GPTConfig(**shape), seed=0)
     lowp = {"fp32": None, "bf16": torch.bfloat16}[args.dtype]
     mark("model")
 
@@ -122,7 +148,7 @@ def worker(args) -> None:
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **kw)
 
     if name.startswith("zero"):
-        import zerocore
+        import zerocore  # the baseline build's, under --baseline-python
 
         zerocore.set_num_threads(threads)
         cfg_kw = {"stage": int(name[4:]), "dtype": args.dtype}
@@ -130,17 +156,24 @@ def worker(args) -> None:
             cfg_kw["bucket_bytes"] = args.bucket_bytes
         engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
                                zerocore.Config(**cfg_kw))
+        schedule = getattr(engine.scheduler, "native", None)
+        if not hasattr(schedule, "rounds"):  # stages 0-2, or a baseline build from before rounds
+            schedule = None
 
         def step(x, y):
+            if schedule:
+                rounds, round_s = schedule.rounds, schedule.round_seconds
             loss = engine(x, y)["loss"]
             engine.backward(loss)
             engine.step()
             engine.zero_grad()
+            if schedule:
+                negotiation.append((schedule.rounds - rounds, schedule.round_seconds - round_s))
             return loss
     elif name == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ddp = DDP(model)
+        ddp = DDP(model, find_unused_parameters=args.model == "moe")
         opt = torch_opt(model.parameters())
 
         def step(x, y):
@@ -174,6 +207,7 @@ def worker(args) -> None:
 
     mark("wrapped")
     times, losses = [], []
+    negotiation = []  # zero3: (rounds, seconds in them) per step
     for i in range(args.warmup + args.steps):
         x, y = data.batch(i, rank, world)
         dist.barrier()
@@ -189,6 +223,10 @@ def worker(args) -> None:
     result = {"config": name, "rank": rank, "median_s": statistics.median(times), "times": times,
               "losses": losses, "base_kb": base_kb, "phases": phases, "peak_kb": peak_kb,
               "params": sum(p.numel() for p in model.parameters())}
+    if negotiation:
+        timed = negotiation[args.warmup:]
+        result["rounds_per_step"] = statistics.median(n for n, _ in timed)
+        result["round_share"] = statistics.median(s / t for (_, s), t in zip(timed, times))
     dist.barrier()
     dist.destroy_process_group()
     print(RESULT_TAG + json.dumps(result), flush=True)
@@ -203,12 +241,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(args, name: str) -> dict:
-    """Run one configuration in fresh processes; return the per-config summary or raise."""
+def run_config(args, label: str) -> dict:
+    """Run one configuration in fresh processes; return the per-config summary or raise.
+    "<config>@base" runs <config> under --baseline-python."""
     port = _free_port()
     env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-    base = [sys.executable, os.path.abspath(__file__), "--worker", name, "--port", str(port)]
+    name, _, at = label.partition("@")
+    python = args.baseline_python if at else sys.executable
+    base = [python, os.path.abspath(__file__), "--worker", name, "--port", str(port)]
     passthrough = ["--ranks", str(args.ranks), "--dtype", args.dtype, "--steps", str(args.steps),
+                   "--model", args.model, "--experts", str(args.experts), "--top-k", str(args.top_k),
                    "--warmup", str(args.warmup), "--layers", str(args.layers), "--d-model", str(args.d_model),
                    "--heads", str(args.heads), "--seq-len", str(args.seq_len), "--batch", str(args.batch),
                    "--torch-optim", args.torch_optim, "--timeout", str(args.timeout)]
@@ -227,7 +269,7 @@ def run_config(args, name: str) -> dict:
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        raise RuntimeError(f"{name}: timed out after {args.timeout + 60:.0f}s")
+        raise RuntimeError(f"{label}: timed out after {args.timeout + 60:.0f}s")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -237,16 +279,18 @@ def run_config(args, name: str) -> dict:
         lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
         if rc != 0 or not lines:
             tail = "\n".join((err or out).strip().splitlines()[-25:])
-            raise RuntimeError(f"{name}: rank {r} exited with {rc}\n{tail}")
+            raise RuntimeError(f"{label}: rank {r} exited with {rc}\n{tail}")
         ranks.append(json.loads(lines[-1][len(RESULT_TAG):]))
     return {
-        "config": name,
+        "config": label,
         "median_s": max(r["median_s"] for r in ranks),
         "peak_mb": max(r["peak_kb"] for r in ranks) / 1024,
         "train_mb": max(r["peak_kb"] - r["base_kb"] for r in ranks) / 1024,
         "final_loss": ranks[0]["losses"][-1],
         "params": ranks[0]["params"],
         "ranks": ranks,
+        "round_share": max(r.get("round_share", 0.0) for r in ranks),
+        "rounds_per_step": ranks[0].get("rounds_per_step"),
     }
 
 
@@ -260,10 +304,13 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: unknown config(s) {bad}; use {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
+    if args.baseline_python:
+        names += [f"{n}@base" for n in names if n.startswith("zero")]
 
     import torch
 
-    print(f"train_step_bench: {args.ranks} CPU ranks (gloo), {args.dtype}, GPT {args.layers}x{args.d_model} "
+    model = "GPT" if args.model == "gpt" else f"MoE GPT ({args.experts} experts, top-{args.top_k})"
+    print(f"train_step_bench: {args.ranks} CPU ranks (gloo), {args.dtype}, {model} {args.layers}x{args.d_model} "
           f"heads {args.heads} seq {args.seq_len} global batch {args.batch}, {args.steps} timed steps "
           f"after {args.warmup} warm-up, torch {torch.__version__} AdamW {args.torch_optim}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", flush=True)
@@ -279,9 +326,10 @@ def main(argv=None) -> int:
                 print(f"  {name:<6} FAILED: {e}", flush=True)
                 continue
             runs.setdefault(name, []).append(res)
-            print(f"  [{rep + 1}/{args.repeats}] {name:<6} median step {res['median_s'] * 1e3:8.1f} ms   "
+            print(f"  [{rep + 1}/{args.repeats}] {name:<10} median step {res['median_s'] * 1e3:8.1f} ms   "
                   f"peak RSS {res['peak_mb']:7.1f} MB   train {res['train_mb']:6.1f} MB   "
-                  f"loss {res['final_loss']:.4f}", flush=True)
+                  f"loss {res['final_loss']:.4f}" + (f"   rounds {res['rounds_per_step']:.0f}/step, "
+                  f"{100 * res['round_share']:.2f}% of it" if res["rounds_per_step"] else ""), flush=True)
             if args.phases:
                 ph = res["ranks"][0]["phases"]
                 print("         rank 0 RSS/peak MB: " + "  ".join(f"{k} {v[0]:.0f}/{v[1]:.0f}" for k, v in ph.items()),
@@ -298,11 +346,11 @@ def main(argv=None) -> int:
         params = next(iter(best.values()))["params"]
         print(f"\nresults ({params:,} params; step: best median of {args.repeats} run(s); memory: max over ranks, "
               f"median over runs)")
-        print(f"  {'config':<7} {'step ms':>9} {'peak RSS MB':>12} {'train MB':>9}")
+        print(f"  {'config':<10} {'step ms':>9} {'peak RSS MB':>12} {'train MB':>9}")
         for name in names:
             if name in best:
                 r = best[name]
-                print(f"  {name:<7} {r['median_s'] * 1e3:9.1f} {r['peak_mb']:12.1f} {r['train_mb']:9.1f}")
+                print(f"  {name:<10} {r['median_s'] * 1e3:9.1f} {r['peak_mb']:12.1f} {r['train_mb']:9.1f}")
 
     checks = []
 
@@ -316,7 +364,17 @@ def main(argv=None) -> int:
             print(f"  {label:<44} n/a (missing {', '.join(c for c in (a, b) if c not in best)})")
             checks.append(False)
 
+    if best.get("zero3", {}).get("rounds_per_step"):
+        print(f"\nzero3 rounds: {best['zero3']['rounds_per_step']:.0f} a step, their all-reduces "
+              f"{100 * best['zero3']['round_share']:.2f}% of the step, waiting for the slower rank included (info)")
     print("\nratios")
+    if args.baseline_python:
+        if args.model == "gpt":
+            check("zero3 / zero3@base step time (rounds' cost)", "zero3", "zero3@base", 1.03, "median_s")
+        for n in names:
+            if n.endswith("@base") and n in best and n[:-5] in best and (n[:-5] != "zero3" or args.model != "gpt"):
+                print(f"  {n[:-5] + ' / ' + n + ' step time (info)':<44} "
+                      f"{best[n[:-5]]['median_s'] / best[n]['median_s']:6.3f}")
     check("zero3 / fsdp2 step time", "zero3", "fsdp2", 0.85, "median_s")
     check("zero3 / fsdp2 train memory (peak RSS growth)", "zero3", "fsdp2", 0.8, "train_mb")
     check("zero3 / ddp peak RSS", "zero3", "ddp", 1.0, "peak_mb")

@@ -213,11 +213,10 @@ def _gathered_during_backward(rank, world):
 
 def test_stage3_releases_each_unit_at_its_post_backward_point():
     for seen, after, slots in run_ranks(_gathered_during_backward, 2):
-        # The root (its inputs need no grad, so it stays until backward
-        # ends), and the block whose backward just ended, which the next
-        # block's round releases before gathering that one: the pool's one
-        # slot (no prefetch) never had to grow.
-        assert seen == [1, 2, 2], seen
+        # Only the root (its inputs need no grad, so it stays until backward
+        # ends): the blocks whose backward is done were released, and the
+        # pool's one slot (no prefetch) never had to grow.
+        assert seen == [1, 1, 1], seen
         assert slots == 1
         assert after == 0
 

@@ -51,7 +51,8 @@ struct Layer {
 
 class ZeroMlp {
  public:
-  ZeroMlp(int stage, CommQueue& comm, const std::vector<float>& init)
+  // rounds: stage 3's queue for the unit schedule's rounds, over a group of its own.
+  ZeroMlp(int stage, CommQueue& comm, CommQueue& rounds, const std::vector<float>& init)
       : stage_(stage), rank_(comm.rank()), world_(comm.world_size()) {
     layers_.push_back(make_layer(kIn, kHidden));
     layers_.push_back(make_layer(kHidden, kOut));
@@ -76,7 +77,8 @@ class ZeroMlp {
         const std::vector<int> group{reduce_group(unit)};
         reduce ? reducer_->reduce_groups(group) : reducer_->skip_groups(group);
       };
-      schedule_ = std::make_unique<UnitSchedule>(comm, units, DType::kFloat32, /*prefetch_bytes=*/1, grads_final);
+      schedule_ = std::make_unique<UnitSchedule>(comm, rounds, units, DType::kFloat32, /*prefetch_bytes=*/1,
+                                                 grads_final);
     } else {
       std::vector<FlatBuffer> full;
       for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan, layers_[size_t(u)].params});
@@ -243,14 +245,14 @@ std::vector<float> train(int stage, int world, std::vector<float>* losses) {
   for (int i = 0; i < kIn * kHidden + kHidden + kHidden * kOut + kOut; ++i) {
     init.push_back(0.3f * std::sin(1.7f * float(i) + 0.5f));
   }
-  InProcessGroup group(world);
+  InProcessGroup group(world), rounds_group(world);
   std::vector<std::vector<float>> params(static_cast<size_t>(world));
   std::vector<std::vector<float>> rank_losses(static_cast<size_t>(world));
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      CommQueue comm(group.transport(r));
-      ZeroMlp mlp(stage, comm, init);
+      CommQueue comm(group.transport(r)), rounds(rounds_group.transport(r));
+      ZeroMlp mlp(stage, comm, rounds, init);
       for (int s = 1; s <= kSteps; ++s) rank_losses[size_t(r)].push_back(mlp.step(s));
       params[size_t(r)] = mlp.full_params();
     });

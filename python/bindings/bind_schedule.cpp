@@ -57,18 +57,19 @@ void bind_schedule(nb::module_& m) {
                            "Stage 3's unit state machine over a fixed gather pool (see unit_schedule.h).")
       .def(
           "__init__",
-          [](UnitSchedule* self, const BoundQueue& queue, const nb::list& units, const std::string& dtype,
-             int64_t prefetch_bytes, UnitSchedule::GradsFinal grads_final) {
+          [](UnitSchedule* self, const BoundQueue& queue, const BoundQueue& rounds, const nb::list& units,
+             const std::string& dtype, int64_t prefetch_bytes, UnitSchedule::GradsFinal grads_final) {
             std::vector<UnitSpec> spec;
             for (nb::handle unit : units) {
               auto [own_slot, groups] = nb::cast<std::tuple<bool, nb::list>>(unit);
               spec.push_back(UnitSpec{specs<UnitGroup>(groups, "UnitSchedule: shard"), own_slot});
             }
-            new (self) UnitSchedule(queue.get(), std::move(spec), parse_dtype(dtype), prefetch_bytes,
+            new (self) UnitSchedule(queue.get(), rounds.get(), std::move(spec), parse_dtype(dtype), prefetch_bytes,
                                     std::move(grads_final));
           },
-          "queue"_a, "units"_a, "dtype"_a, "prefetch_bytes"_a, "grads_final"_a = nb::none(), nb::keep_alive<1, 2>(),
-          "units: per unit (own_slot, [(tag, LayoutPlan, shard tensor) per flat group]). grads_final(unit, "
+          "queue"_a, "rounds"_a, "units"_a, "dtype"_a, "prefetch_bytes"_a, "grads_final"_a = nb::none(),
+          nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(),
+          "rounds: a queue over another communicator of the same ranks, for the rounds. units: per unit (own_slot, [(tag, LayoutPlan, shard tensor) per flat group]). grads_final(unit, "
           "reduce): called in backward, alike on every rank, once a unit's grads are complete everywhere.")
       .def("pre_forward", unlocked(&UnitSchedule::pre_forward), "unit"_a, "marks_post_backward"_a,
            "The unit is about to run forward: its buffer, gathered.")
@@ -80,6 +81,8 @@ void bind_schedule(nb::module_& m) {
       .def("end_forward", unlocked(&UnitSchedule::end_forward), "failed"_a = false)
       .def("end_backward", unlocked(&UnitSchedule::end_backward), "failed"_a = false)
       .def("end_step", unlocked(&UnitSchedule::end_step))
+      .def("release_all", unlocked(&UnitSchedule::release_all),
+           "Releases every unit no hook holds (their params changed).")
       .def("gather_into", unlocked(&UnitSchedule::gather_into), "unit"_a, "out"_a,
            "The unit's full flat params into out (a zerocore.Tensor), uncounted and outside the pool.")
       .def("buffer", [](const UnitSchedule& self, int unit) { return maybe(self.buffer(unit)); }, "unit"_a, "Where the unit is gathered; None when released.")
@@ -88,8 +91,10 @@ void bind_schedule(nb::module_& m) {
       .def("group_offset", &UnitSchedule::group_offset, "unit"_a, "group"_a)
       .def_prop_ro("buffer_bytes", &UnitSchedule::buffer_bytes)
       .def_prop_ro("pool_slots", &UnitSchedule::pool_slots)
-      .def_prop_ro("rounds", &UnitSchedule::rounds, "Rounds run since construction.")
-      .def_prop_ro("round_seconds", &UnitSchedule::round_seconds, "Seconds spent in the rounds' all-reduces.");
+      .def_prop_ro("rounds", &UnitSchedule::rounds, "Rounds posted since construction.")
+      .def_prop_ro("blocking_rounds", &UnitSchedule::blocking_rounds,
+                   "Rounds a hook waited for at once (a unit not here, the end of a pass).")
+      .def_prop_ro("round_seconds", &UnitSchedule::round_seconds, "Seconds spent waiting for rounds.");
 
   nb::class_<BucketReducer>(m, "BucketReducer",
                             "Stages 2-3's bucket state machine for gradient reduction (see bucket_reducer.h).")

@@ -17,7 +17,10 @@ its full (unpartitioned) size, with k backward calls per step:
     0: all-reduce Ψ
     1: reduce-scatter Ψ, all-gather Ψ
     2: reduce-scatter k Ψ (each backward reduces as it goes), all-gather Ψ
-    3: reduce-scatter k Ψ, all-gather 2 k Ψ (forward and backward)
+    3: reduce-scatter k Ψ, all-gather 2 k Ψ (forward and backward), less
+       k Ψ_root: the root unit (the params no other unit holds: embeddings,
+       head) stays gathered from its forward through its backward, as in
+       FSDP2, so it is gathered once per backward call
 """
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -42,8 +45,9 @@ def predicted_memory(stage: int, numel: int, world_size: int, dtype: str, state_
     return {"param": param, "grad": grad, "optim": optim}
 
 
-def predicted_comm(stage: int, numel: int, backward_calls: int = 1) -> dict:
-    """Elements per collective kind for one optimizer step."""
+def predicted_comm(stage: int, numel: int, backward_calls: int = 1, root_numel: int = 0) -> dict:
+    """Elements per collective kind for one optimizer step. root_numel:
+    stage 3's Ψ_root (engine.root_numel)."""
     k = backward_calls
     if stage == 0:
         return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": numel}
@@ -52,5 +56,5 @@ def predicted_comm(stage: int, numel: int, backward_calls: int = 1) -> dict:
     if stage == 2:
         return {"all_gather": numel, "reduce_scatter": k * numel, "all_reduce": 0}
     if stage == 3:
-        return {"all_gather": 2 * k * numel, "reduce_scatter": k * numel, "all_reduce": 0}
+        return {"all_gather": k * (2 * numel - root_numel), "reduce_scatter": k * numel, "all_reduce": 0}
     raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")

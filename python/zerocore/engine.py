@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocore import ops
-from zerocore._native import BucketCollectives, UnitSchedule
+from zerocore._native import BucketCollectives, UnitSchedule, trim_freed_host_memory
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES, FlatGroup
@@ -40,6 +40,16 @@ def _state_names(spec) -> tuple:
 class NonFiniteGradientError(FloatingPointError):
     """Raised (on every rank) when gradients hold inf/NaN and no dynamic loss
     scaling is there to absorb it; params and optimizer state are untouched."""
+
+
+def _own_group(group):
+    """A process group of the same ranks for the engine alone: its
+    collectives run on native threads and may still be in flight when
+    control returns to the user (a prefetch, a round), so they must never
+    share a group with the user's own collectives."""
+    if group is None:
+        return None
+    return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
 
 
 def _default_group(group, placement):
@@ -100,7 +110,8 @@ class Engine:
         self.placement = placement = Placement(cfg.stage)
         spec = read_optimizer(optimizer)
         self.module = module
-        self.comm = Communicator(_default_group(group, placement))
+        user_group = _default_group(group, placement)
+        self.comm = Communicator(_own_group(user_group))
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
@@ -116,6 +127,9 @@ class Engine:
         opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
         self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units)
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
+        # Stage 3: the root unit's trainable params, gathered once per backward (accounting.predicted_comm).
+        self.root_numel = sum(s.numel for g in self.units[0].groups if g.trainable for s in g.slots) \
+            if self.units else 0
         # This rank's whole partition as native runs: one call a step.
         views = [v for g in self.groups if g.trainable for v in g.run_views()]
         self.runs = ops.FlatRuns(*([list(column) for column in zip(*views)] if views else [[]] * 6))
@@ -137,7 +151,10 @@ class Engine:
             self._unit_reduce_groups = [[self.reducer.index[id(g)] for g in u.groups if g.trainable]
                                         for u in self.units]
             ref = weakref.WeakMethod(self._unit_grads_final)  # the native schedule must not keep the engine alive
-            schedule = UnitSchedule(self.comm.queue, [u.native_spec() for u in self.units],
+            # The rounds run on a group of their own too, so that none waits
+            # behind the data collectives queued before it.
+            self.rounds_comm = Communicator(_own_group(user_group))
+            schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes,
                                     lambda unit, reduce: ref()(unit, reduce))
             self.scheduler = UnitScheduler(self.units, schedule, self._attach_unit_grads)
@@ -226,12 +243,14 @@ class Engine:
         plan order. Stage 2: those one param spans, and one more for a
         neighbour that comes early. Stage 3, where a unit's grads accumulate
         in place in its buckets' staging: the root's buckets (open all
-        backward) and the largest other unit's."""
+        backward) and two of the largest other unit's, since a unit is
+        reduced only once the ranks agree it is done, in the round the next
+        unit's backward posts (settled one unit later)."""
         if not self.units:
             spans = [s.last_bucket - s.first_bucket + 1 for g in self.groups if g.trainable for s in g.slots]
             return 2 + max(spans, default=1)
         buckets = [sum(len(g.buckets) for g in u.groups if g.trainable) for u in self.units]
-        return 1 + buckets[0] + max(buckets[1:], default=0)
+        return 1 + buckets[0] + 2 * max(buckets[1:], default=0)
 
     def _unit_grads_final(self, unit: int, reduce: bool):
         """Stage 3: every rank is done with the unit's backward (the schedule's
@@ -347,6 +366,10 @@ class Engine:
         self._backward_calls = 0
         if self.scheduler:
             self.scheduler.end_step()
+        # The step's activations are freed by now; what glibc would keep of
+        # them (its dynamic mmap threshold, fragmentation) goes back, so the
+        # resident memory between steps follows the plan, not the allocator.
+        trim_freed_host_memory()
 
     def zero_grad(self):
         for g in self.groups:

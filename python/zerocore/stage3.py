@@ -16,16 +16,16 @@ ModuleList or ModuleDict inside such a unit (the experts of a mixture-of-
 experts layer), plus the root for everything else.
 
 Ranks may run different units, a different number of times (experts chosen
-by the data): every hook that needs params runs a round of the native
-schedule, in which the ranks agree on what to gather, release and reduce
+by the data): every hook that needs params posts a round of the native
+schedule, in which the ranks agree on what to gather and when to reduce
 (unit_schedule.h says how). The hooks only report:
 - forward: a unit's pre-hook needs it, and says whether it routed the
   inputs that need grads through _PostBackward (to find its post-backward
   point); its post-hook says it is done and whether its outputs need
   grads, which it then hooks so that backward needs the unit again before
-  its grads are computed. The root's post-hook ends the forward: rounds
-  until every rank's forward has ended;
-- backward: a unit is done at its post-backward point, when the grads of
+  its grads are computed; the unit is released then. The root's post-hook
+  ends the forward: rounds until every rank's forward has ended;
+- backward: a unit is released at its post-backward point, when the grads of
   its inputs are complete: every param its backward reads (frozen weights
   that input grads need included) has been read by then. A unit whose
   inputs need no grad (the first one) stays until backward ends.
@@ -201,6 +201,7 @@ class UnitScheduler:
             if tensors and not self.in_backward:  # a recomputation's backward is the one already running
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
             self.native.post_forward(unit.index, bool(tensors))
+            self._unbind_released()
             if unit.index == 0 and not self.in_backward:  # the end of the forward, however it was called
                 self.end_forward()
             return output
@@ -227,7 +228,10 @@ class UnitScheduler:
         return hook
 
     def _post_backward(self, unit):
-        return lambda: self.native.post_backward(unit.index)
+        def hook():
+            self.native.post_backward(unit.index)
+            self._unbind_released()
+        return hook
 
     def end_backward(self, failed=False):
         """Rounds until every rank's backward is over; the last one reduces
@@ -239,8 +243,10 @@ class UnitScheduler:
             self.in_backward = False
 
     def end_step(self):
-        """Called once per optimizer step: this step's order guides the next."""
+        """Called once per optimizer step: this step's order guides the next,
+        and the units it updated are released."""
         self.native.end_step()
+        self._unbind_released()
 
     # Whole-model views -----------------------------------------------------
     def gather_all(self):
@@ -255,6 +261,9 @@ class UnitScheduler:
                 g.bind(flat[offset:offset + g.plan.total_elems], keep_views=False)
 
     def free_all(self):
+        """After gathered_params: every unit's params may have been edited,
+        so nothing gathered before stays."""
+        self.native.release_all()
         for u in self.units:
             for g in u.groups:
                 g.unbind()

@@ -22,6 +22,9 @@ constexpr int kWorld = 4;
 constexpr int64_t kAlign = 4, kBucketElems = 48;
 
 void on_ranks(const std::function<void(int, CommQueue&)>& fn) { test::on_ranks(kWorld, fn); }
+void on_ranks(const std::function<void(int, CommQueue&, CommQueue&)>& fn) {
+  test::on_ranks_with_rounds(kWorld, fn);
+}
 
 LayoutPlan plan_of(const std::vector<int64_t>& numels) {
   std::vector<ParamSpec> specs;
@@ -54,7 +57,7 @@ bool holds_unit(const UnitSchedule& s, const std::vector<UnitSpec>& specs, int u
 
 void test_units() {
   std::atomic<int> bad{0};
-  on_ranks([&](int r, CommQueue& q) {
+  on_ranks([&](int r, CommQueue& q, CommQueue& rq) {
     // A root with a buffer of its own and three blocks (one with a frozen group).
     std::vector<UnitSpec> specs(4);
     specs[0].own_slot = true;
@@ -62,37 +65,45 @@ void test_units() {
     for (int u = 1; u < 4; ++u) specs[size_t(u)].groups.push_back(unit_group(u, 0, r, {20, 33}));
     specs[2].groups.push_back(unit_group(2, 1, r, {9}));
     const int64_t block_bytes = 4 * (plan_of({20, 33}).total_elems() + plan_of({9}).total_elems());
-    UnitSchedule s(q, specs, DType::kFloat32, block_bytes);  // prefetch one unit
+    UnitSchedule s(q, rq, specs, DType::kFloat32, block_bytes);  // prefetch one unit
     if (s.pool_slots() != 2) ++bad;
     // A prefetch budget larger than the model plans no more slots than units.
-    if (UnitSchedule(q, specs, DType::kFloat32, int64_t(1) << 40).pool_slots() != 3) ++bad;
+    if (UnitSchedule(q, rq, specs, DType::kFloat32, int64_t(1) << 40).pool_slots() != 3) ++bad;
+    int64_t blocking_before = 0;
     for (int step = 0; step < 3; ++step) {
       // Forward: root, then blocks 1..3 inside it.
       if (!holds_unit(s, specs, 0, s.pre_forward(0, false))) ++bad;
       for (int u = 1; u < 4; ++u) {
         if (!holds_unit(s, specs, u, s.pre_forward(u, true))) ++bad;
-        if (u > 1 && s.gathered(u - 1)) ++bad;  // released by this round: every rank finished it
         // From the second step on, the next block is on its way.
         if (step > 0 && u < 3 && !s.gathered(u + 1)) ++bad;
         s.post_forward(u, true);
+        if (s.gathered(u)) ++bad;  // released after its forward
       }
       s.post_forward(0, true);
       s.end_forward();
-      for (int u = 0; u < 4; ++u) bad += s.gathered(u) ? 1 : 0;
-      // Backward: root first, then blocks 3..1, each released by the round after its post-backward point.
+      for (int u = 1; u < 4; ++u) bad += s.gathered(u) ? 1 : 0;
+      if (!s.gathered(0)) ++bad;  // the root's own buffer stays gathered for its backward
+      // Backward: root first, then blocks 3..1, each released at its post-backward point.
       s.begin_backward();
       if (!holds_unit(s, specs, 0, s.pre_backward(0))) ++bad;
       for (int u = 3; u >= 1; --u) {
         if (!holds_unit(s, specs, u, s.pre_backward(u))) ++bad;
-        if (u < 3 && s.gathered(u + 1)) ++bad;
         if (u > 1 && !s.gathered(u - 1)) ++bad;  // prefetched in reverse forward order
         s.post_backward(u);
+        if (s.gathered(u)) ++bad;
       }
       if (!s.gathered(0)) ++bad;  // the root's inputs need no grad: held to the end
       s.end_backward();
       for (int u = 0; u < 4; ++u) bad += s.gathered(u) ? 1 : 0;
       s.end_step();
+      // The step's round gathers what the next forward starts with.
+      if (!s.gathered(0) || !s.gathered(1)) ++bad;
       if (s.pool_slots() != 2) ++bad;  // nothing allocated after the plan
+      // Each hook posts a round that the next one settles; only the end of
+      // the backward and the step's round are waited for at once.
+      if (step > 0 && s.blocking_rounds() - blocking_before != 2) ++bad;
+      blocking_before = s.blocking_rounds();
     }
     // Three blocks in use at once (nested units): the pool grows, contents stay right.
     std::vector<Tensor> held;
@@ -183,7 +194,7 @@ void test_divergent_units() {
   const std::vector<std::vector<int>> runs = {{1, 1}, {2}, {3, 1}, {}};
   std::vector<std::vector<std::pair<int, bool>>> finals(kWorld);
   std::atomic<int> bad{0};
-  on_ranks([&](int r, CommQueue& q) {
+  on_ranks([&](int r, CommQueue& q, CommQueue& rq) {
     std::vector<UnitSpec> specs(kUnits);
     specs[0].own_slot = true;
     std::vector<ReduceGroup> reduce;  // reduction order: the last unit first
@@ -200,7 +211,7 @@ void test_divergent_units() {
       any ? reducer.reduce_groups(group) : reducer.skip_groups(group);
     };
     const int64_t block_bytes = 4 * plan_of(numels).total_elems();
-    UnitSchedule s(q, specs, DType::kFloat32, block_bytes, grads_final);
+    UnitSchedule s(q, rq, specs, DType::kFloat32, block_bytes, grads_final);
     auto report_grads = [&](int u) {
       for (int p = 0; p < 2; ++p) {
         Tensor t = Tensor::empty({numels[size_t(p)]}, DType::kFloat32);
@@ -225,9 +236,9 @@ void test_divergent_units() {
       }
       report_grads(0);
       s.end_backward();
+      for (int u = 0; u < kUnits; ++u) bad += s.gathered(u) ? 1 : 0;
       reducer.end_backward();
       s.end_step();
-      for (int u = 0; u < kUnits; ++u) bad += s.gathered(u) ? 1 : 0;
     }
     for (int u = 0; u < kUnits; ++u) {
       const ReduceGroup& rg = reduce[size_t(kUnits - 1 - u)];

@@ -19,4 +19,14 @@ inline void on_ranks(int world, const std::function<void(int, CommQueue&)>& fn) 
   }
   for (auto& t : threads) t.join();
 }
+
+// The same with a second queue per rank, over a group of its own: the unit
+// schedule's rounds.
+inline void on_ranks_with_rounds(int world, const std::function<void(int, CommQueue&, CommQueue&)>& fn) {
+  InProcessGroup rounds(world);
+  on_ranks(world, [&](int r, CommQueue& q) {
+    CommQueue rq(rounds.transport(r));
+    fn(r, q, rq);
+  });
+}
 }  // namespace zerocore::test

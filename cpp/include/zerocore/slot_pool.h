@@ -7,6 +7,7 @@
 // arena of its own, made when first needed and kept, so it too is allocated
 // once; bytes() reports every slot.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -29,6 +30,7 @@ class SlotPool {
   // Gives a slot back; its contents are left as they are.
   void release(int slot);
 
+  int free_slots() const { return int(std::count(free_.begin(), free_.end(), true)); }
   const Tensor& slot(int index) const { return slots_[size_t(index)]; }
   int size() const { return int(slots_.size()); }
   int planned() const { return planned_; }

@@ -5,29 +5,38 @@
 // backward begins, its post-backward point); it decides the rest.
 //
 // Ranks may run different units (experts chosen by the data), a different
-// number of times, so no decision that needs a collective is taken alone:
-// the ranks agree on it in a *round*. Each unit hook that needs params (a
-// pre-forward, a pre-backward) runs one round: one small control all-reduce
-// in which every rank says, per unit, whether it needs it now, holds it,
-// finished with it since the last round, still expects its backward, and
-// produced grads for it. From the sums every rank takes the same decisions,
-// in the same order:
-//   1. release the gathered units that some rank finished and none holds or
-//      needs;
-//   2. gather every unit some rank needs, in unit order (the union);
-//   3. prefetch along the previous step's agreed order (backward: this
-//      step's, reversed) from the furthest unit needed;
-//   4. in backward, hand every unit that no rank expects a backward of any
+// number of times, so no collective is issued on one rank's say: the ranks
+// agree on each in a *round*. Every unit hook that needs params posts one:
+// a small control all-reduce in which each rank says, per unit, whether it
+// needs it now (it is not gathered here), is at it, has it gathered, still
+// expects its backward, and produced grads for it. A round is posted without
+// waiting and settled at the next hook, so in a model whose ranks run the
+// same units its all-reduce completes while the unit computes: the
+// negotiation rides along with the prefetch it decides. Only a rank that
+// needs a unit it does not have waits for its round at once. Settling a
+// round, every rank takes the same decisions from the sums, in the same
+// order:
+//   1. gather every unit some rank needs, in unit order (the union);
+//   2. prefetch along the previous step's agreed order (backward: this
+//      step's, reversed) past the furthest unit any rank is at, what some
+//      rank does not have, as many units as the fullest rank has room for;
+//   3. in backward, hand every unit that no rank expects a backward of any
 //      more to grads_final, in reduction order (last unit first, the root
 //      last): its grads, zeros from the ranks that did not run it, can be
 //      reduce-scattered.
-// So the set of gathered units, and every collective issued, is the same on
-// every rank. A rank that has finished its forward or backward keeps
-// answering rounds (end_forward, end_backward) until every rank has, as
-// torch's Join does for uneven inputs; the last round releases everything
-// and, after a backward, hands every unit not yet final to grads_final.
-// When every rank runs the same units in the same order, a round costs one
-// all-reduce of a few floats per unit per pass.
+// Every rank joins every gather so decided: into a free slot, or, when it
+// has the unit already or no slot is free, into a slot lent for the
+// collective alone. Releases need no agreement (a gathered unit is this
+// rank's memory) and happen at once: after a unit's forward (outside
+// backward), at its post-backward point once every backward call of it has
+// reached it, and for everything at the end of a pass; a unit with a buffer
+// of its own (the root) stays gathered from its forward to the end of its
+// backward, as FSDP2 keeps its root. A rank that has
+// finished its forward or backward keeps posting rounds (end_forward,
+// end_backward) until every rank has, as torch's Join does for uneven
+// inputs; after a backward the last round hands every unit not yet final to
+// grads_final. A rank whose pass raised says so in its round, and every
+// other rank throws PeerFailed when it settles that round.
 //
 // A unit is gathered into a slot of a fixed pool sized by the largest unit:
 // one slot for the unit in use plus the prefetch window. A unit marked
@@ -75,18 +84,22 @@ class UnitSchedule {
   // rank produced any (nothing to reduce).
   using GradsFinal = std::function<void(int unit, bool reduce)>;
 
+  // comm: the queue of the data collectives. rounds: a queue over another
+  // communicator of the same ranks, for the rounds alone, so that a round
+  // never waits behind the gathers and reductions queued before it.
   // prefetch_bytes: the budget of units gathered ahead of use; the next unit
   // is always prefetched when it is > 0.
-  UnitSchedule(CommQueue& comm, std::vector<UnitSpec> units, DType dtype, int64_t prefetch_bytes,
-               GradsFinal grads_final = {});
+  UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitSpec> units, DType dtype,
+               int64_t prefetch_bytes, GradsFinal grads_final = {});
   ~UnitSchedule();  // waits for gathers in flight
   UnitSchedule(const UnitSchedule&) = delete;
   UnitSchedule& operator=(const UnitSchedule&) = delete;
 
-  // The hooks. pre_forward and pre_backward run a round and return the
-  // buffer the unit is gathered in (valid until its post hook).
-  // marks_post_backward: post_backward(unit) will be called once this
-  // forward's backward has gone through the unit (its inputs need grad).
+  // The hooks. pre_forward and pre_backward post a round (and settle the
+  // previous one) and return the buffer the unit is gathered in (valid until
+  // its release). marks_post_backward: post_backward(unit) will be called
+  // once this forward's backward has gone through the unit (its inputs
+  // need grad).
   Tensor pre_forward(int unit, bool marks_post_backward);
   // backward_follows: the unit's outputs need grad (it produces grads).
   void post_forward(int unit, bool backward_follows);
@@ -100,7 +113,13 @@ class UnitSchedule {
   // is open (it was ended already).
   void end_forward(bool failed = false);
   void end_backward(bool failed = false);
-  void end_step();  // this step's agreed forward order guides the next step's prefetch
+  // This step's agreed forward order guides the next step's prefetch; any
+  // unit still gathered (a root kept after a forward with no backward) is
+  // released, since the step changed its params.
+  void end_step();
+  // Releases every unit no hook holds: their params changed (the step, an
+  // edit inside gathered_params). Between passes, where every rank calls it.
+  void release_all();
 
   // The unit's full flat params into `out` (unit_elems(unit) elements),
   // outside the pool and uncounted: for whole-model views.
@@ -116,58 +135,70 @@ class UnitSchedule {
   // Bytes of every gather buffer: the pool and the units' own buffers.
   size_t buffer_bytes() const;
   int pool_slots() const { return pool_.size(); }
-  // Rounds since construction, and the seconds spent in their all-reduces:
-  // what agreeing costs.
+  // Rounds since construction; those a hook waited for at once (it needed
+  // a unit that was not here, or its pass ended); and the seconds spent
+  // waiting for rounds' all-reduces: what agreeing costs.
   int64_t rounds() const { return rounds_; }
+  int64_t blocking_rounds() const { return blocking_rounds_; }
   double round_seconds() const { return round_seconds_; }
 
  private:
   // What this rank tells a round about one unit, one float each.
-  enum Flag { kNeed, kHeld, kFinished, kExpects, kRan, kFlags };
+  enum Flag { kNeed, kAt, kHas, kExpects, kRan, kFlags };
+  static constexpr size_t kGlobals = 3;  // done, failed, backward; then the free-slot counts
 
   struct State {
-    // Agreed: the same on every rank.
     int slot = -1;      // pool slot; -1 for none (or the own buffer)
     Tensor buffer;      // where it is gathered; undefined when released
     std::vector<std::shared_ptr<Event>> pending;
-    bool final = false; // handed to grads_final in this backward
-    // This rank's.
     bool held = false;  // a hook uses it (not merely prefetched)
-    bool finished = false;  // held and let go since the last round
     int open_backwards = 0;
     int marked = 0;           // post_backward calls still to come
     bool unbounded = false;   // produces grads, with no post-backward point: open until the end
     bool ran = false;         // produced grads in this backward
+    bool final = false;       // handed to grads_final in this backward (agreed)
     std::vector<bool> marks;  // per forward call in progress: whether it marked
   };
   struct Sums {  // a round's result: every rank's flags, summed
     std::vector<float> flags;
     float done = 0, failed = 0;
+    bool backward = false;  // every rank posted it in backward
+    int min_free = 0;       // the fewest free pool slots any rank had
     float at(int unit, Flag f) const { return flags[size_t(unit) * kFlags + f]; }
   };
 
-  // One round: every rank's flags summed, then the agreed decisions.
-  Sums round(int need, bool done, bool failed);
-  void release_finished(const Sums& sums);
+  // Posts this rank's round; `need` is a unit it does not have (or -1),
+  // `at` the unit its hook is at (or -1), `backward` the pass it is in (a
+  // rank finishing the forward's join is still in the forward: the ranks
+  // take a round's decisions for backward only when all are there).
+  void post(int need, int at, bool done, bool failed, bool backward);
+  // Waits for the posted round, if any, and takes its decisions.
+  Sums settle();
+  Tensor acquire(int unit);  // a pre hook: settle, post, and wait only if the unit is not here
   void prefetch(const Sums& sums);
   void finalize_grads(const Sums& sums, bool all);
   // Rounds until every rank is done; the last releases every unit.
   void join(bool failed, bool backward);
+  // Completes the join end_forward began, if one is open.
+  void finish_join();
+  void end_pass(const Sums& sums, bool backward);
   void reset_after_failure(bool failed_here);
 
-  // Starts the unit's gather unless it is gathered; false when `must` is
-  // false and no slot is free.
-  bool gather(int unit, bool must, const Sums& sums);
+  // How this rank joins an agreed gather: it needs the unit now (a slot is
+  // found, evicting or growing), it may keep it as a prefetch (if a slot is
+  // free), or it only lends its shard (into a slot given back at once).
+  enum class Join { kNeed, kPrefetch, kLend };
+  void participate(int unit, Join how);
   // The unit's all-gathers into `out`, one per bucket of each group.
   std::vector<std::shared_ptr<Event>> issue(int unit, const Tensor& out, bool counted);
   Tensor hold(int unit);
-  void unhold(int unit);
   void wait(int unit);
   void release(int unit);
-  int evict_prefetched(const Sums& sums);
+  int evict_prefetched();
   void check(int unit) const;
 
   CommQueue& comm_;
+  CommQueue& rounds_queue_;
   std::vector<UnitSpec> units_;
   std::vector<int64_t> unit_elems_;
   std::vector<std::vector<int64_t>> group_offsets_;
@@ -180,11 +211,15 @@ class UnitSchedule {
   GradsFinal grads_final_;
   bool in_forward_ = false, in_backward_ = false;
   bool aborted_ = false;  // a round reported another rank's failure: the pass ended there
+  bool joining_ = false;  // end_forward posted its done-round; the join is finished later
   // The units in the order rounds first needed them in this step's forward,
   // and in the last step's: the same on every rank.
   std::vector<int> order_, last_order_;
   Tensor round_flags_;  // the round's control buffer
-  int64_t rounds_ = 0;
+  std::shared_ptr<Event> posted_;  // the round posted and not yet settled
+  bool posted_failed_ = false;
+  int needed_ = -1;  // the unit this rank's hook waits for, while it settles the round that gathers it
+  int64_t rounds_ = 0, blocking_rounds_ = 0;
   double round_seconds_ = 0;
 };
 

@@ -9,11 +9,14 @@
 
 namespace zerocore {
 
-UnitSchedule::UnitSchedule(CommQueue& comm, std::vector<UnitSpec> units, DType dtype, int64_t prefetch_bytes,
-                           GradsFinal grads_final)
-    : comm_(comm), units_(std::move(units)), own_(units_.size()), state_(units_.size()),
+UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitSpec> units, DType dtype,
+                           int64_t prefetch_bytes, GradsFinal grads_final)
+    : comm_(comm), rounds_queue_(rounds), units_(std::move(units)), own_(units_.size()), state_(units_.size()),
       prefetch_bytes_(prefetch_bytes), dtype_(dtype), elem_bytes_(dtype_size(dtype)),
       grads_final_(std::move(grads_final)) {
+  if (rounds.world_size() != comm.world_size() || rounds.rank() != comm.rank()) {
+    throw InvalidArgument("UnitSchedule: the rounds' queue must connect the same ranks as the data queue");
+  }
   int64_t largest = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
     int64_t elems = 0;
@@ -41,11 +44,18 @@ UnitSchedule::UnitSchedule(CommQueue& comm, std::vector<UnitSpec> units, DType d
   const int64_t pooled = std::count_if(units_.begin(), units_.end(), [](const UnitSpec& u) { return !u.own_slot; });
   pool_ = SlotPool(dtype, largest, int(std::min(1 + window, pooled)));
   // A control buffer, not an arena: it is no communication buffer of the plan.
-  auto flags = std::make_shared<std::vector<float>>(units_.size() * kFlags + 2);
+  // + done, failed, backward, and one per count of free slots (0 to planned): the fewest any rank has.
+  auto flags = std::make_shared<std::vector<float>>(units_.size() * kFlags + kGlobals + size_t(pool_.planned()) + 1);
   round_flags_ = Tensor(flags->data(), DType::kFloat32, Device{}, {int64_t(flags->size())}, flags);
 }
 
 UnitSchedule::~UnitSchedule() {
+  if (posted_) {
+    try {
+      posted_->wait();
+    } catch (...) {  // as below
+    }
+  }
   for (State& s : state_) {
     for (auto& e : s.pending) {
       try {
@@ -101,27 +111,35 @@ std::vector<std::shared_ptr<Event>> UnitSchedule::issue(int unit, const Tensor& 
   return events;
 }
 
-bool UnitSchedule::gather(int unit, bool must, const Sums& sums) {
+void UnitSchedule::participate(int unit, Join how) {
   State& s = state_[size_t(unit)];
-  if (s.buffer.data() != nullptr) return true;
-  if (units_[size_t(unit)].own_slot) {
-    s.buffer = own_[size_t(unit)];
-  } else {
-    int slot = pool_.try_acquire();
-    if (slot < 0 && !must) return false;
-    if (slot < 0) slot = evict_prefetched(sums);
-    if (slot < 0) slot = pool_.acquire();  // more units in use at once than planned: the pool grows
-    s.slot = slot;
-    s.buffer = pool_.slot(slot).slice(0, unit_elems_[size_t(unit)]);
+  if (s.buffer.data() == nullptr && how != Join::kLend) {
+    const bool own = units_[size_t(unit)].own_slot;
+    int slot = own ? -1 : pool_.try_acquire();
+    if (!own && slot < 0 && how == Join::kNeed) slot = evict_prefetched();
+    if (!own && slot < 0 && how == Join::kNeed) slot = pool_.acquire();  // more units at once than planned: grow
+    if (own || slot >= 0) {
+      s.slot = slot;
+      s.buffer = own ? own_[size_t(unit)] : pool_.slot(slot).slice(0, unit_elems_[size_t(unit)]);
+      s.pending = issue(unit, s.buffer, true);
+      return;
+    }
   }
-  s.pending = issue(unit, s.buffer, true);
-  return true;
+  // Here already, not wanted, or no room: this rank only lends its shard,
+  // into a slot that goes back once the gather has written it (a unit with
+  // a buffer of its own is larger than a slot: a temporary one, a rare case).
+  const int64_t elems = unit_elems_[size_t(unit)];
+  const bool pooled = !units_[size_t(unit)].own_slot;
+  const int lent = pooled ? pool_.acquire() : -1;
+  const Tensor out = pooled ? pool_.slot(lent).slice(0, elems) : Tensor::empty({elems}, dtype_);
+  for (auto& e : issue(unit, out, true)) e->wait();
+  if (pooled) pool_.release(lent);
 }
 
-int UnitSchedule::evict_prefetched(const Sums& sums) {
+int UnitSchedule::evict_prefetched() {
   for (int u = 0; u < num_units(); ++u) {
     State& s = state_[size_t(u)];
-    if (s.slot >= 0 && sums.at(u, kHeld) == 0 && sums.at(u, kNeed) == 0) {
+    if (s.slot >= 0 && !s.held) {
       const int slot = s.slot;
       wait(u);
       s.slot = -1;
@@ -156,38 +174,49 @@ Tensor UnitSchedule::hold(int unit) {
   return s.buffer;
 }
 
-void UnitSchedule::unhold(int unit) {
-  State& s = state_[size_t(unit)];
-  if (s.held) s.finished = true;
-  s.held = false;
-}
-
 // Rounds ----------------------------------------------------------------------
 
-UnitSchedule::Sums UnitSchedule::round(int need, bool done, bool failed) {
+void UnitSchedule::post(int need, int at, bool done, bool failed, bool backward) {
   const int n = num_units();
   float* flags = round_flags_.data_as<float>();
   for (int u = 0; u < n; ++u) {
     const State& s = state_[size_t(u)];
     float* f = flags + size_t(u) * kFlags;
     f[kNeed] = u == need ? 1.0f : 0.0f;
-    f[kHeld] = s.held ? 1.0f : 0.0f;
-    f[kFinished] = s.finished ? 1.0f : 0.0f;
+    f[kAt] = u == at ? 1.0f : 0.0f;
+    f[kHas] = s.buffer.data() != nullptr ? 1.0f : 0.0f;
     f[kExpects] = s.marked > 0 || s.unbounded ? 1.0f : 0.0f;
     f[kRan] = s.ran ? 1.0f : 0.0f;
   }
-  flags[size_t(n) * kFlags] = done ? 1.0f : 0.0f;
-  flags[size_t(n) * kFlags + 1] = failed ? 1.0f : 0.0f;
-  const auto start = std::chrono::steady_clock::now();
-  comm_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, round_flags_.numel()}, round_flags_)->wait();
-  round_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  float* global = flags + size_t(n) * kFlags;
+  std::fill(global, global + kGlobals + pool_.planned() + 1, 0.0f);
+  global[0] = done ? 1.0f : 0.0f;
+  global[1] = failed ? 1.0f : 0.0f;
+  global[2] = backward ? 1.0f : 0.0f;
+  // Room by the time the round settles: the unit this hook is at is done by
+  // then, as a rule (not for a unit that holds nested ones: a lent slot then).
+  const bool at_done = at >= 0 && !units_[size_t(at)].own_slot && state_[size_t(at)].buffer.data() != nullptr;
+  global[kGlobals + std::min(pool_.free_slots() + (at_done ? 1 : 0), pool_.planned())] = 1.0f;
+  posted_ = rounds_queue_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, round_flags_.numel()},
+                                    round_flags_);
+  posted_failed_ = failed;
   ++rounds_;
-  Sums sums{std::vector<float>(flags, flags + size_t(n) * kFlags), flags[size_t(n) * kFlags],
-            flags[size_t(n) * kFlags + 1]};
-  for (State& s : state_) s.finished = false;
+}
+
+UnitSchedule::Sums UnitSchedule::settle() {
+  if (!posted_) return Sums{};
+  const auto start = std::chrono::steady_clock::now();
+  const std::shared_ptr<Event> posted = std::move(posted_);
+  posted->wait();
+  round_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const int n = num_units();
+  const float* flags = round_flags_.data_as<float>();
+  const float* global = flags + size_t(n) * kFlags;
+  Sums sums{std::vector<float>(flags, global), global[0], global[1], global[2] >= float(comm_.world_size())};
+  while (global[kGlobals + sums.min_free] == 0) ++sums.min_free;
   if (sums.failed > 0) {
-    reset_after_failure(failed);
-    if (!failed) {
+    reset_after_failure(posted_failed_);
+    if (!posted_failed_) {
       throw PeerFailed("zerocore: " + std::to_string(int(sums.failed)) + " other rank(s) failed during this " +
                        (in_backward_ ? "backward" : "forward") +
                        " (their errors say why); this rank stopped with them at the same point, so that no rank "
@@ -195,43 +224,57 @@ UnitSchedule::Sums UnitSchedule::round(int need, bool done, bool failed) {
     }
     return sums;
   }
-  release_finished(sums);
+  const float world = float(comm_.world_size());
   for (int u = 0; u < n; ++u) {
-    if (sums.at(u, kNeed) > 0) gather(u, true, sums);
+    if (sums.at(u, kNeed) > 0) {
+      participate(u, u == needed_ ? Join::kNeed : Join::kLend);
+    } else if (units_[size_t(u)].own_slot && sums.at(u, kAt) > 0 && sums.at(u, kHas) < world) {
+      participate(u, Join::kPrefetch);  // a buffer of its own: gathering it ahead costs no slot
+    }
   }
-  if (!in_backward_) {
+  if (!sums.backward) {
     for (int u = 0; u < n; ++u) {
-      if (sums.at(u, kNeed) > 0 && std::find(order_.begin(), order_.end(), u) == order_.end()) order_.push_back(u);
+      if ((sums.at(u, kAt) > 0 || sums.at(u, kNeed) > 0) && !units_[size_t(u)].own_slot &&
+          std::find(order_.begin(), order_.end(), u) == order_.end()) {
+        order_.push_back(u);
+      }
     }
   }
   prefetch(sums);
-  if (in_backward_) finalize_grads(sums, false);
+  if (sums.backward) finalize_grads(sums, false);
   return sums;
 }
 
-void UnitSchedule::release_finished(const Sums& sums) {
-  for (int u = 0; u < num_units(); ++u) {
-    if (sums.at(u, kFinished) > 0 && sums.at(u, kHeld) == 0 && sums.at(u, kNeed) == 0) release(u);
-  }
-}
-
 void UnitSchedule::prefetch(const Sums& sums) {
-  if (prefetch_bytes_ <= 0) return;
   // Forward follows the last step's order; backward this step's, reversed.
-  const std::vector<int>& order = in_backward_ ? order_ : last_order_;
+  const std::vector<int>& order = sums.backward ? order_ : last_order_;
   const int n = int(order.size());
-  auto at = [&](int i) { return in_backward_ ? order[size_t(n - 1 - i)] : order[size_t(i)]; };
-  int from = -1;  // the furthest unit needed now
+  auto at = [&](int i) { return sums.backward ? order[size_t(n - 1 - i)] : order[size_t(i)]; };
+  int from = -1;  // the furthest unit a rank is at; -1: none of the pool's (the root, which encloses them all)
   for (int i = 0; i < n; ++i) {
-    if (sums.at(at(i), kNeed) > 0) from = i;
+    if (sums.at(at(i), kAt) > 0) from = i;
   }
-  if (from < 0) return;
-  int64_t budget = prefetch_bytes_;
-  for (int i = from + 1; i < n; ++i) {
-    const int64_t bytes = unit_elems_[size_t(at(i))] * int64_t(elem_bytes_);
-    if (i != from + 1 && bytes > budget) break;
-    budget -= bytes;
-    if (!gather(at(i), false, sums)) break;
+  bool needs = false, pooled_need = false;
+  for (int u = 0; u < num_units(); ++u) {
+    needs = needs || sums.at(u, kNeed) > 0;
+    pooled_need = pooled_need || (sums.at(u, kNeed) > 0 && !units_[size_t(u)].own_slot);
+  }
+  bool at_own = false;
+  for (int u = 0; u < num_units(); ++u) at_own = at_own || (units_[size_t(u)].own_slot && sums.at(u, kAt) > 0);
+  if (prefetch_bytes_ <= 0 || (from < 0 && !needs && !at_own)) return;
+  // The pool holds the unit in use and the window after it. A rank that
+  // needed a unit waits for this round and uses the furthest unit now; the
+  // others settle it at their next hook, by when the unit after it is in use.
+  const int in_use = from + (needs ? 0 : 1);
+  const int window = pool_.planned() - (in_use >= 0 && in_use < n ? 1 : 0);
+  // As many as the fullest rank has room for, less the slot a need just took.
+  int room = sums.min_free - (pooled_need ? 1 : 0);
+  const float world = float(comm_.world_size());
+  for (int i = from + 1; i < std::min(n, in_use + 1 + window) && room > 0; ++i) {
+    if (sums.at(at(i), kHas) < world) {
+      participate(at(i), Join::kPrefetch);
+      --room;
+    }
   }
 }
 
@@ -246,18 +289,41 @@ void UnitSchedule::finalize_grads(const Sums& sums, bool all) {
 }
 
 void UnitSchedule::join(bool failed, bool backward) {
-  Sums sums;
+  finish_join();
+  if (aborted_) return;
+  Sums sums = settle();
+  if (sums.failed > 0) return;
   do {
-    sums = round(-1, true, failed);
+    post(-1, -1, true, failed, backward);
+    ++blocking_rounds_;
+    sums = settle();
     if (sums.failed > 0) return;
   } while (sums.done < float(comm_.world_size()));
-  // Every rank is at this same round: the pass is over everywhere.
+  end_pass(sums, backward);
+}
+
+void UnitSchedule::finish_join() {
+  if (!joining_) return;
+  joining_ = false;
+  for (;;) {
+    const Sums sums = settle();  // this rank's done-round, posted by end_forward
+    if (sums.failed > 0) return;
+    if (sums.done >= float(comm_.world_size())) return end_pass(sums, false);
+    post(-1, -1, true, false, false);  // still the forward's join, wherever this rank is
+    ++blocking_rounds_;
+  }
+}
+
+void UnitSchedule::end_pass(const Sums& sums, bool backward) {
+  // Every rank is at this same round: the pass is over everywhere. A unit
+  // with a buffer of its own (the root) stays gathered from its forward to
+  // the end of its backward.
   for (int u = 0; u < num_units(); ++u) {
     State& s = state_[size_t(u)];
     s.held = false;
     s.open_backwards = 0;
     s.marks.clear();
-    release(u);
+    if (backward || !units_[size_t(u)].own_slot) release(u);
   }
   if (backward) {
     finalize_grads(sums, true);
@@ -269,7 +335,7 @@ void UnitSchedule::join(bool failed, bool backward) {
 }
 
 void UnitSchedule::reset_after_failure(bool failed_here) {
-  // Every rank is at this same round: each drops all it gathered.
+  // Every rank settles this same round: each drops all it gathered.
   for (int u = 0; u < num_units(); ++u) {
     State& s = state_[size_t(u)];
     try {
@@ -285,17 +351,39 @@ void UnitSchedule::reset_after_failure(bool failed_here) {
 
 // Hooks -----------------------------------------------------------------------
 
+Tensor UnitSchedule::acquire(int unit) {
+  finish_join();
+  // A unit with a buffer of its own that is here, whose hook comes while a
+  // pooled unit is in use (the root of a Sequential, whose backward starts
+  // with its last unit's), has nothing to tell the others: a round here
+  // would be settled before that unit is done, and count its slot free.
+  const bool pooled_held = std::any_of(state_.begin(), state_.end(), [](const State& s) { return s.held && s.slot >= 0; });
+  if (units_[size_t(unit)].own_slot && gathered(unit) && pooled_held) return hold(unit);
+  settle();
+  if (gathered(unit)) {
+    post(-1, unit, false, false, in_backward_);  // settled at the next hook, while this unit computes
+  } else {
+    needed_ = unit;
+    post(unit, unit, false, false, in_backward_);
+    ++blocking_rounds_;
+    settle();  // the round that gathers it: wait for it now
+    needed_ = -1;
+    post(-1, unit, false, false, in_backward_);  // and one for the next hook to settle: its prefetch
+  }
+  return hold(unit);
+}
+
 Tensor UnitSchedule::pre_forward(int unit, bool marks_post_backward) {
   check(unit);
   if (!in_backward_ && !in_forward_) {
     in_forward_ = true;
     aborted_ = false;
   }
-  round(unit, false, false);
+  Tensor buffer = acquire(unit);
   State& s = state_[size_t(unit)];
   s.marks.push_back(marks_post_backward);
   if (marks_post_backward) ++s.marked;
-  return hold(unit);
+  return buffer;
 }
 
 void UnitSchedule::post_forward(int unit, bool backward_follows) {
@@ -307,7 +395,13 @@ void UnitSchedule::post_forward(int unit, bool backward_follows) {
     s.ran = true;
     if (!marked) s.unbounded = true;  // its grads come, but no post-backward point tells when they are complete
   }
-  if (!in_backward_) unhold(unit);  // in backward: a recomputation, held until its post-backward point
+  // In backward: a recomputation, held until its post-backward point. A
+  // unit with a buffer of its own (the root, whose forward ends last and
+  // whose backward starts first) stays gathered for its backward.
+  if (!in_backward_) {
+    s.held = false;
+    if (!units_[size_t(unit)].own_slot) release(unit);
+  }
 }
 
 void UnitSchedule::begin_backward() { in_backward_ = true; }
@@ -317,8 +411,7 @@ Tensor UnitSchedule::pre_backward(int unit) {
   State& s = state_[size_t(unit)];
   ++s.open_backwards;
   s.ran = true;
-  round(unit, false, false);
-  return hold(unit);
+  return acquire(unit);
 }
 
 void UnitSchedule::post_backward(int unit) {
@@ -326,7 +419,10 @@ void UnitSchedule::post_backward(int unit) {
   State& s = state_[size_t(unit)];
   s.marked = std::max(0, s.marked - 1);
   s.open_backwards = std::max(0, s.open_backwards - 1);
-  if (s.open_backwards == 0) unhold(unit);
+  if (s.open_backwards == 0) {
+    s.held = false;
+    release(unit);
+  }
 }
 
 void UnitSchedule::end_forward(bool failed) {
@@ -336,8 +432,14 @@ void UnitSchedule::end_forward(bool failed) {
     return;
   }
   if (!in_forward_ && !failed) return;  // ended already
-  join(failed, false);
   in_forward_ = false;
+  if (failed) return join(true, false);  // at once: the other ranks must hear of it
+  // The rounds until every rank's forward has ended are settled by whatever
+  // comes next (a backward hook, the next forward, the step), so this
+  // rank's done-round travels while the loss is computed.
+  settle();
+  post(-1, -1, true, false, false);
+  joining_ = true;
 }
 
 void UnitSchedule::end_backward(bool failed) {
@@ -352,6 +454,23 @@ void UnitSchedule::end_backward(bool failed) {
 void UnitSchedule::end_step() {
   if (!order_.empty()) last_order_.swap(order_);
   order_.clear();
+  release_all();
+  // The next forward starts with the units of its own buffer (the root) and
+  // the first of the order: one round gathers them now, so that the gathers
+  // overlap what comes before that forward.
+  const auto own = std::find_if(units_.begin(), units_.end(), [](const UnitSpec& u) { return u.own_slot; });
+  if (own == units_.end()) return;
+  post(-1, int(own - units_.begin()), false, false, false);
+  ++blocking_rounds_;
+  settle();
+}
+
+void UnitSchedule::release_all() {
+  finish_join();
+  settle();
+  for (int u = 0; u < num_units(); ++u) {
+    if (!state_[size_t(u)].held) release(u);
+  }
 }
 
 void UnitSchedule::gather_into(int unit, const Tensor& out) {

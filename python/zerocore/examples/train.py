@@ -254,7 +254,7 @@ def train(args, rank: int, world: int) -> dict:
         "memory": mem,
         "memory_pred": accounting.predicted_memory(args.stage, numel, world, args.dtype, k_bytes),
         "comm": comm,
-        "comm_pred": accounting.predicted_comm(args.stage, numel, args.accum),
+        "comm_pred": accounting.predicted_comm(args.stage, numel, args.accum, engine.root_numel),
         "memory_dp": accounting.predicted_memory(0, numel, world, args.dtype, k_bytes),
         "uniform_loss": math.log(tok.vocab_size),
         "losses": losses,
@@ -303,7 +303,8 @@ COMM_LEGEND = """\
   Elements (not bytes) moved by each kind of collective in the last step, each collective counted at
   its full, unpartitioned size, as docs/design.md does: stages 1-2 reduce-scatter and all-gather Ψ
   (the volume of plain data parallelism's all-reduce), stage 3 all-gathers params twice (forward and
-  backward), 1.5x. Stage 3 moves only the units some rank ran: with --model moe, experts that no
+  backward), 1.5x, less the root's params (embeddings, head), which stay gathered from the root's
+  forward through its backward, as in FSDP2. Stage 3 moves only the units some rank ran: with --model moe, experts that no
   rank's tokens were routed to are neither gathered nor reduced, so it may stay under the formula."""
 
 
