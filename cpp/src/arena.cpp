@@ -5,9 +5,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
-#ifdef __GLIBC__  // defined by the headers above
-#include <malloc.h>
-#endif
 
 #include "zerocore/error.h"
 
@@ -77,11 +74,5 @@ Tensor HostArena::view(size_t byte_offset, DType dtype, std::vector<int64_t> sha
 }
 
 size_t HostArena::live_bytes() { return g_live_bytes.load(); }
-
-void trim_freed_host_memory() {
-#ifdef __GLIBC__
-  malloc_trim(0);
-#endif
-}
 
 }  // namespace zerocore

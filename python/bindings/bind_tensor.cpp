@@ -64,8 +64,6 @@ void bind_tensor(nb::module_& m) {
       "from_dlpack", [](nb::handle obj) { return tensor_from_dlpack(obj, "tensor"); }, nb::arg("tensor"),
       "Wraps any DLPack tensor's memory (zero-copy); the source stays alive while the result does.");
   m.def("host_arena_bytes", &HostArena::live_bytes, "Bytes held by all live host arenas.");
-  m.def("trim_freed_host_memory", &trim_freed_host_memory,
-        "Gives back to the OS what the C allocator keeps from freed blocks (glibc malloc_trim).");
 }
 
 }  // namespace zerocore::bindings

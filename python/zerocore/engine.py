@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocore import ops
-from zerocore._native import BucketCollectives, UnitSchedule, trim_freed_host_memory
+from zerocore._native import BucketCollectives, UnitSchedule
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES, FlatGroup
@@ -366,10 +366,6 @@ class Engine:
         self._backward_calls = 0
         if self.scheduler:
             self.scheduler.end_step()
-        # The step's activations are freed by now; what glibc would keep of
-        # them (its dynamic mmap threshold, fragmentation) goes back, so the
-        # resident memory between steps follows the plan, not the allocator.
-        trim_freed_host_memory()
 
     def zero_grad(self):
         for g in self.groups:

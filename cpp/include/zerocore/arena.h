@@ -46,10 +46,4 @@ class HostArena : public std::enable_shared_from_this<HostArena> {
   bool huge_pages_ = false;
 };
 
-// Gives back to the OS the memory the C allocator still keeps from blocks
-// freed since (glibc's malloc_trim): the engine calls it at each step
-// boundary, so that what a step's activations freed does not stay resident
-// depending on how the allocator is tuned. A no-op off glibc.
-void trim_freed_host_memory();
-
 }  // namespace zerocore

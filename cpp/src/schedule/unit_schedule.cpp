@@ -197,8 +197,13 @@ void UnitSchedule::post(int need, int at, bool done, bool failed, bool backward)
   // then, as a rule (not for a unit that holds nested ones: a lent slot then).
   const bool at_done = at >= 0 && !units_[size_t(at)].own_slot && state_[size_t(at)].buffer.data() != nullptr;
   global[kGlobals + std::min(pool_.free_slots() + (at_done ? 1 : 0), pool_.planned())] = 1.0f;
-  posted_ = rounds_queue_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, round_flags_.numel()},
-                                    round_flags_);
+  if (comm_.world_size() == 1) {  // one rank: its flags are the sums, nothing to agree on
+    posted_ = std::make_shared<Event>();
+    posted_->set();
+  } else {
+    posted_ = rounds_queue_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, round_flags_.numel()},
+                                      round_flags_);
+  }
   posted_failed_ = failed;
   ++rounds_;
 }
