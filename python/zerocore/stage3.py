@@ -24,7 +24,8 @@ schedule, in which the ranks agree on what to gather and when to reduce
   point); its post-hook says it is done and whether its outputs need
   grads, which it then hooks so that backward needs the unit again before
   its grads are computed; the unit is released then. The root's post-hook
-  ends the forward: rounds until every rank's forward has ended;
+  ends the forward: its done-round goes out, and what comes next waits,
+  if it must, until every rank's forward has ended;
 - backward: a unit is released at its post-backward point, when the grads of
   its inputs are complete: every param its backward reads (frozen weights
   that input grads need included) has been read by then. A unit whose
@@ -208,8 +209,8 @@ class UnitScheduler:
         return hook
 
     def end_forward(self, failed=False):
-        """After the root's forward (or its failure): rounds until every
-        rank's forward is over, then drops what is still gathered."""
+        """After the root's forward (or its failure): posts this rank's
+        done-round (a failure waits for the other ranks to hear of it)."""
         self._save_param_views(False)
         self.native.end_forward(failed)
         self._unbind_released()

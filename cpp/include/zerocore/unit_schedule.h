@@ -31,12 +31,13 @@
 // backward), at its post-backward point once every backward call of it has
 // reached it, and for everything at the end of a pass; a unit with a buffer
 // of its own (the root) stays gathered from its forward to the end of its
-// backward, as FSDP2 keeps its root. A rank that has
-// finished its forward or backward keeps posting rounds (end_forward,
-// end_backward) until every rank has, as torch's Join does for uneven
-// inputs; after a backward the last round hands every unit not yet final to
-// grads_final. A rank whose pass raised says so in its round, and every
-// other rank throws PeerFailed when it settles that round.
+// backward, as FSDP2 keeps its root. A rank that has finished its forward or
+// backward keeps posting rounds (end_forward, end_backward) until every rank
+// has, as torch's Join does for uneven inputs; after a backward the last
+// round hands every unit not yet final to grads_final. The step's round
+// (end_step) gathers what the next forward starts with. A rank whose pass
+// raised says so in its round, and every other rank throws PeerFailed when
+// it settles that round.
 //
 // A unit is gathered into a slot of a fixed pool sized by the largest unit:
 // one slot for the unit in use plus the prefetch window. A unit marked
