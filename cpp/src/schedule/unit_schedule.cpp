@@ -218,7 +218,7 @@ UnitSchedule::Sums UnitSchedule::settle() {
   const float* flags = round_flags_.data_as<float>();
   const float* global = flags + size_t(n) * kFlags;
   Sums sums{std::vector<float>(flags, global), global[0], global[1], global[2] >= float(comm_.world_size())};
-  while (global[kGlobals + sums.min_free] == 0) ++sums.min_free;
+  while (sums.min_free < pool_.planned() && global[kGlobals + sums.min_free] == 0) ++sums.min_free;
   if (sums.failed > 0) {
     reset_after_failure(posted_failed_);
     if (!posted_failed_) {
