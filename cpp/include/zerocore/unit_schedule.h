@@ -160,8 +160,8 @@ class UnitSchedule {
     bool final = false;       // handed to grads_final in this backward (agreed)
     std::vector<bool> marks;  // per forward call in progress: whether it marked
   };
-  struct Sums {  // a round's result: every rank's flags, summed
-    std::vector<float> flags;
+  struct Sums {  // a round's result: every rank's flags, summed; a view valid until the next post
+    const float* flags = nullptr;
     float done = 0, failed = 0;
     bool backward = false;  // every rank posted it in backward
     int min_free = 0;       // the fewest free pool slots any rank had
@@ -182,6 +182,9 @@ class UnitSchedule {
   void join(bool failed, bool backward);
   // Completes the join end_forward began, if one is open.
   void finish_join();
+  // Settles this rank's posted done-round and posts more until a round
+  // finds every rank done; that round ends the pass.
+  void answer_until_done(bool failed, bool backward);
   void end_pass(const Sums& sums, bool backward);
   void reset_after_failure(bool failed_here);
 

@@ -217,7 +217,7 @@ UnitSchedule::Sums UnitSchedule::settle() {
   const int n = num_units();
   const float* flags = round_flags_.data_as<float>();
   const float* global = flags + size_t(n) * kFlags;
-  Sums sums{std::vector<float>(flags, global), global[0], global[1], global[2] >= float(comm_.world_size())};
+  Sums sums{flags, global[0], global[1], global[2] >= float(comm_.world_size())};
   while (sums.min_free < pool_.planned() && global[kGlobals + sums.min_free] == 0) ++sums.min_free;
   if (sums.failed > 0) {
     reset_after_failure(posted_failed_);
@@ -295,26 +295,24 @@ void UnitSchedule::finalize_grads(const Sums& sums, bool all) {
 
 void UnitSchedule::join(bool failed, bool backward) {
   finish_join();
-  if (aborted_) return;
-  Sums sums = settle();
-  if (sums.failed > 0) return;
-  do {
-    post(-1, -1, true, failed, backward);
-    ++blocking_rounds_;
-    sums = settle();
-    if (sums.failed > 0) return;
-  } while (sums.done < float(comm_.world_size()));
-  end_pass(sums, backward);
+  if (aborted_ || settle().failed > 0) return;
+  post(-1, -1, true, failed, backward);
+  ++blocking_rounds_;
+  answer_until_done(failed, backward);
 }
 
 void UnitSchedule::finish_join() {
   if (!joining_) return;
   joining_ = false;
+  answer_until_done(false, false);  // still the forward's join, wherever this rank is now
+}
+
+void UnitSchedule::answer_until_done(bool failed, bool backward) {
   for (;;) {
-    const Sums sums = settle();  // this rank's done-round, posted by end_forward
+    const Sums sums = settle();  // this rank's done-round
     if (sums.failed > 0) return;
-    if (sums.done >= float(comm_.world_size())) return end_pass(sums, false);
-    post(-1, -1, true, false, false);  // still the forward's join, wherever this rank is
+    if (sums.done >= float(comm_.world_size())) return end_pass(sums, backward);
+    post(-1, -1, true, failed, backward);
     ++blocking_rounds_;
   }
 }
