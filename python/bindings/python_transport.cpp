@@ -1,5 +1,8 @@
 #include "python_transport.h"
 
+#include <condition_variable>
+#include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -17,8 +20,40 @@ class TransportFailed : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-nb::object to_python(const Tensor& t) { return nb::cast(tensor_to_ndarray(t)); }
-nb::object to_python(int value) { return nb::int_(value); }
+// The views of the queue's tensors that Python holds. A collective returns
+// once it is done, but the backend may drop its last view a moment later, on
+// its own thread (gloo's worker lets go of a finished work after waking its
+// waiter). The transport waits for every view before it goes, so closing the
+// queue means its tensors' memory is free (or back with its other holders).
+class LentViews {
+ public:
+  Tensor lend(const Tensor& t) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++live_;
+    }
+    std::shared_ptr<void> returned(nullptr, [this, owner = t.owner()](void*) mutable {
+      owner.reset();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--live_ == 0) cv_.notify_all();
+    });
+    return Tensor(t.data(), t.dtype(), t.device(), t.shape(), std::move(returned));
+  }
+
+  // A view's last holder may need the GIL to let go (torch's DLPack
+  // deleter takes it), so the GIL is released while waiting.
+  void wait_all_returned() {
+    std::optional<nb::gil_scoped_release> unlocked;
+    if (PyGILState_Check()) unlocked.emplace();
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return live_ == 0; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int64_t live_ = 0;
+};
 
 class PythonTransport final : public Transport {
  public:
@@ -33,6 +68,7 @@ class PythonTransport final : public Transport {
       impl_.release();  // after interpreter shutdown the object is left to the OS
       return;
     }
+    lent_.wait_all_returned();
     nb::gil_scoped_acquire gil;
     impl_.reset();
   }
@@ -63,6 +99,10 @@ class PythonTransport final : public Transport {
     }
   }
 
+  nb::object to_python(const Tensor& t) { return nb::cast(tensor_to_ndarray(lent_.lend(t))); }
+  static nb::object to_python(int value) { return nb::int_(value); }
+
+  LentViews lent_;
   nb::object impl_;
   const int rank_;
   const int world_size_;
