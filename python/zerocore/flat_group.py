@@ -54,7 +54,7 @@ class Run:
 
 class FlatGroup:
     def __init__(self, params, names, opt_groups, *, placement, dtype, reduce_dtype, trainable, sharded,
-                 bucket_bytes, comm: Communicator, state_names=()):
+                 bucket_bytes, comm: Communicator, state_names=(), values_later=frozenset()):
         self.params = params  # backward order
         self.names = names  # per param: every name it has in the module
         self.shapes = [p.shape for p in params]
@@ -75,6 +75,11 @@ class FlatGroup:
         # The plan's lists, converted from native once.
         self.slots = self.plan.params
         self.buckets = self.plan.buckets
+        # This rank's stretches of the params, in partition order.
+        self.segments = list(self.plan.segments(self.rank))
+        self._segments_of = [[] for _ in params]
+        for seg in self.segments:
+            self._segments_of[seg.param].append(seg)
         self.runs = self._runs() if trainable else []
         self.full = None  # F; for a sharded group, the buffer it is bound to while gathered
         self._views = {}  # sharded: per buffer address, the params' views into it
@@ -84,12 +89,12 @@ class FlatGroup:
         self.state = {}
         self.grad_full = None
         self.grad_part = None
-        self._allocate(state_names)
+        self._allocate(state_names, values_later)
 
     # Layout --------------------------------------------------------------
     def _runs(self):
         runs = []
-        for seg in self.plan.segments(self.rank):
+        for seg in self.segments:
             last = runs[-1] if runs else None
             if last and last.bucket == seg.bucket and last.group == seg.group:
                 runs[-1] = Run(seg.bucket, seg.group, slice(last.part.start, seg.partition_offset + seg.numel),
@@ -116,24 +121,24 @@ class FlatGroup:
             out[self.partition_slice(b)].copy_(flat[self.shard_slice(b)])
 
     # Allocation and initial values --------------------------------------
-    def _allocate(self, state_names):
+    def _allocate(self, state_names, values_later):
+        """Buffers for the plan, filled from the params' values, except those
+        of params in values_later (ids), which the engine loads afterwards
+        (load_param): a model built on the meta device has none yet."""
         plan = self.plan
-        # Every rank starts from rank 0's values, as DDP does; buffers are
-        # filled straight from the params, with no full-size temporary.
-        for p in self.params:
-            self.comm.broadcast(p.data)
-        sources = [p.detach().reshape(-1) for p in self.params]
         if self.sharded:
             self.shard = arena_zeros(plan.partition_elems, self.dtype)
-            self._fill_partition(self.shard, sources)
         else:
             self.full = arena_zeros(plan.total_elems, self.dtype)
-            for src, slot in zip(sources, self.slots):
-                self.full[slot.offset:slot.offset + slot.numel].copy_(src)
         if self.trainable and self.dtype != torch.float32:
             self.master = arena_zeros(plan.partition_elems, torch.float32)
-            self._fill_partition(self.master, sources)
-        del sources
+        # Every rank starts from rank 0's values, as DDP does; buffers are
+        # filled straight from the params, with no full-size temporary.
+        for i, p in enumerate(self.params):
+            if id(p) not in values_later:
+                self.comm.broadcast(p.data)
+                src = p.detach().reshape(-1)
+                self.load_param(i, lambda first, n: src[first:first + n])
         if self.sharded:
             self._placeholders = self._make_placeholders()
             self.unbind()
@@ -148,11 +153,33 @@ class FlatGroup:
         else:
             self.grad_part = arena_zeros(plan.partition_elems, self.reduce_dtype)
 
-    def _fill_partition(self, out, sources):
-        """This rank's partition of the flat buffer, from each param's values."""
-        for seg in self.plan.segments(self.rank):
-            out[seg.partition_offset:seg.partition_offset + seg.numel].copy_(
-                sources[seg.param][seg.param_offset:seg.param_offset + seg.numel])
+    def load_param(self, index: int, read):
+        """Sets param `index` (of self.params) on this rank. read(first, n)
+        gives elements first..first+n-1 of the flattened param, in any
+        floating dtype; it is asked for the whole param where this rank
+        holds the flat buffer, and for this rank's stretches of the shard
+        and the fp32 master."""
+        if not self.sharded:
+            slot = self.slots[index]
+            self.full[slot.offset:slot.offset + slot.numel].copy_(read(0, slot.numel))
+        outs = [t for t in (self.shard, self.master) if t is not None]
+        for seg in self._segments_of[index] if outs else ():
+            values = read(seg.param_offset, seg.numel)
+            for out in outs:
+                out[seg.partition_offset:seg.partition_offset + seg.numel].copy_(values)
+
+    def load_state(self, name: str, index: int, read):
+        """Sets this rank's stretches of optimizer state `name` of param
+        `index`; read as for load_param."""
+        for seg in self._segments_of[index]:
+            self.state[name][seg.partition_offset:seg.partition_offset + seg.numel].copy_(
+                read(seg.param_offset, seg.numel))
+
+    def owned_stretches(self, partition: torch.Tensor):
+        """(param index, first element, values) of each stretch of this
+        rank's partition, from `partition` (a partition-sized buffer)."""
+        return [(seg.param, seg.param_offset, partition[seg.partition_offset:seg.partition_offset + seg.numel])
+                for seg in self.segments]
 
     # Binding params to a flat buffer ----------------------------------------
     def _make_placeholders(self) -> list:
