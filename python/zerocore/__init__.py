@@ -31,7 +31,9 @@ from zerocore._native import from_dlpack as from_torch
 from zerocore import ops
 from zerocore.config import Config
 from zerocore.comm import CollectiveOrderError
+from zerocore.checkpoint_format import CheckpointError
 from zerocore.engine import Engine, NonFiniteGradientError, wrap
+from zerocore.export import export
 from zerocore.optim import SGD, Adam, AdamW
 
 __version__ = "0.1.0"
@@ -47,6 +49,7 @@ def to_torch(tensor: Tensor):
 __all__ = [
     "Adam",
     "AdamW",
+    "CheckpointError",
     "CollectiveOrderError",
     "Config",
     "Engine",
@@ -56,6 +59,7 @@ __all__ = [
     "Tensor",
     "cpu_features",
     "empty",
+    "export",
     "from_torch",
     "host_arena_bytes",
     "num_threads",

@@ -129,6 +129,20 @@ class Communicator:
         """Every rank's int, in rank order."""
         return [row[0] for row in self._gather_rows([value], torch.int64)]
 
+    def gather_text(self, text: str) -> list:
+        """Every rank's string, in rank order (one collective when all are
+        empty, as on every path where nothing went wrong)."""
+        data = text.encode()
+        lengths = self.gather_ints(len(data))
+        if not any(lengths):
+            return [""] * self.world_size
+        words = -(-max(lengths) // 8)
+        padded = data.ljust(8 * words, b"\0")
+        rows = self._gather_rows([int.from_bytes(padded[i:i + 8], "little", signed=True)
+                                  for i in range(0, len(padded), 8)], torch.int64)
+        return [b"".join(w.to_bytes(8, "little", signed=True) for w in row)[:n].decode()
+                for row, n in zip(rows, lengths)]
+
     def sum_checking_order(self, values, describe) -> list:
         """Sums floats over ranks (in rank order, so every rank gets the same
         bits) and, in the same collective, checks that every rank issued the

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import ops
+from zerocore import checkpoint, ops
 from zerocore._native import BucketCollectives, UnitSchedule
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
@@ -116,6 +116,7 @@ class Engine:
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
         self.kind = spec.kind
+        self.state_names = _state_names(spec)
         self.step_count = 0
 
         params = list(module.parameters())
@@ -197,14 +198,12 @@ class Engine:
             for p in mod.parameters(recurse=False):
                 users.setdefault(id(p), set()).add(unit_of[id(mod)])
         owner = {id(p): self._owning_unit(unit_modules, users[id(p)]) for p in params}
-        state_names = _state_names(spec)
-
         def make(ps, trainable, sharded):
             ps = ps[::-1]  # backward order: the reverse of registration
             return FlatGroup(ps, [names[id(p)] for p in ps], [opt_group.get(id(p), 0) for p in ps],
                              placement=self.placement, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
                              trainable=trainable, sharded=sharded, bucket_bytes=cfg.bucket_bytes,
-                             comm=self.comm, state_names=state_names if trainable else ())
+                             comm=self.comm, state_names=self.state_names if trainable else ())
 
         def split(ps, sharded):
             return [make(sub, t, sharded) for t in (True, False)
@@ -425,6 +424,28 @@ class Engine:
         for name, b in self.module.named_buffers():
             out[name] = b.detach().clone()
         return {k: out[k] for k in self.module.state_dict(keep_vars=True)}
+
+    # Checkpoints -------------------------------------------------------------
+    def save(self, path, lr_scheduler=None, extra=None):
+        """Saves a checkpoint into the folder `path` (docs/checkpoint.md):
+        every rank writes its own partition of the fp32 params and optimizer
+        states, its RNG states, and rank 0 the module's buffers, with the step
+        count, the loss scale, the optimizer's hyperparameters and, when
+        given, lr_scheduler.state_dict() and `extra` (anything JSON can
+        hold: an epoch, a data position). Call it on every rank, between
+        steps. The save replaces the one in `path` only once every rank's
+        files are on disk: one that fails or dies leaves the last one whole."""
+        checkpoint.save(self, path, lr_scheduler, extra)
+
+    def load(self, path, lr_scheduler=None):
+        """Loads a checkpoint saved at any world size and stage, in any
+        training dtype, into this engine (and lr_scheduler, when given);
+        returns the `extra` it was saved with. Every rank checks the files
+        and checksums it will read, and the ranks agree, before anything
+        changes: a missing, truncated, corrupt or mismatched checkpoint
+        raises zerocore.CheckpointError on every rank, with the engine as
+        it was. Call it on every rank, between steps."""
+        return checkpoint.load(self, path, lr_scheduler)
 
     @contextlib.contextmanager
     def gathered_params(self):

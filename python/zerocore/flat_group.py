@@ -153,27 +153,40 @@ class FlatGroup:
         else:
             self.grad_part = arena_zeros(plan.partition_elems, self.reduce_dtype)
 
-    def load_param(self, index: int, read):
-        """Sets param `index` (of self.params) on this rank. read(first, n)
-        gives elements first..first+n-1 of the flattened param, in any
-        floating dtype; it is asked for the whole param where this rank
-        holds the flat buffer, and for this rank's stretches of the shard
-        and the fp32 master."""
+    def param_stretches(self, index: int) -> list:
+        """Where param `index` (of self.params) lives on this rank: (first
+        element, elements, buffer views they go to): the whole param where
+        this rank holds the flat buffer, its stretches of the shard and the
+        fp32 master."""
+        out = []
         if not self.sharded:
             slot = self.slots[index]
-            self.full[slot.offset:slot.offset + slot.numel].copy_(read(0, slot.numel))
-        outs = [t for t in (self.shard, self.master) if t is not None]
-        for seg in self._segments_of[index] if outs else ():
-            values = read(seg.param_offset, seg.numel)
-            for out in outs:
-                out[seg.partition_offset:seg.partition_offset + seg.numel].copy_(values)
+            out.append((0, slot.numel, [self.full[slot.offset:slot.offset + slot.numel]]))
+        parts = [t for t in (self.shard, self.master) if t is not None]
+        if parts:
+            out += [(seg.param_offset, seg.numel, [t[seg.partition_offset:seg.partition_offset + seg.numel]
+                                                   for t in parts]) for seg in self._segments_of[index]]
+        return out
 
-    def load_state(self, name: str, index: int, read):
-        """Sets this rank's stretches of optimizer state `name` of param
-        `index`; read as for load_param."""
-        for seg in self._segments_of[index]:
-            self.state[name][seg.partition_offset:seg.partition_offset + seg.numel].copy_(
-                read(seg.param_offset, seg.numel))
+    def state_stretches(self, name: str, index: int) -> list:
+        """As param_stretches, for optimizer state `name` of param `index`."""
+        buf = self.state[name]
+        return [(seg.param_offset, seg.numel, [buf[seg.partition_offset:seg.partition_offset + seg.numel]])
+                for seg in self._segments_of[index]]
+
+    @staticmethod
+    def load(stretches, read):
+        """Fills stretches (param_stretches, state_stretches) with
+        read(first, n): elements first..first+n-1 of the flattened param or
+        state, in any floating dtype."""
+        for first, n, outs in stretches:
+            values = read(first, n)
+            for out in outs:
+                out.copy_(values)
+
+    def load_param(self, index: int, read):
+        """Sets param `index` on this rank from read (see load)."""
+        self.load(self.param_stretches(index), read)
 
     def owned_stretches(self, partition: torch.Tensor):
         """(param index, first element, values) of each stretch of this

@@ -156,11 +156,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise NotImplementedError(
             "zerocore: engine.optimizer.state_dict() cannot save the optimizer: its state (Adam moments, fp32 "
             "master weights, step count, loss scale) lives partitioned across ranks in the engine's native "
-            "buffers, and torch's state_dict would be empty. Checkpoints (engine.save / engine.load) are not "
-            "built yet; engine.full_state_dict() exports the model's full fp32 params.")
+            "buffers, and torch's state_dict would be empty. Save it with engine.save(path) on every rank (and "
+            "engine.load(path) to resume, at any world size and stage).")
 
     def load_state_dict(self, state_dict):
         raise NotImplementedError(
             "zerocore: engine.optimizer.load_state_dict() cannot restore the optimizer: its state lives in the "
-            "engine's native buffers, and checkpoints (engine.save / engine.load) are not built yet.")
-
+            "engine's native buffers. Resume with engine.load(path), from a checkpoint engine.save(path) wrote.")
