@@ -32,6 +32,7 @@ from zerocore import ops
 from zerocore.config import Config
 from zerocore.comm import CollectiveOrderError
 from zerocore.engine import Engine, NonFiniteGradientError, wrap
+from zerocore.materialize import init
 from zerocore.optim import SGD, Adam, AdamW
 
 __version__ = "0.1.0"
@@ -58,6 +59,7 @@ __all__ = [
     "empty",
     "from_torch",
     "host_arena_bytes",
+    "init",
     "num_threads",
     "ops",
     "set_cpu_isa",

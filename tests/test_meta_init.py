@@ -1,0 +1,212 @@
+"""Large-model initialisation: a model built on the meta device
+(zerocore.init()) gets its values at wrap, each rank only the part it holds,
+bit for bit what eager construction after the same seed gives (the RNG
+after wrap too), or model.apply(fn). Ranks that would initialise
+differently fail on every rank."""
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+from dist_harness import RankError, run_ranks
+from models import DIM, TinyLM, lm_batch, lm_loss, local, make
+
+SEED = 5
+STEPS = 3
+TINY = 256  # bytes per bucket: params straddle buckets and ranks
+HP = dict(lr=1e-3, weight_decay=0.1)
+
+
+def _meta_lm(seed=SEED):
+    torch.manual_seed(seed)
+    with zerocore.init():
+        return TinyLM()
+
+
+def _wrap(model, stage, dtype="fp32", **kw):
+    return zerocore.wrap(model, torch.optim.AdamW(model.parameters(), **HP),
+                         zerocore.Config(stage=stage, dtype=dtype, bucket_bytes=TINY), **kw)
+
+
+def _train(engine, rank, world, steps=STEPS) -> list:
+    """The loss of each step on this rank's part of the global batch."""
+    losses = []
+    for step in range(steps):
+        x, y = lm_batch(step, 0, world)
+        loss = lm_loss(engine(local(x, rank, world)), local(y, rank, world))
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _live(engine) -> dict:
+    """The params as the module computes with them (training dtype)."""
+    with engine.gathered_params() as module:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _assert_equal(got, ref, what):
+    assert set(got) == set(ref), f"{what}: keys differ: {set(got) ^ set(ref)}"
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), f"{what}: {k} differs"
+
+
+def _eager(seed=SEED):
+    """Eager construction's state_dict, and the RNG's next draws after it."""
+    model = make(seed=seed)
+    return model.state_dict(), torch.rand(4)
+
+
+# Initialised by reset_parameters, as eager construction does ---------------
+
+def _meta_and_eager(rank, world, stage):
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        engine = _wrap(_meta_lm(), stage, dtype)
+        res = out[dtype] = {"rng": torch.rand(4)}
+        res["values"], res["live"] = engine.full_state_dict(), _live(engine)
+        res["losses"] = _train(engine, rank, world)
+        res["eager_losses"] = _train(_wrap(make(seed=SEED), stage, dtype), rank, world)
+    return out
+
+
+@pytest.mark.parametrize("stage,world", [(0, 2), (1, 2), (2, 2), (3, 2), (3, 4)])
+def test_meta_init_equals_eager_init(stage, world):
+    ref, rng = _eager()
+    for rank, res in enumerate(run_ranks(_meta_and_eager, world, stage)):
+        for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            r, what = res[dtype], f"rank {rank} stage {stage} {dtype}"
+            _assert_equal(r["values"], ref, f"{what} fp32 values")  # the masters hold eager's values
+            _assert_equal(r["live"], {k: v.to(torch_dtype) for k, v in ref.items()}, f"{what} params")
+            assert torch.equal(r["rng"], rng), f"{what}: the RNG after wrap is not where eager construction leaves it"
+            assert r["losses"] == r["eager_losses"], what
+
+
+class _Normed(nn.Module):
+    """Buffers on the meta device (BatchNorm's running statistics), which
+    reset_parameters sets too."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.bn = nn.BatchNorm1d(DIM)
+
+
+def test_meta_buffers_are_initialised_too():
+    torch.manual_seed(SEED)
+    eager = _Normed()
+    torch.manual_seed(SEED)
+    with zerocore.init():
+        model = _Normed()
+    engine = zerocore.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), {"stage": 0})
+    _assert_equal(engine.full_state_dict(), eager.state_dict(), "meta _Normed")
+
+
+# Initialised by a function, as model.apply(fn) does -----------------------
+
+def _init_weights(module):
+    """An init function in the style of transformers' _init_weights: each
+    kind of module its own distribution, so a value drawn by the wrong
+    module or in the wrong order shows."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.uniform_(module.bias, -0.1, 0.1)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=1.0)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.normal_(module.weight, 1.0, 0.1)
+        nn.init.zeros_(module.bias)
+
+
+def _materialised(model):
+    """A meta TinyLM on the CPU, uninitialised, its tie kept (to_empty unties it)."""
+    model.to_empty(device="cpu")
+    model.head.weight = model.embed.weight
+    return model
+
+
+def _init_fn(rank, world, stage):
+    engine = _wrap(_meta_lm(), stage, init=_init_weights)
+    return torch.rand(4), engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_init_fn_equals_apply_on_a_materialised_model(stage):
+    model = _materialised(_meta_lm())
+    model.apply(_init_weights)  # the tied weight keeps the head's values: it is applied last
+    ref, rng = model.state_dict(), torch.rand(4)
+    for rank, (rank_rng, values) in enumerate(run_ranks(_init_fn, 2, stage)):
+        _assert_equal(values, ref, f"rank {rank}")
+        assert torch.equal(rank_rng, rng), f"rank {rank}: the RNG after wrap is not where model.apply leaves it"
+
+
+# Errors ---------------------------------------------------------------------
+
+def _wrap_seeded_by_rank(rank, world):
+    _wrap(_meta_lm(seed=SEED + rank), 3)
+
+
+def test_ranks_with_different_seeds_fail_together():
+    for r in run_ranks(_wrap_seeded_by_rank, 2, raise_errors=False, timeout=30):
+        assert isinstance(r, RankError) and r.exc_type == "ValueError", r
+        assert "random number generators of rank(s) [1] differ" in r.message and "torch.manual_seed" in r.message
+
+
+class _Gate(nn.Module):
+    """Params of its own and no reset_parameters: nothing says how to initialise them."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(DIM))
+
+
+def _gated_lm():
+    model = _meta_lm()
+    with zerocore.init():
+        model.blocks[1].gate = _Gate()
+    return model
+
+
+def test_a_module_without_reset_parameters_gets_an_error_that_says_what_to_do():
+    model = _gated_lm()
+    with pytest.raises(ValueError, match=r"zerocore.wrap: module\(s\) blocks.1.gate \(_Gate\) .* no "
+                                         r"reset_parameters\(\).* init="):
+        _wrap(model, 0)
+    assert getattr(model, "_zerocore_engine", None) is None and model.blocks[1].gate.gain.is_meta
+
+    def init(module):  # the fix the message names
+        if isinstance(module, _Gate):
+            nn.init.normal_(module.gain)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    engine = _wrap(model, 0, init=init)
+    _assert_equal(engine.full_state_dict(), _materialised(_gated_lm()).apply(init).state_dict(), "init= fixes it")
+
+
+def _gated_on_every_rank(rank, world):
+    _wrap(_gated_lm(), 3)
+
+
+def test_a_module_without_reset_parameters_fails_every_rank():
+    for r in run_ranks(_gated_on_every_rank, 2, raise_errors=False, timeout=30):
+        assert isinstance(r, RankError) and "blocks.1.gate (_Gate)" in r.message, r
+
+
+def test_bad_init_arguments():
+    with pytest.raises(TypeError, match="zerocore.wrap: init= takes None"):
+        _wrap(_meta_lm(), 0, init=42)
+    with pytest.raises(ValueError, match="zerocore.wrap: init= is a function, but no parameter"):
+        _wrap(make(), 0, init=_init_weights)
+
+    def replace(module):
+        if isinstance(module, nn.LayerNorm):
+            module.weight = nn.Parameter(torch.ones(DIM))
+        else:
+            module.reset_parameters()
+
+    with pytest.raises(ValueError, match=r"initialising blocks.0.norm \(LayerNorm\) replaced its parameter weight"):
+        _wrap(_meta_lm(), 0, init=replace)
