@@ -1,8 +1,10 @@
 """Large-model initialisation: a model built on the meta device
 (zerocore.init()) gets its values at wrap, each rank only the part it holds,
 bit for bit what eager construction after the same seed gives (the RNG
-after wrap too), or model.apply(fn). Ranks that would initialise
-differently fail on every rank."""
+after wrap too), or model.apply(fn), or loading a state_dict or a
+safetensors file into a plain model; engine.load_state_dict loads the same
+into a wrapped engine. Ranks that would initialise differently, and sources
+that do not fit, fail on every rank with nothing changed."""
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ from torch import nn
 import zerocore
 from dist_harness import RankError, run_ranks
 from models import DIM, TinyLM, lm_batch, lm_loss, local, make
+from zerocore import safetensors_file
 
 SEED = 5
 STEPS = 3
@@ -210,3 +213,118 @@ def test_bad_init_arguments():
 
     with pytest.raises(ValueError, match=r"initialising blocks.0.norm \(LayerNorm\) replaced its parameter weight"):
         _wrap(_meta_lm(), 0, init=replace)
+
+
+# Loading a state_dict or a safetensors file ----------------------------------
+
+def _pretrained() -> dict:
+    """A state_dict other than the one the seed gives (tied: embed.weight
+    and head.weight are one tensor)."""
+    return make(seed=7).state_dict()
+
+
+def _save(state, path, drop=()):
+    safetensors_file.write(path, [(k, v.dtype, v.shape, v) for k, v in state.items() if k not in drop])
+    return path
+
+
+def _from_sources(rank, world, stage, sources):
+    out = {}
+    for name, source in sources.items():
+        # No RNG is involved: ranks seeded differently load the same values.
+        engine = _wrap(_meta_lm(seed=rank), stage, init=source)
+        out[name] = engine.full_state_dict(), _live(engine)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_init_from_a_state_dict_or_a_safetensors_file(tmp_path, stage):
+    ref = _pretrained()
+    sources = {"state_dict": ref, "file": _save(ref, tmp_path / "m.safetensors"),
+               "file with one name of the tied weight": _save(ref, tmp_path / "one.safetensors", drop={"head.weight"})}
+    for rank, res in enumerate(run_ranks(_from_sources, 2, stage, sources)):
+        for name, (values, live) in res.items():
+            _assert_equal(values, ref, f"rank {rank} {name}")
+            _assert_equal(live, ref, f"rank {rank} {name} params")
+
+
+def test_init_from_a_source_that_does_not_fit():
+    ref = _pretrained()
+    missing = {k: v for k, v in ref.items() if k != "blocks.0.up.bias"}
+    with pytest.raises(ValueError, match=r"zerocore.wrap: init= does not fit the model \(missing: blocks.0.up.bias\)"):
+        _wrap(_meta_lm(), 0, init=missing)
+    wrong = dict(ref, **{"norm.weight": torch.ones(DIM + 1), "extra": torch.ones(1)})
+    with pytest.raises(ValueError, match=r"shapes differ: norm.weight \(\(17,\) in the source, \(16,\) in the model\); "
+                                         r"unexpected: extra"):
+        _wrap(_meta_lm(), 0, init=wrong)
+    with pytest.raises(ValueError, match="zerocore.wrap: cannot read init=: .*no-such.safetensors"):
+        _wrap(_meta_lm(), 0, init="no-such.safetensors")
+
+
+def test_init_from_a_state_dict_sets_buffers():
+    source = _Normed().state_dict()
+    source["bn.running_mean"] = torch.randn(DIM)
+    with zerocore.init():
+        model = _Normed()
+    engine = zerocore.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), {"stage": 0}, init=source)
+    _assert_equal(engine.full_state_dict(), source, "buffers from init=")
+
+
+def _optimizer_states(engine):
+    """The moments (the fp32 masters are params, which a load sets)."""
+    return [t.clone() for g in engine.groups for t in g.state.values()]
+
+
+def _load_into_trained(rank, world, stage, dtype, path):
+    ref = _pretrained()
+    engine = _wrap(make(seed=SEED), stage, dtype)
+    _train(engine, rank, world)  # optimizer states, and (stage 3) units gathered for the next forward
+    out = {"states": _optimizer_states(engine)}
+    out["before"] = before = engine.full_state_dict()
+    bad = {"missing": {k: v for k, v in ref.items() if k != "norm.bias"},
+           "shape": dict(ref, **{"norm.bias": torch.ones(2)}),
+           "unexpected": dict(ref, extra=torch.ones(1)),
+           "rank 1's": ref if rank == 0 else {}}
+    out["errors"] = {}
+    for name, source in bad.items():
+        with pytest.raises(ValueError) as err:
+            engine.load_state_dict(source)
+        out["errors"][name] = str(err.value)
+    _assert_equal(engine.full_state_dict(), before, "after the errors")
+    out["keys"] = engine.load_state_dict(path)
+    out["values"], out["live"] = engine.full_state_dict(), _live(engine)
+    out["states_after"] = _optimizer_states(engine)
+    out["loss"] = _train(engine, rank, world, steps=1)[0]
+    out["partial"] = engine.load_state_dict({k: v for k, v in before.items() if k != "norm.bias"}, strict=False)
+    out["after_partial"] = engine.full_state_dict()
+    return out
+
+
+@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (3, "fp32"), (3, "bf16")])
+def test_engine_load_state_dict(tmp_path, stage, dtype):
+    ref = _pretrained()
+    path = _save(ref, tmp_path / "m.safetensors")
+    plain = TinyLM()
+    plain.load_state_dict(ref)
+    x, y = lm_batch(0, 0, 2)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    for rank, r in enumerate(run_ranks(_load_into_trained, 2, stage, dtype, path)):
+        what = f"rank {rank} stage {stage} {dtype}"
+        errors = r["errors"]
+        assert errors["missing"].startswith("engine.load_state_dict: the source does not fit the model (missing: "
+                                            "norm.bias)"), errors["missing"]
+        assert "shapes differ: norm.bias ((2,) in the source, (16,) in the model)" in errors["shape"]
+        assert "unexpected: extra" in errors["unexpected"]
+        assert ("rank(s) [1]" if rank == 0 else "missing: embed.weight") in errors["rank 1's"]
+        assert tuple(r["keys"]) == ([], [])
+        _assert_equal(r["values"], ref, f"{what} loaded")  # the fp32 masters: the source's values exactly
+        _assert_equal(r["live"], {k: v.to(torch_dtype) for k, v in ref.items()}, f"{what} params")
+        assert all(torch.equal(a, b) for a, b in zip(r["states"], r["states_after"])), f"{what}: optimizer states"
+        if dtype == "fp32":  # the first forward after the load computes with the loaded params, none stale
+            expected = lm_loss(plain(local(x, rank, 2)), local(y, rank, 2)).item()
+            assert r["loss"] == pytest.approx(expected, rel=1e-6), what
+        assert tuple(r["partial"]) == (["norm.bias"], [])  # strict=False: the rest is loaded, norm.bias kept
+        after, before = r["after_partial"], r["before"]
+        _assert_equal({k: v for k, v in after.items() if k != "norm.bias"},
+                      {k: v for k, v in before.items() if k != "norm.bias"}, f"{what} partial")
+        assert not torch.equal(after["norm.bias"], before["norm.bias"]), what

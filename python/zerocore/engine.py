@@ -26,7 +26,7 @@ from zerocore.config import Config
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES, FlatGroup
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.loss_scale import LossScaler
-from zerocore.materialize import Initializer
+from zerocore.materialize import IncompatibleKeys, Initializer, Loader
 from zerocore.optim import ZeroOptimizer, read_optimizer
 from zerocore.placement import Placement
 from zerocore.stage3 import Unit, UnitScheduler, find_units
@@ -121,7 +121,7 @@ class Engine:
 
         params = list(module.parameters())
         names = _param_names(module)
-        initializer = Initializer(module, params, init)
+        initializer = Initializer(module, params, names, init)
         problem = _model_problem(params, names, spec) or initializer.problem
         self._check_same_model(spec, params, names, initializer, failed=problem is not None)
         if problem is not None:
@@ -459,6 +459,30 @@ class Engine:
             if self.scheduler:
                 self.scheduler.free_all()
 
+    # Loading ---------------------------------------------------------------
+    def load_state_dict(self, source, strict=True) -> IncompatibleKeys:
+        """Sets the params and buffers from `source`, a state_dict or the path
+        of a safetensors file (full_state_dict's counterpart): on every rank
+        what it holds, the full params or its shard, and the fp32 master,
+        exactly the source's values; a file is read only where this rank
+        holds params. Optimizer states are left as they are. Call it on every
+        rank: the ranks check their sources first, and if any rank's does
+        not fit (a missing or unexpected key, with strict; a shape that
+        differs), every rank raises and nothing is changed.
+        Returns the missing and unexpected keys, as Module.load_state_dict."""
+        loader = Loader(source, self.module, list(self.module.parameters()), _param_names(self.module),
+                        where="engine.load_state_dict", what="the source", strict=strict)
+        failed = [r for r, x in enumerate(self.comm.gather_ints(-1 if loader.problem else 0)) if x == -1]
+        if loader.problem:
+            raise loader.problem
+        if failed:
+            raise ValueError(f"engine.load_state_dict: the source does not fit the model on rank(s) {failed} (their "
+                             "error says why); no rank loaded it. Give every rank the same source")
+        if self.scheduler:  # no gathered copy of the old values may outlive the load
+            self.scheduler.free_all()
+        loader.load(self._places())
+        return IncompatibleKeys(loader.missing, loader.unexpected)
+
 
 def wrap(module, optimizer, config=None, *, group=None, units=None, init=None) -> Engine:
     """Wraps `module` for ZeRO training with `optimizer`'s algorithm and
@@ -473,7 +497,8 @@ def wrap(module, optimizer, config=None, *, group=None, units=None, init=None) -
         None, each module's reset_parameters(), with the values eager
         construction gives after the same seed (seed every rank alike); a
         function called on each module that holds meta params, as
-        model.apply(fn) (init=model._init_weights). zerocore/materialize.py
-        says how.
+        model.apply(fn) (init=model._init_weights); or a state_dict or the
+        path of a safetensors file, which sets every param (meta or not)
+        and the buffers it holds. zerocore/materialize.py says how.
     """
     return Engine(module, optimizer, config, group=group, units=units, init=init)
