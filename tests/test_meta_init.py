@@ -4,7 +4,11 @@ bit for bit what eager construction after the same seed gives (the RNG
 after wrap too), or model.apply(fn), or loading a state_dict or a
 safetensors file into a plain model; engine.load_state_dict loads the same
 into a wrapped engine. Ranks that would initialise differently, and sources
-that do not fit, fail on every rank with nothing changed."""
+that do not fit, fail on every rank with nothing changed; and a model
+bigger than a rank's memory cap wraps under the cap."""
+import ctypes
+import resource
+
 import pytest
 import torch
 from torch import nn
@@ -328,3 +332,65 @@ def test_engine_load_state_dict(tmp_path, stage, dtype):
         _assert_equal({k: v for k, v in after.items() if k != "norm.bias"},
                       {k: v for k, v in before.items() if k != "norm.bias"}, f"{what} partial")
         assert not torch.equal(after["norm.bias"], before["norm.bias"]), what
+
+
+# A model bigger than a rank's memory cap -----------------------------------
+
+# 84M params, 336 MB in fp32. Stage 3 on 4 ranks with SGD holds a quarter of
+# the params and of the grads, 168 MB a rank (AdamW's two moments would make
+# a rank's share as big as the full params at 4 ranks); with the gather pool
+# and the threads wrap starts (gloo groups, the comm queues: 8 MB of stack
+# each), about 255 MB: under a cap the full params do not fit in.
+DEPTH, WIDTH = 80, 1024
+CAP = 288 << 20
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+class _Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+
+
+def _vm_data() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmData:")) << 10
+
+
+def _wrap_under_cap(rank, world):
+    # RLIMIT_DATA caps the address space a process has allocated. glibc keeps
+    # freed blocks to reuse (its mmap threshold rises to the largest freed),
+    # and a heap holed by them grows past what is live; pinned, every large
+    # block is a mapping of its own, returned when freed, so the cap counts
+    # what is allocated.
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 << 10)
+    torch.manual_seed(SEED)
+    with zerocore.init():
+        model = _Deep()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (_vm_data() + CAP, hard))
+    try:
+        with pytest.raises(RuntimeError, match="can.t allocate memory"):  # the cap is real
+            torch.empty(sum(p.numel() for p in model.parameters()))
+        engine = zerocore.wrap(model, opt, zerocore.Config(stage=3, bucket_bytes=4 << 20))
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    torch.distributed.barrier()  # no rank leaves while another still sets up its groups
+    # The last layer's stretches on this rank: drawn after every other layer's.
+    group, index = engine._places()[id(model.layers[-1].weight)]
+    return [(first, values.clone()) for i, first, values in group.owned_stretches(group.fp32_partition())
+            if i == index]
+
+
+def test_a_model_bigger_than_the_memory_cap_wraps_under_it():
+    results = run_ranks(_wrap_under_cap, 4, timeout=120)
+    torch.manual_seed(SEED)
+    eager = _Deep().layers[-1].weight.detach().reshape(-1)
+    assert eager.numel() * 4 * DEPTH > CAP
+    covered = 0
+    for rank, stretches in enumerate(results):
+        for first, values in stretches:
+            assert torch.equal(values, eager[first:first + values.numel()]), f"rank {rank} at {first}"
+            covered += values.numel()
+    assert covered == eager.numel()
