@@ -34,6 +34,7 @@ from zerocore.comm import CollectiveOrderError
 from zerocore.checkpoint_format import CheckpointError
 from zerocore.engine import Engine, NonFiniteGradientError, wrap
 from zerocore.export import export
+from zerocore.materialize import init
 from zerocore.optim import SGD, Adam, AdamW
 
 __version__ = "0.1.0"
@@ -62,6 +63,7 @@ __all__ = [
     "export",
     "from_torch",
     "host_arena_bytes",
+    "init",
     "num_threads",
     "ops",
     "set_cpu_isa",

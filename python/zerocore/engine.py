@@ -11,6 +11,7 @@ steps the partitioned native optimizer in one call.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import weakref
 
@@ -25,6 +26,7 @@ from zerocore.config import Config
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES, FlatGroup
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.loss_scale import LossScaler
+from zerocore.materialize import IncompatibleKeys, Initializer, Loader
 from zerocore.optim import ZeroOptimizer, read_optimizer
 from zerocore.placement import Placement
 from zerocore.stage3 import Unit, UnitScheduler, find_units
@@ -77,14 +79,8 @@ def _param_names(module):
 
 
 def _model_problem(params, names, spec):
-    """The error this rank's model or optimizer earns before wrapping, or None."""
-    meta = [names[id(p)][0] for p in params if p.is_meta]
-    if meta:
-        return ValueError(
-            f"zerocore.wrap: parameter(s) {', '.join(meta[:5])}{' ...' if len(meta) > 5 else ''} are on the meta "
-            "device and hold no values; zerocore cannot initialise meta tensors yet. Build the model on a real "
-            "device, or materialise it before wrapping: module.to_empty(device='cpu'), then initialise it "
-            "(reset_parameters) or load its weights (load_state_dict).")
+    """The error this rank's model or optimizer earns before wrapping, or
+    None (meta params are the Initializer's to check)."""
     bad = [names[id(p)][0] for p in params if not p.is_floating_point()]
     if bad:
         return TypeError(f"zerocore.wrap: parameter(s) {', '.join(bad)} are not floating point")
@@ -100,8 +96,13 @@ def _model_problem(params, names, spec):
     return None
 
 
+def _hash(data: bytes, bits: int) -> int:
+    """A hash of `data`, the same in every process (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> (64 - bits)
+
+
 class Engine:
-    def __init__(self, module, optimizer, config=None, *, group=None, units=None):
+    def __init__(self, module, optimizer, config=None, *, group=None, units=None, init=None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"zerocore.wrap: expected a torch.nn.Module, got {type(module).__name__}")
         if getattr(module, "_zerocore_engine", None) is not None:
@@ -121,12 +122,16 @@ class Engine:
 
         params = list(module.parameters())
         names = _param_names(module)
-        problem = _model_problem(params, names, spec)
-        self._check_same_model(spec, params, names, failed=problem is not None)
+        initializer = Initializer(module, params, names, init)
+        problem = _model_problem(params, names, spec) or initializer.problem
+        self._check_same_model(spec, params, names, initializer, failed=problem is not None)
         if problem is not None:
             raise problem
         opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
-        self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units)
+        initializer.materialize()
+        self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units,
+                                                     initializer.values_later)
+        initializer.fill(self._places())
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
         # Stage 3: the root unit's trainable params, gathered once per backward (accounting.predicted_comm).
         self.root_numel = sum(s.numel for g in self.units[0].groups if g.trainable for s in g.slots) \
@@ -164,30 +169,37 @@ class Engine:
         module._zerocore_engine = self
 
     # Construction ----------------------------------------------------------
-    def _check_same_model(self, spec, params, names, failed):
-        """Ranks compare a hash of config, optimizer, names, shapes and
-        trainability before any other collective: a different model on one
-        rank fails on every rank with this message instead of deadlocking.
-        A rank that `failed` its own checks sends -1, so the others raise
-        too instead of waiting for it in the next collective."""
-        desc = repr((self.config, spec.kind, len(spec.param_groups),
+    def _check_same_model(self, spec, params, names, initializer, failed):
+        """Ranks compare a hash of config, optimizer, names, shapes,
+        trainability and how params get their values before any other
+        collective: a different model on one rank fails on every rank with
+        this message instead of deadlocking. When every rank draws the
+        initial values from its own RNG (meta params), the hash holds the
+        RNG state too, since ranks that disagree on it would train different
+        models. A rank that `failed` its own checks sends -1, so the others
+        raise too instead of waiting for it in the next collective."""
+        desc = repr((self.config, spec.kind, len(spec.param_groups), initializer.kind,
                      [(names[id(p)], tuple(p.shape), p.requires_grad) for p in params]))
-        h = 1469598103934665603
-        for byte in desc.encode():
-            h = ((h ^ byte) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
-        hashes = self.comm.gather_ints(-1 if failed else h)
+        rng = _hash(bytes(torch.get_rng_state().tolist()), 31) if initializer.uses_rng else 0
+        # One int64 a rank: the model's hash above the RNG's, to tell which differs.
+        hashes = self.comm.gather_ints(-1 if failed else _hash(desc.encode(), 32) << 31 | rng)
         if failed:
             return
         rejected = [r for r, x in enumerate(hashes) if x == -1]
         if rejected:
             raise ValueError(f"zerocore.wrap: rank(s) {rejected} rejected the model (their error says why); "
                              "no rank wrapped it")
-        if len(set(hashes)) > 1:
-            odd = [r for r, x in enumerate(hashes) if x != hashes[0]]
+        odd = [r for r, x in enumerate(hashes) if x != hashes[0]]
+        if odd and all(x >> 31 == hashes[0] >> 31 for x in hashes):
+            raise ValueError(f"zerocore.wrap: the random number generators of rank(s) {odd} differ from rank 0's; "
+                             "every rank initialises the meta-device params from its own CPU RNG, so seed every "
+                             "rank alike (torch.manual_seed) before building the model and wrapping it, and draw "
+                             "no random numbers on some ranks only in between")
+        if odd:
             raise ValueError(f"zerocore.wrap: ranks disagree on the model, config or optimizer: rank(s) {odd} "
                              "differ from rank 0; every rank must wrap the same model with the same config")
 
-    def _build_groups(self, module, params, names, opt_group, spec, unit_spec):
+    def _build_groups(self, module, params, names, opt_group, spec, unit_spec, values_later):
         cfg, sharded = self.config, self.placement.partitions_params
         unit_modules = find_units(module, unit_spec) if sharded else [module]
         # Each module's innermost unit (outer units come first), then each
@@ -203,7 +215,8 @@ class Engine:
             return FlatGroup(ps, [names[id(p)] for p in ps], [opt_group.get(id(p), 0) for p in ps],
                              placement=self.placement, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
                              trainable=trainable, sharded=sharded, bucket_bytes=cfg.bucket_bytes,
-                             comm=self.comm, state_names=self.state_names if trainable else ())
+                             comm=self.comm, state_names=self.state_names if trainable else (),
+                             values_later=values_later)
 
         def split(ps, sharded):
             return [make(sub, t, sharded) for t in (True, False)
@@ -223,6 +236,10 @@ class Engine:
         for tag, g in enumerate(groups):
             g.tag = tag
         return groups, (units if sharded else [])
+
+    def _places(self) -> dict:
+        """id(param) -> (its flat group, its index there)."""
+        return {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
 
     @staticmethod
     def _owning_unit(unit_modules, users) -> int:
@@ -463,8 +480,32 @@ class Engine:
             if self.scheduler:
                 self.scheduler.free_all()
 
+    # Loading ---------------------------------------------------------------
+    def load_state_dict(self, source, strict=True) -> IncompatibleKeys:
+        """Sets the params and buffers from `source`, a state_dict or the path
+        of a safetensors file (full_state_dict's counterpart): on every rank
+        what it holds, the full params or its shard, and the fp32 master,
+        exactly the source's values; a file is read only where this rank
+        holds params. Optimizer states are left as they are. Call it on every
+        rank: the ranks check their sources first, and if any rank's does
+        not fit (a missing or unexpected key, with strict; a shape that
+        differs), every rank raises and nothing is changed.
+        Returns the missing and unexpected keys, as Module.load_state_dict."""
+        loader = Loader(source, self.module, list(self.module.parameters()), _param_names(self.module),
+                        where="engine.load_state_dict", what="the source", strict=strict)
+        failed = [r for r, x in enumerate(self.comm.gather_ints(-1 if loader.problem else 0)) if x == -1]
+        if loader.problem:
+            raise loader.problem
+        if failed:
+            raise ValueError(f"engine.load_state_dict: the source does not fit the model on rank(s) {failed} (their "
+                             "error says why); no rank loaded it. Give every rank the same source")
+        if self.scheduler:  # no gathered copy of the old values may outlive the load
+            self.scheduler.free_all()
+        loader.load(self._places())
+        return IncompatibleKeys(loader.missing, loader.unexpected)
 
-def wrap(module, optimizer, config=None, *, group=None, units=None) -> Engine:
+
+def wrap(module, optimizer, config=None, *, group=None, units=None, init=None) -> Engine:
     """Wraps `module` for ZeRO training with `optimizer`'s algorithm and
     hyperparameters (which it takes over: train with engine.optimizer).
 
@@ -472,5 +513,13 @@ def wrap(module, optimizer, config=None, *, group=None, units=None) -> Engine:
     group: the torch.distributed process group (default: the world).
     units: stage 3: module classes or modules to gather as units (default:
         the children of the outermost ModuleList/Sequential containers).
+    init: where params on the meta device (built inside zerocore.init())
+        get their values, each rank materialising only what it holds:
+        None, each module's reset_parameters(), with the values eager
+        construction gives after the same seed (seed every rank alike); a
+        function called on each module that holds meta params, as
+        model.apply(fn) (init=model._init_weights); or a state_dict or the
+        path of a safetensors file, which sets every param (meta or not)
+        and the buffers it holds. zerocore/materialize.py says how.
     """
-    return Engine(module, optimizer, config, group=group, units=units)
+    return Engine(module, optimizer, config, group=group, units=units, init=init)
