@@ -5,6 +5,7 @@ with the engine unchanged; a save that fails or dies leaves the previous
 checkpoint loadable; the export loads into a plain model."""
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import zerocore
-from dist_harness import RankError, run_ranks
+from dist_harness import run_ranks
 from models import TinyLM, assert_state_close, lm_batch, lm_loss, local, make
 
 LR = 1e-2  # large enough that a step taken wrong shows
@@ -207,7 +208,7 @@ def test_broken_checkpoint_fails_on_every_rank_with_the_engine_unchanged(breaks,
     run_ranks(_saved, 2, path)
     expected = breaks(path)
     for message in run_ranks(_load_expecting_error, 2, path):
-        assert __import__("re").search(expected, message), message
+        assert re.search(expected, message), message
 
 
 def test_checkpoint_of_another_model_or_save_is_refused(tmp_path):
@@ -228,7 +229,7 @@ def _save_failing_on_rank_1(rank, world, path):
     engine, scheduler = _engine(3, seed=1)
     _train(engine, scheduler, rank, world, range(1))
     if rank == 1:
-        zerocore.checkpoint.write_rank_file = _disk_full
+        zerocore.save_load.write_rank_file = _disk_full
     try:
         engine.save(path)
     except zerocore.CheckpointError as e:

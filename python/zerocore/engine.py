@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import checkpoint, ops
+from zerocore import ops, save_load
 from zerocore._native import BucketCollectives, UnitSchedule
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
@@ -452,7 +452,7 @@ class Engine:
         hold: an epoch, a data position). Call it on every rank, between
         steps. The save replaces the one in `path` only once every rank's
         files are on disk: one that fails or dies leaves the last one whole."""
-        checkpoint.save(self, path, lr_scheduler, extra)
+        save_load.save(self, path, lr_scheduler, extra)
 
     def load(self, path, lr_scheduler=None):
         """Loads a checkpoint saved at any world size and stage, in any
@@ -462,7 +462,7 @@ class Engine:
         changes: a missing, truncated, corrupt or mismatched checkpoint
         raises zerocore.CheckpointError on every rank, with the engine as
         it was. Call it on every rank, between steps."""
-        return checkpoint.load(self, path, lr_scheduler)
+        return save_load.load(self, path, lr_scheduler)
 
     @contextlib.contextmanager
     def gathered_params(self):
