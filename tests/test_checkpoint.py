@@ -357,3 +357,18 @@ def test_export_of_a_corrupt_checkpoint_says_so_and_writes_nothing(tmp_path):
     run = subprocess.run([sys.executable, "-m", "zerocore", "export", path, out], capture_output=True, text=True)
     assert run.returncode == 1 and "checksum mismatch" in run.stderr
     assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
+
+
+def _fp16_scale_round_trip(rank, world, path):
+    engine, scheduler = _engine(2, "fp16")
+    _train(engine, scheduler, rank, world, range(1))
+    engine.scaler.scale, engine.scaler._clean_steps = 2.0**10, 7  # as after overflows and clean steps
+    engine.save(path)
+    resumed, _ = _engine(2, "fp16", seed=1)
+    resumed.load(path)
+    return (resumed.loss_scale, resumed.scaler._clean_steps, resumed.step_count), engine.step_count
+
+
+def test_the_loss_scale_and_its_clean_steps_come_back(tmp_path):
+    for result, steps_taken in run_ranks(_fp16_scale_round_trip, 2, str(tmp_path / "ckpt")):
+        assert result == (2.0**10, 7, steps_taken)
