@@ -152,6 +152,22 @@ def test_init_fn_equals_apply_on_a_materialised_model(stage):
 
 # Errors ---------------------------------------------------------------------
 
+
+def _init_failing_on_rank_1(rank, world):
+    def init(module):
+        if rank == 1 and isinstance(module, nn.Linear):
+            raise RuntimeError("the user's init failed")
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    _wrap(_meta_lm(), 3, init=init)
+
+
+def test_an_init_function_failing_on_one_rank_fails_every_rank():
+    results = run_ranks(_init_failing_on_rank_1, 2, raise_errors=False, timeout=30)
+    assert isinstance(results[1], RankError) and "the user's init failed" in results[1].message, results[1]
+    assert isinstance(results[0], RankError) and "failed on rank(s) [1]" in results[0].message, results[0]
+
 def _wrap_seeded_by_rank(rank, world):
     _wrap(_meta_lm(seed=SEED + rank), 3)
 

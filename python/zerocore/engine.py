@@ -131,7 +131,7 @@ class Engine:
         initializer.materialize()
         self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units,
                                                      initializer.values_later)
-        initializer.fill(self._places())
+        self._fill_agreeing(initializer)
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
         # Stage 3: the root unit's trainable params, gathered once per backward (accounting.predicted_comm).
         self.root_numel = sum(s.numel for g in self.units[0].groups if g.trainable for s in g.slots) \
@@ -236,6 +236,24 @@ class Engine:
         for tag, g in enumerate(groups):
             g.tag = tag
         return groups, (units if sharded else [])
+
+    def _fill_agreeing(self, initializer):
+        """initializer.fill, on every rank; where it raises on some ranks
+        (a user's init function, a file one rank cannot read), every rank
+        raises, instead of the others waiting for it in the next collective."""
+        if initializer.kind is None:
+            return
+        error = None
+        try:
+            initializer.fill(self._places())
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agree
+            error = e
+        failed = [r for r, x in enumerate(self.comm.gather_ints(-1 if error else 0)) if x == -1]
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError(f"zerocore.wrap: initialising the params failed on rank(s) {failed} (their error says "
+                             "why); no rank wrapped the model")
 
     def _places(self) -> dict:
         """id(param) -> (its flat group, its index there)."""
