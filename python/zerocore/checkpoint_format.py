@@ -139,17 +139,22 @@ class CheckpointReader:
         try:
             reader = safetensors_file.Reader(path)
             meta = json.loads(reader.metadata[_META_KEY])
-        except (safetensors_file.SafetensorsError, KeyError, ValueError) as e:
-            raise CheckpointError(f"{path}: not a zerocore rank file ({e})") from None
-        if meta.get("id") != self.manifest["id"]:
-            raise CheckpointError(f"{path}: belongs to save {meta.get('id')}, the manifest to save "
-                                  f"{self.manifest['id']} (files of different checkpoints mixed)")
+            crcs, save_id = dict(meta["crc32"]), meta["id"]
+        except (safetensors_file.SafetensorsError, KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}: not a zerocore rank file ({type(e).__name__}: {e})") from None
+        if save_id != self.manifest["id"]:
+            raise CheckpointError(f"{path}: belongs to save {save_id}, the manifest to save {self.manifest['id']} "
+                                  "(files of different checkpoints mixed)")
+        if set(crcs) != set(reader.entries):
+            raise CheckpointError(f"{path}: its header names other tensors than it was written with (corrupt)")
         for key, (dtype, shape, _) in reader.entries.items():
-            self._crc[(path, key)] = meta["crc32"].get(key)
+            self._crc[(path, key)] = crcs[key]
             kind, _, rest = key.partition("/")
             name, _, first = rest.rpartition("/")
             if kind in ("buffer", "rng"):
                 self.named[(rank, key)] = reader
+            elif dtype != torch.float32 or not first.isdigit():
+                raise CheckpointError(f"{path}: {key} is not a stretch of a param (corrupt)")
             else:
                 self._stretches.setdefault((kind, name), []).append(_Stretch(int(first), shape.numel(), reader, key))
         return reader
@@ -190,8 +195,7 @@ class CheckpointReader:
         self._verify(self.named[(rank, key)], key)
 
     def _verify(self, reader, key):
-        stored = self._crc.get((reader.path, key))
-        if stored is None or crc32(reader.get(key)) != stored:
+        if crc32(reader.get(key)) != self._crc[(reader.path, key)]:
             raise CheckpointError(f"{reader.path}: checksum mismatch in {key}: the file is corrupt")
 
     # Reading -----------------------------------------------------------------

@@ -272,7 +272,7 @@ class FlatGroup:
         if self.sharded:
             return self.shard.float()
         out = torch.empty(self.plan.partition_elems, dtype=torch.float32)
-        self.partition_from_flat(self.full.float(), out)
+        self.partition_from_flat(self.full, out)  # block by block: no full-size fp32 temporary
         return out
 
     def full_fp32(self) -> torch.Tensor:
