@@ -43,10 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per repeat")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--repeats", type=int, default=2, help="interleaved runs of every configuration")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
+    for flag, default in (("--layers", 4), ("--d-model", 256), ("--heads", 8), ("--seq-len", 128)):
+        p.add_argument(flag, type=int, default=default, help="the model's shape")
     p.add_argument("--batch", type=int, default=4, help="sequences per step (every rank computes them all)")
     p.add_argument("--threads", type=int, default=None, help="threads per rank (default cores / ranks)")
     return p.parse_args(argv)
