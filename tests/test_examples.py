@@ -171,6 +171,24 @@ def test_train_job_runs_moe(stage):
     assert printed == pytest.approx(losses, abs=2e-4)  # printed with 4 decimals
 
 
+TP_FLAGS = ["--steps", "3", "--timeout", "60", "--dtype", "fp32", "--layers", "2", "--heads", "2", "--d-model",
+            "32", "--seq-len", "8", "--batch", "4"]
+
+
+@pytest.mark.skipif(not _has_engine(), reason="zerocore.wrap (the engine) is not built yet")
+def test_train_job_runs_tensor_parallel_with_partitioned_checkpoints():
+    out = _run_train(TP_FLAGS + ["--ranks", "4", "--tp", "2", "--offload"])
+    assert "tensor-parallel GPT (TP=2 x DP=2), blocks checkpointed with zerocore (offload to the host)" in out
+    rows = re.findall(r"^ +(\d) +([\d,]+) +([\d,]+) +([\d.]+) +([\d,]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"], out[-2000:]
+    for _, kept, whole, ratio, buffer in rows:
+        assert ratio == "0.5000" and kept == buffer and int(whole.replace(",", "")) > 0
+    # The same model trained by plain data parallelism on 2 ranks, the same global batch: the same losses.
+    dense = _run_train(TP_FLAGS + ["--ranks", "2"])
+    losses = [re.findall(r"^step +\d+/3 +loss (\S+)", text, re.M) for text in (out, dense)]
+    assert [float(x) for x in losses[0]] == pytest.approx([float(x) for x in losses[1]], abs=2e-4)
+
+
 def test_train_job_help_shows_each_default_once():
     from zerocore.examples.train import _HelpFormatter, build_parser
 
@@ -186,7 +204,8 @@ def test_train_job_rejects_bad_flags(capsys):
     for argv, msg in ((["--d-model", "30", "--heads", "4"], "divisible"), (["--steps", "0"], "--steps"),
                       (["--loss-scale", "big"], "loss-scale"), (["--stage", "4"], "invalid choice"),
                       (["--experts", "1"], "--experts"), (["--experts", "65"], "--experts"),
-                      (["--top-k", "3"], "invalid choice"), (["--model", "dense"], "invalid choice")):
+                      (["--top-k", "3"], "invalid choice"), (["--model", "dense"], "invalid choice"),
+                      (["--tp", "3"], "--tp"), (["--model", "moe", "--tp", "2"], "--model gpt only")):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code != 0 and msg in capsys.readouterr().err

@@ -30,6 +30,7 @@ from zerocore._native import (
 from zerocore._native import from_dlpack as from_torch
 from zerocore import ops
 from zerocore.config import Config
+from zerocore.activation_checkpoint import activation_memory, checkpoint
 from zerocore.comm import CollectiveOrderError
 from zerocore.checkpoint_format import CheckpointError
 from zerocore.engine import Engine, NonFiniteGradientError, wrap
@@ -58,6 +59,8 @@ __all__ = [
     "NonFiniteGradientError",
     "SGD",
     "Tensor",
+    "activation_memory",
+    "checkpoint",
     "cpu_features",
     "empty",
     "export",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import ops, save_load
+from zerocore import activation_checkpoint, ops, save_load
 from zerocore._native import BucketCollectives, UnitSchedule
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
@@ -422,7 +422,9 @@ class Engine:
         wrap: the report is the same before the first step and after, except
         that stage 3's gather pool grows once (a slot, kept) when ranks need
         more units at the same time than planned (different experts on
-        different ranks, units nested in units)."""
+        different ranks, units nested in units). "activations": the buffers
+        zerocore.checkpoint keeps activation checkpoints in on this rank
+        (allocated once, sized on the first step; 0 until it ends)."""
         out = {"param": 0, "grad": 0, "optim": 0}
         for g in self.groups:
             for k, v in g.memory().items():
@@ -430,6 +432,7 @@ class Engine:
         out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
         out["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0) + \
             (self.scheduler.native.buffer_bytes if self.scheduler else 0)
+        out["activations"] = activation_checkpoint.buffer_bytes()
         return out
 
     def comm_stats(self) -> dict:

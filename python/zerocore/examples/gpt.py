@@ -127,12 +127,16 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
-            x = block(x)
+            x = self.run_block(block, x)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return {"logits": logits, "loss": loss}
+
+    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One block's forward; a subclass may checkpoint it (examples/tp_gpt.py)."""
+        return block(x)
 
     def num_params(self) -> int:
         """Distinct parameters (the tied weight counted once)."""

@@ -3,6 +3,7 @@
     python -m zerocore.examples.train                 # stage 3, 2 ranks, bf16
     python -m zerocore.examples.train --stage 1 --ranks 4 --dtype fp32 --steps 50
     python -m zerocore.examples.train --model moe     # mixture of experts, 4 experts, top-1
+    python -m zerocore.examples.train --tp 2 --ranks 4  # tensor parallel x ZeRO, partitioned checkpoints
     torchrun --nproc-per-node 2 -m zerocore.examples.train --stage 2
 
 It trains a character-level GPT (``--model gpt``, zerocore.examples.gpt)
@@ -17,7 +18,13 @@ measured model-state memory (``engine.memory_report()``) is printed beside
 the ZeRO formula (``zerocore.accounting.predicted_memory``, docs/design.md)
 and beside what plain data parallelism would hold, and the elements moved
 by each kind of collective in one step (``engine.comm_stats()``) beside
-``zerocore.accounting.predicted_comm``.
+``zerocore.accounting.predicted_comm``. With ``--tp T`` the GPT's blocks are
+tensor-parallel (zerocore.examples.tp_gpt) over groups of T consecutive
+ranks and ZeRO partitions over the other dimension (--ranks / T ranks), each
+block checkpointed with ``zerocore.checkpoint`` partitioned over its
+tensor-parallel group (``--checkpoint``, ``--offload``); the report then
+adds every rank's activation-checkpoint bytes beside what the same
+checkpoints take whole.
 
 The job exits non-zero with a message on any failure; every collective and
 the rendezvous have a timeout (``--timeout``), so no rank waits forever.
@@ -88,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=4, help="--model moe: experts per block, 2 to 64")
     p.add_argument("--top-k", type=int, default=1, choices=(1, 2),
                    help="--model moe: experts each token is routed to")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: --model gpt's blocks split Megatron-style over groups of this many "
+                        "ranks, ZeRO over the rest (--ranks / --tp)")
+    p.add_argument("--checkpoint", default=None, choices=("none", "torch", "zerocore"),
+                   help="activation checkpointing of each block: none, torch.utils.checkpoint, or zerocore.checkpoint "
+                        "partitioned over the tensor-parallel group (default: zerocore with --tp > 1, else none)")
+    p.add_argument("--offload", action="store_true",
+                   help="--checkpoint zerocore: keep the checkpoints' partitions in host memory (offload='cpu')")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     p.add_argument("--max-grad-norm", type=float, default=None,
@@ -124,6 +139,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
     if not 2 <= args.experts <= 64:
         p.error(f"--experts must be from 2 to 64, got {args.experts}")
+    if args.tp < 1 or args.ranks % args.tp or args.heads % args.tp:
+        p.error(f"--tp ({args.tp}) must be >= 1 and divide --ranks ({args.ranks}) and --heads ({args.heads})")
+    if args.checkpoint is None:
+        args.checkpoint = "zerocore" if args.tp > 1 else "none"
+    if args.model != "gpt" and (args.tp > 1 or args.checkpoint != "none"):
+        p.error("--tp and --checkpoint work with --model gpt only")
     if args.loss_scale is not None and args.loss_scale != "dynamic":
         try:
             args.loss_scale = float(args.loss_scale)
@@ -171,15 +192,21 @@ def _engine_config(args) -> dict:
     return cfg
 
 
-def build_model(args, vocab: int):
-    """The model --model names, initialised from --seed (the same on every rank)."""
+def build_model(args, vocab: int, tp_group=None):
+    """The model --model names, initialised from --seed (the same on every
+    rank); tensor-parallel over tp_group with --tp, checkpointed as
+    --checkpoint says."""
     from zerocore.examples.gpt import GPT, GPTConfig
     from zerocore.examples.moe import MoEConfig, MoEGPT
+    from zerocore.examples.tp_gpt import TPGPT
 
     shape = dict(vocab=vocab, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
                  seq_len=args.seq_len)
     if args.model == "moe":
         return MoEGPT(MoEConfig(**shape, n_experts=args.experts, top_k=args.top_k), seed=args.seed)
+    if args.tp > 1 or args.checkpoint != "none":
+        return TPGPT(GPTConfig(**shape), tp_group, seed=args.seed, checkpointing=args.checkpoint,
+                     offload="cpu" if args.offload else None)
     return GPT(GPTConfig(**shape), seed=args.seed)
 
 
@@ -202,13 +229,17 @@ def train(args, rank: int, world: int) -> dict:
     from zerocore import accounting
     from zerocore.examples.gpt import CORPUS_PATH, TextData
 
+    from zerocore.examples.tp_gpt import tp_groups
+
     data, tok = TextData.from_corpus(args.seq_len, args.batch, seed=args.seed)
-    if args.batch % world:
-        raise JobError(f"--batch {args.batch} does not split evenly over {world} ranks")
-    model = build_model(args, tok.vocab_size)
+    tp_group, dp_group = tp_groups(args.tp) if args.tp > 1 else (None, None)
+    dp_rank, dp_world = (dist.get_rank(dp_group), dist.get_world_size(dp_group)) if dp_group else (rank, world)
+    if args.batch % dp_world:
+        raise JobError(f"--batch {args.batch} does not split evenly over {dp_world} data-parallel ranks")
+    model = build_model(args, tok.vocab_size, tp_group)
     opt = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     engine_cfg = _engine_config(args)
-    engine = zerocore.wrap(model, opt, zerocore.Config(**engine_cfg))
+    engine = zerocore.wrap(model, opt, zerocore.Config(**engine_cfg), group=dp_group)
     numel = int(engine.num_trainable_params)
 
     say = (lambda *a: print(*a, flush=True)) if rank == 0 and not args.quiet else (lambda *a: None)
@@ -223,7 +254,7 @@ def train(args, rank: int, world: int) -> dict:
         t0 = time.perf_counter()
         loss_sum = 0.0
         for micro in range(args.accum):
-            x, y = data.batch(step * args.accum + micro, rank, world)
+            x, y = data.batch(step * args.accum + micro, dp_rank, dp_world)
             out = engine(x, y)
             loss = out["loss"] / args.accum
             engine.backward(loss)
@@ -252,10 +283,12 @@ def train(args, rank: int, world: int) -> dict:
         "numel": numel,
         "k_bytes": k_bytes,
         "memory": mem,
-        "memory_pred": accounting.predicted_memory(args.stage, numel, world, args.dtype, k_bytes),
+        "memory_pred": accounting.predicted_memory(args.stage, numel, dp_world, args.dtype, k_bytes),
+        "dp_world": dp_world,
+        "activations": zerocore.activation_memory() if args.checkpoint == "zerocore" else None,
         "comm": comm,
         "comm_pred": accounting.predicted_comm(args.stage, numel, args.accum, engine.root_numel),
-        "memory_dp": accounting.predicted_memory(0, numel, world, args.dtype, k_bytes),
+        "memory_dp": accounting.predicted_memory(0, numel, dp_world, args.dtype, k_bytes),
         "uniform_loss": math.log(tok.vocab_size),
         "losses": losses,
         "step_times": step_times,
@@ -268,6 +301,10 @@ def banner(args, world, corpus_name, corpus_tokens, vocab, numel, engine_cfg, th
     """What the job is about to do, printed by rank 0 before the first step."""
     precision = "fp32" if args.dtype == "fp32" else f"{args.dtype} compute with fp32 master weights"
     model = "GPT" if args.model == "gpt" else f"MoE GPT ({args.experts} experts, top-{args.top_k})"
+    if args.tp > 1:
+        model = f"tensor-parallel GPT (TP={args.tp} x DP={world // args.tp})"
+    if args.checkpoint != "none":
+        model += f", blocks checkpointed with {args.checkpoint}" + (" (offload to the host)" if args.offload else "")
     return "\n".join([
         f"zerocore: ZeRO stage {args.stage} on {world} CPU rank(s) (gloo), {precision}, "
         f"{threads} thread(s) per rank",
@@ -311,7 +348,7 @@ COMM_LEGEND = """\
 def report(args, results: list) -> str:
     """The end-of-run summary (rank 0 prints it, for all ranks)."""
     r0 = results[0]
-    world = len(results)
+    world = r0["dp_world"]
     times = r0["step_times"][1:] or r0["step_times"]  # leave out the warm-up step
     med = sorted(times)[len(times) // 2]
     lines = [
@@ -344,7 +381,24 @@ def report(args, results: list) -> str:
             m, p = comm.get(k), r["comm_pred"].get(k)
             lines.append(f"  {r['rank']:>4}  {k:<15} {_fmt(m):>14} {_fmt(p):>14} {_ratio(m, p):>10}")
     lines.append(COMM_LEGEND)
+    if r0["activations"] is not None:
+        lines += _activation_report(args, results)
     return "\n".join(lines)
+
+
+def _activation_report(args, results) -> list:
+    """Per rank, the bytes zerocore.checkpoint kept beside the same checkpoints whole."""
+    lines = [f"\nactivation checkpoints per rank, bytes: the most held at once in the last step, partitioned "
+             f"over TP={args.tp} (zerocore.checkpoint{', offloaded to the host' if args.offload else ''})",
+             f"  {'rank':>4}  {'kept':>12} {'unpartitioned':>14} {'kept/unpart':>12} {'buffer':>12}"]
+    for r in results:
+        a = r["activations"]
+        lines.append(f"  {r['rank']:>4}  {_fmt(a['kept']):>12} {_fmt(a['unpartitioned']):>14} "
+                     f"{_ratio(a['kept'], a['unpartitioned']):>12} {_fmt(a['buffers']):>12}")
+    lines.append("  kept: this rank's slices of the blocks' inputs (1/TP of each, padded to split evenly); "
+                 "unpartitioned: the same checkpoints whole, as torch.utils.checkpoint keeps them on every rank; "
+                 "buffer: the contiguous buffer they live in, allocated once (memory_report()['activations'])")
+    return lines
 
 
 # ------------------------------------------------------------------ process plumbing
