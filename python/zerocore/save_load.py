@@ -27,8 +27,8 @@ import shutil
 import torch
 
 from zerocore.flat_group import FlatGroup
-from zerocore.checkpoint_format import (FORMAT, VERSION, CheckpointError, CheckpointReader, rank_file, stretch_key,
-                                        write_manifest, write_rank_file)
+from zerocore.checkpoint_format import (FORMAT, MANIFEST, VERSION, CheckpointError, CheckpointReader, rank_file,
+                                        stretch_key, write_manifest, write_rank_file)
 
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")
 
@@ -162,10 +162,10 @@ def _remove_other_saves(path, keep):
 
 
 # Loading ------------------------------------------------------------------------
-def _check_model(engine, m) -> None:
+def _check_model(engine, ckpt) -> None:
     """Raises CheckpointError when the checkpoint is not of this engine's
     model and optimizer."""
-    where = os.path.join("the checkpoint", "zerocore.json")
+    m, where = ckpt.manifest, os.path.join(ckpt.directory, MANIFEST)
     saved = {e["names"][0]: e for e in m["params"]}
     mine = {names[0]: (p, names) for p, names in _params(engine)}
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
@@ -215,7 +215,7 @@ def load(engine, path, lr_scheduler=None):
         nonlocal ckpt, loads
         _no_pending_grads(engine, "load")
         ckpt = CheckpointReader(path)
-        _check_model(engine, ckpt.manifest)
+        _check_model(engine, ckpt)
         loads, wanted = _plan(engine, ckpt)
         ckpt.verify(wanted)
         for name in ckpt.manifest["buffers"]:
