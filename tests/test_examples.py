@@ -189,6 +189,17 @@ def test_train_job_runs_tensor_parallel_with_partitioned_checkpoints():
     assert [float(x) for x in losses[0]] == pytest.approx([float(x) for x in losses[1]], abs=2e-4)
 
 
+@pytest.mark.skipif(not _has_engine(), reason="zerocore.wrap (the engine) is not built yet")
+def test_train_job_runs_with_the_optimizer_offloaded():
+    flags = TP_FLAGS + ["--ranks", "2", "--stage", "2"]
+    losses = [re.findall(r"^step +\d+/3 +loss (\S+)", _run_train(flags + extra), re.M)
+              for extra in ([], ["--offload-optimizer"])]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]  # the host step gives the device step's bits
+    out = _run_train(flags + ["--offload-optimizer", "--delayed-update", "1"])
+    assert "step    3/3" in out and "offloaded (ZeRO-Offload)" in out
+    assert re.search(r"rank 1: device [\d,]+, host [\d,]+; grads to host [\d,]+, params to device [\d,]+", out)
+
+
 def test_train_job_help_shows_each_default_once():
     from zerocore.examples.train import _HelpFormatter, build_parser
 

@@ -8,6 +8,7 @@
 #include "zerocore/cpu_optim.h"
 #include "zerocore/cpu_reduce.h"
 #include "zerocore/error.h"
+#include "zerocore/offload_optimizer.h"
 #include "zerocore/optim_args.h"
 
 namespace nb = nanobind;
@@ -74,6 +75,15 @@ FlatRuns make_runs(const std::vector<int>& groups, const nb::list& params, const
                                flat(state0[i], "FlatRuns", "state0", true), flat(state1[i], "FlatRuns", "state1", true),
                                flat(copies[i], "FlatRuns", "param_copy", true)});
     out.grads.push_back(out.runs.back().grad);
+  }
+  return out;
+}
+
+std::vector<TensorCopy> copies(const nb::list& pairs, const char* what) {
+  std::vector<TensorCopy> out;
+  for (nb::handle pair : pairs) {
+    nb::tuple t = nb::cast<nb::tuple>(pair);
+    out.push_back(TensorCopy{flat(t[0], "OffloadOptimizer", what), flat(t[1], "OffloadOptimizer", what)});
   }
   return out;
 }
@@ -155,6 +165,55 @@ void bind_optim(nb::module_& m) {
       "grad_scale"_a = 1.0, "param_copy"_a = nb::none(),
       "In-place SGD step (torch.optim.SGD semantics) on flat fp32 tensors; on step 1 the momentum buffer "
       "is set to the gradient.");
+
+  nb::class_<OffloadOptimizer>(m, "OffloadOptimizer",
+                               "ZeRO-Offload's host step over a partition in buckets: grads down, the CPU "
+                               "optimizer and params up on two native queues (offload_optimizer.h).")
+      .def(
+          "__init__",
+          [](OffloadOptimizer* self, const nb::list& buckets) {
+            std::vector<OffloadBucket> out;
+            for (nb::handle item : buckets) {
+              nb::tuple b = nb::cast<nb::tuple>(item);
+              out.push_back(OffloadBucket{nb::cast<const FlatRuns&>(b[0]).runs, copies(nb::cast<nb::list>(b[1]), "grad"),
+                                          copies(nb::cast<nb::list>(b[2]), "param")});
+            }
+            new (self) OffloadOptimizer(std::move(out));
+          },
+          "buckets"_a,
+          "buckets: per bucket, (FlatRuns of its host runs, [(device grad, host grad)], [(host param, param "
+          "training reads)]).")
+      .def("copy_grads", &OffloadOptimizer::copy_grads, "Queues every bucket's grads down.")
+      .def(
+          "adam_",
+          [](OffloadOptimizer& self, const nb::list& groups, int64_t step, double grad_scale, bool adamw,
+             bool copy_params) { self.adam(adam_groups(groups, adamw), step, grad_scale, copy_params); },
+          "groups"_a, nb::kw_only(), "step"_a, "grad_scale"_a, "adamw"_a, "copy_params"_a,
+          "Queues the Adam/AdamW update of every bucket (options read now); with copy_params, each bucket's "
+          "params go up once it is updated.")
+      .def(
+          "sgd_",
+          [](OffloadOptimizer& self, const nb::list& groups, int64_t step, double grad_scale, bool copy_params) {
+            self.sgd(sgd_groups(groups), step, grad_scale, copy_params);
+          },
+          "groups"_a, nb::kw_only(), "step"_a, "grad_scale"_a, "copy_params"_a,
+          "Queues the SGD update of every bucket (options read now), as adam_.")
+      .def("copy_params", &OffloadOptimizer::copy_params, "Queues every bucket's params up, after the updates.")
+      .def(
+          "wait",
+          [](OffloadOptimizer& self) {
+            nb::gil_scoped_release release;
+            self.wait();
+          },
+          "Returns once everything queued has run; raises the first error.")
+      .def_prop_ro("busy", &OffloadOptimizer::busy)
+      .def(
+          "grad_sum_of_squares",
+          [](const OffloadOptimizer& self) {
+            nb::gil_scoped_release release;
+            return self.grad_sum_of_squares();
+          },
+          "The fp64 sum of squares of every run's host grad (after wait()).");
 }
 
 }  // namespace zerocore::bindings

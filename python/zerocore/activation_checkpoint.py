@@ -137,10 +137,12 @@ def _allocate(nbytes: int, device: torch.device, pinned: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pinned)
 
 
-def buffer_bytes() -> int:
+def buffer_bytes(offloaded=None) -> int:
     """Bytes of the contiguous checkpoint buffers this process holds (0
-    before the first step ends)."""
-    return sum(a.buffer.numel() for a in _arenas.values() if a.buffer is not None)
+    before the first step ends); offloaded: True, only those on the host
+    (offload="cpu"), False, only those on the tensors' device."""
+    return sum(a.buffer.numel() for (_, off), a in _arenas.items()
+               if a.buffer is not None and offloaded in (None, off))
 
 
 class _Usage:

@@ -129,6 +129,17 @@ class Communicator:
         """Every rank's int, in rank order."""
         return [row[0] for row in self._gather_rows([value], torch.int64)]
 
+    def raise_together(self, error, others: str, error_type=ValueError):
+        """Where any rank failed, every rank raises instead of waiting for it
+        in the next collective: this rank its own `error` (an exception; None
+        when it did not fail), the others error_type(others), with "{ranks}"
+        in `others` replaced by the ranks that failed."""
+        failed = [r for r, x in enumerate(self.gather_ints(-1 if error is not None else 0)) if x == -1]
+        if error is not None:
+            raise error
+        if failed:
+            raise error_type(others.format(ranks=failed))
+
     def gather_text(self, text: str) -> list:
         """Every rank's string, in rank order (one collective when all are
         empty, as on every path where nothing went wrong)."""

@@ -11,6 +11,7 @@ import math
 from typing import Optional, Union
 
 DTYPES = ("fp32", "bf16", "fp16")
+OFFLOADS = (None, "cpu")
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
@@ -49,6 +50,16 @@ class Config:
         prefetch).
     persist_threshold: stage 3: params with fewer elements stay whole on
         every rank (0 partitions all).
+    offload_optimizer: "cpu" (stages 1-3, ZeRO-Offload): the fp32 master
+        params, the optimizer states and the step live on the host; the
+        device keeps the params training reads (docs/offload.md). None: all
+        on the device.
+    offload_params: "cpu" (stage 3, with offload_optimizer="cpu"): the
+        param shards live on the host too, fetched for each gather.
+    delayed_update: with offload_optimizer: the one-step delayed parameter
+        update. Step t's update runs on the host while the device computes
+        step t+1's forward and backward, on params one step stale.
+    delayed_update_warmup: steps that update without delay before it starts.
     """
 
     stage: int = 3
@@ -59,6 +70,10 @@ class Config:
     bucket_bytes: int = 25 * 2**20
     prefetch_bytes: int = 8 * 2**20
     persist_threshold: int = 0
+    offload_optimizer: Optional[str] = None
+    offload_params: Optional[str] = None
+    delayed_update: bool = False
+    delayed_update_warmup: int = 40
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -72,10 +87,28 @@ class Config:
         mgn = self.max_grad_norm
         if mgn is not None and not (isinstance(mgn, (int, float)) and math.isfinite(mgn) and mgn > 0):
             raise ValueError(f"zerocore.Config: max_grad_norm={mgn!r}; use a positive number or None")
-        for name, lo in (("bucket_bytes", 1), ("prefetch_bytes", 0), ("persist_threshold", 0)):
+        for name, lo in (("bucket_bytes", 1), ("prefetch_bytes", 0), ("persist_threshold", 0),
+                         ("delayed_update_warmup", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"zerocore.Config: {name}={v!r}; use an integer >= {lo}")
+        self._check_offload()
+
+    def _check_offload(self):
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) not in OFFLOADS:
+                raise ValueError(f"zerocore.Config: {name}={getattr(self, name)!r}; use None or \"cpu\"")
+        if not isinstance(self.delayed_update, bool):
+            raise ValueError(f"zerocore.Config: delayed_update={self.delayed_update!r}; use True or False")
+        if self.offload_optimizer and self.stage == 0:
+            raise ValueError("zerocore.Config: offload_optimizer=\"cpu\" needs stage 1, 2 or 3 (stage 0 keeps a "
+                             "whole optimizer on every rank); set stage=1 or higher")
+        if self.offload_params and (self.stage != 3 or not self.offload_optimizer):
+            raise ValueError("zerocore.Config: offload_params=\"cpu\" needs stage=3 and offload_optimizer=\"cpu\" "
+                             f"(got stage={self.stage}, offload_optimizer={self.offload_optimizer!r})")
+        if self.delayed_update and not self.offload_optimizer:
+            raise ValueError("zerocore.Config: delayed_update=True needs offload_optimizer=\"cpu\": the delayed "
+                             "update hides the host step behind the device's next forward and backward")
 
     @classmethod
     def from_any(cls, config) -> "Config":
@@ -92,6 +125,11 @@ class Config:
                                  f"valid keys are {', '.join(sorted(fields))}")
             return cls(**config)
         raise TypeError(f"zerocore.wrap: config must be a zerocore.Config or a dict, got {type(config).__name__}")
+
+    @property
+    def delays_from(self) -> Optional[int]:
+        """The first step whose update is delayed (None: none is)."""
+        return self.delayed_update_warmup + 1 if self.delayed_update else None
 
     @property
     def uses_loss_scaling(self) -> bool:

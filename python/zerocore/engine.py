@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import activation_checkpoint, ops, save_load
+from zerocore import activation_checkpoint, save_load
 from zerocore._native import BucketCollectives, UnitSchedule
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
@@ -27,7 +27,9 @@ from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES, FlatGroup
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.loss_scale import LossScaler
 from zerocore.materialize import IncompatibleKeys, Initializer, Loader
+from zerocore.offload import OffloadUpdate, host_memory_problem
 from zerocore.optim import ZeroOptimizer, read_optimizer
+from zerocore.partition_update import InPlaceUpdate
 from zerocore.placement import Placement
 from zerocore.stage3 import Unit, UnitScheduler, find_units
 
@@ -108,7 +110,7 @@ class Engine:
         if getattr(module, "_zerocore_engine", None) is not None:
             raise ValueError("zerocore.wrap: this module is already wrapped; wrap the original module once")
         self.config = cfg = Config.from_any(config)
-        self.placement = placement = Placement(cfg.stage)
+        self.placement = placement = Placement.of(cfg)
         spec = read_optimizer(optimizer)
         self.module = module
         user_group = _default_group(group, placement)
@@ -129,16 +131,18 @@ class Engine:
             raise problem
         opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
         initializer.materialize()
-        self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units,
-                                                     initializer.values_later)
+        self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units)
+        self._allocate_agreeing()
+        for g in self.groups:
+            g.fill(initializer.values_later)
         self._fill_agreeing(initializer)
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
         # Stage 3: the root unit's trainable params, gathered once per backward (accounting.predicted_comm).
         self.root_numel = sum(s.numel for g in self.units[0].groups if g.trainable for s in g.slots) \
             if self.units else 0
-        # This rank's whole partition as native runs: one call a step.
-        views = [v for g in self.groups if g.trainable for v in g.run_views()]
-        self.runs = ops.FlatRuns(*([list(column) for column in zip(*views)] if views else [[]] * 6))
+        # Where this rank's partition is updated: one native call a step.
+        self.update = OffloadUpdate(self.groups, placement, cfg) if placement.optimizer_on_host \
+            else InPlaceUpdate(self.groups)
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
         self._cast_buffers()
 
@@ -199,7 +203,7 @@ class Engine:
             raise ValueError(f"zerocore.wrap: ranks disagree on the model, config or optimizer: rank(s) {odd} "
                              "differ from rank 0; every rank must wrap the same model with the same config")
 
-    def _build_groups(self, module, params, names, opt_group, spec, unit_spec, values_later):
+    def _build_groups(self, module, params, names, opt_group, spec, unit_spec):
         cfg, sharded = self.config, self.placement.partitions_params
         unit_modules = find_units(module, unit_spec) if sharded else [module]
         # Each module's innermost unit (outer units come first), then each
@@ -216,7 +220,7 @@ class Engine:
                              placement=self.placement, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
                              trainable=trainable, sharded=sharded, bucket_bytes=cfg.bucket_bytes,
                              comm=self.comm, state_names=self.state_names if trainable else (),
-                             values_later=values_later)
+                             delayed=cfg.delayed_update)
 
         def split(ps, sharded):
             return [make(sub, t, sharded) for t in (True, False)
@@ -237,6 +241,29 @@ class Engine:
             g.tag = tag
         return groups, (units if sharded else [])
 
+    def _allocate_agreeing(self):
+        """Every group's buffers, on every rank or on none: a host that
+        cannot hold the offloaded states, or an allocation that fails on
+        some rank, raises on every rank, naming the bytes, before the first
+        broadcast of the params' values."""
+        if self.placement.optimizer_on_host:
+            problem = host_memory_problem(self.groups, self.comm)
+            if problem is not None:
+                raise problem
+        error = None
+        try:
+            for g in self.groups:
+                g.allocate()
+        except MemoryError as e:
+            need = {at: 0 for at in ("device", "host")}
+            for g in self.groups:
+                for _, _, at, n, dtype in g.buffer_plan():
+                    need[at] += n * dtype.itemsize
+            error = MemoryError(f"zerocore.wrap: allocating this rank's model states failed ({need['device']:,} bytes "
+                                f"where training runs and {need['host']:,} bytes on the host): {e}")
+        self.comm.raise_together(error, "zerocore.wrap: allocating the model states failed on rank(s) {ranks} "
+                                 "(their error names the bytes); no rank wrapped the model", MemoryError)
+
     def _fill_agreeing(self, initializer):
         """initializer.fill, on every rank; where it raises on some ranks
         (a user's init function, a file one rank cannot read), every rank
@@ -248,12 +275,8 @@ class Engine:
             initializer.fill(self._places())
         except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agree
             error = e
-        failed = [r for r, x in enumerate(self.comm.gather_ints(-1 if error else 0)) if x == -1]
-        if error is not None:
-            raise error
-        if failed:
-            raise ValueError(f"zerocore.wrap: initialising the params failed on rank(s) {failed} (their error says "
-                             "why); no rank wrapped the model")
+        self.comm.raise_together(error, "zerocore.wrap: initialising the params failed on rank(s) {ranks} (their "
+                                 "error says why); no rank wrapped the model")
 
     def _places(self) -> dict:
         """id(param) -> (its flat group, its index there)."""
@@ -358,7 +381,7 @@ class Engine:
         if self._backward_calls == 0:
             raise RuntimeError("engine.step: no gradients; call engine.backward(loss) first")
         self.reducer.reduce()
-        local = self.runs.grad_sum_of_squares()
+        local = self.update.grad_sum_of_squares(self._backward_calls)
         # The step's one control collective; it also checks that every rank
         # issued the same collectives. Partitioned, each rank holds a
         # disjoint part of the grads; otherwise all ranks hold them all.
@@ -367,6 +390,7 @@ class Engine:
         world = self.comm.world_size
         if not math.isfinite(total):
             self.scaler.update(overflow=True)
+            self.finish_update()
             if self.scaler.dynamic:
                 self._end_step()
                 return False
@@ -380,16 +404,21 @@ class Engine:
         if self.config.max_grad_norm is not None:
             grad_scale *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
         self.step_count += 1
-        if self.kind == "sgd":
-            self.runs.sgd_(self.optimizer.param_groups, step=self.step_count, grad_scale=grad_scale)
-        else:
-            self.runs.adam_(self.optimizer.param_groups, step=self.step_count, grad_scale=grad_scale,
-                            adamw=self.kind == "adamw")
+        self.update.apply(self.kind, self.optimizer.param_groups, self.step_count, grad_scale)
         if self.param_gather:
             self.param_gather.run()
         self.scaler.update(overflow=False)
         self._end_step()
         return True
+
+    def finish_update(self):
+        """Offload with a delayed update: the update still running on the
+        host finishes and its params go up (and, in stages 1-2, to every
+        rank), so the module and the engine hold the latest params. Reading
+        or saving the model calls it first; nothing to do otherwise. Call
+        it on every rank."""
+        if self.update.params_up() and self.param_gather:
+            self.param_gather.run()
 
     def _describe_group(self, tag) -> str:
         """A flat group's params, named for an order-contract error (another
@@ -424,16 +453,24 @@ class Engine:
         more units at the same time than planned (different experts on
         different ranks, units nested in units). "activations": the buffers
         zerocore.checkpoint keeps activation checkpoints in on this rank
-        (allocated once, sized on the first step; 0 until it ends)."""
-        out = {"param": 0, "grad": 0, "optim": 0}
-        for g in self.groups:
-            for k, v in g.memory().items():
-                out[k] += v
-        out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
-        out["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0) + \
+        (allocated once, sized on the first step; 0 until it ends).
+        "by_device": the same categories split by where they live:
+        "device" (where training runs) and "host" (what offload moved there:
+        Config.offload_optimizer/offload_params, zerocore.checkpoint's
+        offload="cpu")."""
+        by = {at: {"param": 0, "grad": 0, "optim": 0} for at in ("device", "host")}
+        for at, counts in by.items():
+            for g in self.groups:
+                for k, v in g.memory(at).items():
+                    counts[k] += v
+        by["device"]["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        by["host"]["buffers"] = 0
+        by["device"]["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0) + \
             (self.scheduler.native.buffer_bytes if self.scheduler else 0)
-        out["activations"] = activation_checkpoint.buffer_bytes()
-        return out
+        by["host"]["comm_buffers"] = 0
+        by["device"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=False)
+        by["host"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=True)
+        return {**{k: by["device"][k] + by["host"][k] for k in by["device"]}, "by_device": by}
 
     def comm_stats(self) -> dict:
         """Elements moved by each kind of collective ({"all_gather",
@@ -441,16 +478,20 @@ class Engine:
         unpartitioned size, since wrap or the last reset_comm_stats(): reset
         before a step to measure one step (zerocore.accounting.predicted_comm
         gives the formula). Control traffic (the start-up model check, the
-        step's norm exchange, buffer broadcasts) is not counted."""
-        return dict(self.comm.stats)
+        step's norm exchange, buffer broadcasts) is not counted. With
+        offload_optimizer, "offload" adds the bytes copied between the device
+        and the host: {"grad_bytes_to_host", "param_bytes_to_device"}."""
+        return {**self.comm.stats, **self.update.stats()}
 
     def reset_comm_stats(self):
         """Starts a new comm_stats() window at zero."""
         self.comm.reset_stats()
+        self.update.reset_stats()
 
     def full_state_dict(self) -> dict:
         """Full fp32 params under every name the module gives them, and the
         module's buffers, on every rank; loadable by module.load_state_dict."""
+        self.finish_update()
         self._sync_buffers()
         out = {}
         for g in self.groups:
@@ -490,6 +531,7 @@ class Engine:
         """Full params visible on the module (stage 3 gathers them; other
         stages hold them already). Edits made inside are kept: changed
         elements go to the shards and fp32 masters on exit."""
+        self.finish_update()
         if self.scheduler:
             self.scheduler.gather_all()
         before = [g.snapshot_partition() for g in self.groups]
@@ -514,12 +556,10 @@ class Engine:
         Returns the missing and unexpected keys, as Module.load_state_dict."""
         loader = Loader(source, self.module, list(self.module.parameters()), _param_names(self.module),
                         where="engine.load_state_dict", what="the source", strict=strict)
-        failed = [r for r, x in enumerate(self.comm.gather_ints(-1 if loader.problem else 0)) if x == -1]
-        if loader.problem:
-            raise loader.problem
-        if failed:
-            raise ValueError(f"engine.load_state_dict: the source does not fit the model on rank(s) {failed} (their "
-                             "error says why); no rank loaded it. Give every rank the same source")
+        self.comm.raise_together(loader.problem, "engine.load_state_dict: the source does not fit the model on "
+                                 "rank(s) {ranks} (their error says why); no rank loaded it. Give every rank the "
+                                 "same source")
+        self.finish_update()
         if self.scheduler:  # no gathered copy of the old values may outlive the load
             self.scheduler.free_all()
         loader.load(self._places())

@@ -54,7 +54,7 @@ class Run:
 
 class FlatGroup:
     def __init__(self, params, names, opt_groups, *, placement, dtype, reduce_dtype, trainable, sharded,
-                 bucket_bytes, comm: Communicator, state_names=(), values_later=frozenset()):
+                 bucket_bytes, comm: Communicator, state_names=(), delayed=False):
         self.params = params  # backward order
         self.names = names  # per param: every name it has in the module
         self.shapes = [p.shape for p in params]
@@ -81,6 +81,8 @@ class FlatGroup:
         for seg in self.segments:
             self._segments_of[seg.param].append(seg)
         self.runs = self._runs() if trainable else []
+        self.state_names = state_names
+        self.delayed = delayed
         self.full = None  # F; for a sharded group, the buffer it is bound to while gathered
         self._views = {}  # sharded: per buffer address, the params' views into it
         self._placeholders = []
@@ -89,7 +91,11 @@ class FlatGroup:
         self.state = {}
         self.grad_full = None
         self.grad_part = None
-        self._allocate(state_names, values_later)
+        # Offload: the grads the host step reads (grad_part where reduction
+        # leaves them on the host and nothing else needs it), and its 16-bit
+        # output, copied up to the params training reads.
+        self.host_grad = None
+        self.host_param = None
 
     # Layout --------------------------------------------------------------
     def _runs(self):
@@ -121,19 +127,57 @@ class FlatGroup:
             out[self.partition_slice(b)].copy_(flat[self.shard_slice(b)])
 
     # Allocation and initial values --------------------------------------
-    def _allocate(self, state_names, values_later):
-        """Buffers for the plan, filled from the params' values, except those
-        of params in values_later (ids), which the engine loads afterwards
-        (load_param): a model built on the meta device has none yet."""
-        plan = self.plan
+    def buffer_plan(self) -> list:
+        """(name, category, where, elements, dtype) of each buffer this group
+        holds on this rank; where: "device" (where training runs) or "host".
+        A name "state.<x>" is optimizer state x."""
+        plan, place, f32 = self.plan, self.placement, torch.float32
+        n, rd = plan.partition_elems, self.reduce_dtype
         if self.sharded:
-            self.shard = arena_zeros(plan.partition_elems, self.dtype)
+            out = [("shard", "param", "host" if place.params_on_host else "device", n, self.dtype)]
         else:
-            self.full = arena_zeros(plan.total_elems, self.dtype)
-        if self.trainable and self.dtype != torch.float32:
-            self.master = arena_zeros(plan.partition_elems, torch.float32)
-        # Every rank starts from rank 0's values, as DDP does; buffers are
-        # filled straight from the params, with no full-size temporary.
+            out = [("full", "param", "device", plan.total_elems, self.dtype)]
+        if not self.trainable:
+            return out
+        optim_at = "host" if place.optimizer_on_host else "device"
+        if self.dtype != f32 or place.optimizer_on_host:
+            out.append(("master", "optim", optim_at, n, f32))
+        out += [(f"state.{name}", "optim", optim_at, n, f32) for name in self.state_names]
+        if place.partitions_grads:
+            out.append(("grad_part", "grad", optim_at, n, rd))
+        else:
+            out.append(("grad_full", "grad", "device", plan.total_elems, rd))
+        if place.optimizer_on_host:
+            # Stage 1 reduces full grads on the device; a delayed update reads
+            # its grads while the next backward accumulates new ones.
+            if not place.partitions_grads or self.delayed:
+                out.append(("host_grad", "grad", "host", n, rd))
+            if self.dtype != f32:
+                out.append(("host_param", "param", "host", n, self.dtype))
+        return out
+
+    def _buffer(self, name: str):
+        return self.state.get(name[6:]) if name.startswith("state.") else getattr(self, name)
+
+    def allocate(self):
+        """This rank's buffers for the plan, zeroed. No collective: the
+        engine checks that every rank allocated before the first one."""
+        for name, _, _, numel, dtype in self.buffer_plan():
+            t = arena_zeros(numel, dtype)
+            if name.startswith("state."):
+                self.state[name[6:]] = t
+            else:
+                setattr(self, name, t)
+        if self.trainable and self.placement.optimizer_on_host and self.host_grad is None:
+            self.host_grad = self.grad_part
+
+    def fill(self, values_later=frozenset()):
+        """Fills the buffers from the params' values, except those of params
+        in values_later (ids), which the engine loads afterwards
+        (load_param): a model built on the meta device has none yet. Every
+        rank starts from rank 0's values, as DDP does; buffers are filled
+        straight from the params, with no full-size temporary. Then the
+        params become views of the group's buffer."""
         for i, p in enumerate(self.params):
             if id(p) not in values_later:
                 self.comm.broadcast(p.data)
@@ -144,14 +188,6 @@ class FlatGroup:
             self.unbind()
         else:
             self.bind(self.full)
-        if not self.trainable:
-            return
-        for name in state_names:
-            self.state[name] = arena_zeros(plan.partition_elems, torch.float32)
-        if not self.placement.partitions_grads:
-            self.grad_full = arena_zeros(plan.total_elems, self.reduce_dtype)
-        else:
-            self.grad_part = arena_zeros(plan.partition_elems, self.reduce_dtype)
 
     def param_stretches(self, index: int) -> list:
         """Where param `index` (of self.params) lives on this rank: (first
@@ -251,18 +287,37 @@ class FlatGroup:
         return self.grad_full[run.flat] if self.grad_full is not None else self.grad_part[run.part]
 
     # Optimizer -------------------------------------------------------------
+    def live(self, run: Run) -> torch.Tensor:
+        """The run's stretch of the params training reads."""
+        return self.shard[run.part] if self.sharded else self.full[run.flat]
+
     def run_views(self) -> list:
         """Per run of this rank's partition, the views a native step updates:
         (param group, fp32 param, grad, state0, state1, 16-bit param copy).
-        They never move, so the engine converts them once."""
+        Offloaded, they are the host's: its grads, and its own 16-bit copy
+        (offload_copies says where they go). They never move, so the engine
+        converts them once."""
         states = list(self.state.values()) + [None, None]
         out = []
         for run in self.runs:
-            live = self.shard[run.part] if self.sharded else self.full[run.flat]
-            param, copy = (self.master[run.part], live) if self.master is not None else (live, None)
-            out.append((run.group, param, self.owned_grad(run),
-                        *(s[run.part] if s is not None else None for s in states[:2]), copy))
+            if self.placement.optimizer_on_host:
+                copy = self.host_param[run.part] if self.host_param is not None else None
+                param, grad = self.master[run.part], self.host_grad[run.part]
+            elif self.master is not None:
+                param, grad, copy = self.master[run.part], self.owned_grad(run), self.live(run)
+            else:
+                param, grad, copy = self.live(run), self.owned_grad(run), None
+            out.append((run.group, param, grad, *(s[run.part] if s is not None else None for s in states[:2]), copy))
         return out
+
+    def offload_copies(self, run: Run) -> tuple:
+        """Offloaded: the run's (grads down, params up) copies, as (source,
+        destination) pairs: the reduced grads into the host's (none where
+        reduction leaves them there), and the host step's new params (its
+        16-bit copy, or the fp32 master) into the params training reads."""
+        down = [] if self.host_grad is self.grad_part else [(self.owned_grad(run), self.host_grad[run.part])]
+        new = self.host_param if self.host_param is not None else self.master
+        return down, [(new[run.part], self.live(run))]
 
     # Whole-model views -----------------------------------------------------
     def fp32_partition(self) -> torch.Tensor:
@@ -309,15 +364,17 @@ class FlatGroup:
         return out
 
     # Accounting ------------------------------------------------------------
-    def memory(self) -> dict:
-        def nbytes(*ts):
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-        # A sharded group holds its shard; the buffers it is gathered into
-        # belong to the schedule's pool (the engine's comm_buffers).
-        param = nbytes(self.shard if self.sharded else self.full)
-        return {"param": param, "grad": nbytes(self.grad_full, self.grad_part),
-                "optim": nbytes(self.master, *self.state.values())}
+    def memory(self, where=None) -> dict:
+        """Bytes this group holds per category, on `where` ("device" or
+        "host"; None: both). A sharded group holds its shard; the buffers it
+        is gathered into belong to the schedule's pool (the engine's
+        comm_buffers)."""
+        out = {"param": 0, "grad": 0, "optim": 0}
+        for name, category, at, _, _ in self.buffer_plan():
+            t = self._buffer(name)
+            if t is not None and where in (None, at):
+                out[category] += t.numel() * t.element_size()
+        return out
 
     @property
     def label(self) -> str:

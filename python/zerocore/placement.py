@@ -8,6 +8,12 @@ stage numbers, so a stage is defined here and nowhere else.
     1      partitioned       reduce-scattered at the step   all-gathered after the step
     2      partitioned       reduce-scattered in backward   all-gathered after the step
     3      partitioned       reduce-scattered in backward   shards, gathered per unit
+
+Offload (ZeRO-Offload, stages 1-3) moves states to the host: the fp32
+master, the optimizer states and the grads the host step reads
+(optimizer_on_host), and, in stage 3, the param shards (params_on_host).
+The device keeps the params training reads, and gradient reduction's and
+the gathers' buffers.
 """
 from __future__ import annotations
 
@@ -17,6 +23,12 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Placement:
     stage: int
+    optimizer_on_host: bool = False
+    params_on_host: bool = False
+
+    @classmethod
+    def of(cls, config) -> "Placement":
+        return cls(config.stage, config.offload_optimizer == "cpu", config.offload_params == "cpu")
 
     @property
     def partitions_optimizer(self) -> bool:

@@ -128,6 +128,7 @@ def save(engine, path, lr_scheduler=None, extra=None):
         extra_state = _json(extra, "extra")
 
     _agree(comm, _problem(check), "engine.save")
+    engine.finish_update()  # a delayed update still running is part of the state saved
     save_id = f"{comm.gather_ints(secrets.randbits(63))[0]:016x}"
     file = os.path.join(path, rank_file(save_id, comm.rank, comm.world_size))
 
@@ -226,6 +227,7 @@ def load(engine, path, lr_scheduler=None):
             raise CheckpointError(f"{path}: holds no lr scheduler state (saved without lr_scheduler=)")
 
     _agree(comm, _problem(check), f"engine.load from {path} (the engine is unchanged)")
+    engine.finish_update()  # a delayed update still running must not land on the loaded state
     try:
         _apply(engine, ckpt, loads, lr_scheduler)
     finally:

@@ -8,45 +8,15 @@
 #include <vector>
 
 #include "check.h"
+#include "flat_run_helpers.h"
 #include "zerocore/zerocore.h"
 
 using namespace zerocore;
+using namespace zerocore::test;
 
 namespace {
 
 std::mt19937 rng(11);
-
-Tensor random_tensor(int64_t n, DType dtype) {
-  std::normal_distribution<float> normal;
-  Tensor t = Tensor::empty({n}, dtype);
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = normal(rng);
-    if (dtype == DType::kFloat32) t.data_as<float>()[i] = x;
-    if (dtype == DType::kBFloat16) t.data_as<uint16_t>()[i] = float_to_bf16(x);
-    if (dtype == DType::kFloat16) t.data_as<uint16_t>()[i] = float_to_fp16(x);
-  }
-  return t;
-}
-
-Tensor copy_of(const Tensor& t) {
-  Tensor c = Tensor::empty(t.shape(), t.dtype());
-  std::memcpy(c.data(), t.data(), t.nbytes());
-  return c;
-}
-
-FlatRun copy_of(const FlatRun& r) {
-  auto maybe = [](const Tensor& t) { return t.data() ? copy_of(t) : Tensor(); };
-  return FlatRun{r.group, copy_of(r.param), r.grad, maybe(r.state0), maybe(r.state1), maybe(r.param_copy)};
-}
-
-bool same(const Tensor& a, const Tensor& b) {
-  return (!a.data() && !b.data()) || (a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0);
-}
-
-bool same(const FlatRun& a, const FlatRun& b) {
-  return same(a.param, b.param) && same(a.state0, b.state0) && same(a.state1, b.state1) &&
-         same(a.param_copy, b.param_copy);
-}
 
 // Runs of several lengths (a cache line, less, more, odd), grads of every
 // dtype, two groups, with and without a 16-bit copy.
@@ -59,7 +29,7 @@ std::vector<FlatRun> make_runs(bool with_state1) {
     Tensor s0 = Tensor::empty({n}, DType::kFloat32), s1 = Tensor::empty({n}, DType::kFloat32);
     std::memset(s0.data(), 0, s0.nbytes());
     std::memset(s1.data(), 0, s1.nbytes());
-    runs.push_back(FlatRun{i % 2, random_tensor(n, DType::kFloat32), random_tensor(n, grads[i]), s0,
+    runs.push_back(FlatRun{i % 2, random_tensor(rng, n, DType::kFloat32), random_tensor(rng, n, grads[i]), s0,
                            with_state1 ? s1 : Tensor(), i % 3 ? Tensor::empty({n}, DType::kBFloat16) : Tensor()});
   }
   return runs;
@@ -117,8 +87,8 @@ void test_bad_runs_write_nothing() {
 }
 
 void test_sum_of_squares() {
-  std::vector<Tensor> xs = {random_tensor(1, DType::kFloat32), random_tensor(4099, DType::kBFloat16),
-                            random_tensor(100, DType::kFloat16), random_tensor(70000, DType::kFloat32)};
+  std::vector<Tensor> xs = {random_tensor(rng, 1, DType::kFloat32), random_tensor(rng, 4099, DType::kBFloat16),
+                            random_tensor(rng, 100, DType::kFloat16), random_tensor(rng, 70000, DType::kFloat32)};
   double expected = 0.0;
   for (const Tensor& t : xs) {
     for (int64_t i = 0; i < t.numel(); ++i) {

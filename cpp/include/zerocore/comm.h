@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "zerocore/event.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {
@@ -89,21 +90,6 @@ class InProcessGroup {
 
  private:
   std::shared_ptr<State> state_;
-};
-
-// A completion flag: set once by the queue, waited on by anyone. wait()
-// rethrows the collective's error, if it failed.
-class Event {
- public:
-  void set(std::exception_ptr error = nullptr);
-  void wait() const;
-  bool ready() const;
-
- private:
-  mutable std::mutex mutex_;
-  mutable std::condition_variable cv_;
-  bool done_ = false;
-  std::exception_ptr error_;
 };
 
 class CommQueue {

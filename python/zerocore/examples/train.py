@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "partitioned over the tensor-parallel group (default: zerocore with --tp > 1, else none)")
     p.add_argument("--offload", action="store_true",
                    help="--checkpoint zerocore: keep the checkpoints' partitions in host memory (offload='cpu')")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="ZeRO-Offload: fp32 master params, AdamW state and the step on the host "
+                        "(offload_optimizer='cpu'; stages 1-3)")
+    p.add_argument("--offload-params", action="store_true",
+                   help="stage 3 with --offload-optimizer: the param shards on the host too")
+    p.add_argument("--delayed-update", type=int, default=None, metavar="WARMUP",
+                   help="with --offload-optimizer: the one-step delayed parameter update after WARMUP steps "
+                        "(default: no delayed update)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     p.add_argument("--max-grad-norm", type=float, default=None,
@@ -189,6 +197,12 @@ def _engine_config(args) -> dict:
         "loss_scale": args.loss_scale,
     }
     cfg.update({k: v for k, v in optional.items() if v is not None})
+    if args.offload_optimizer:
+        cfg["offload_optimizer"] = "cpu"
+    if args.offload_params:
+        cfg["offload_params"] = "cpu"
+    if args.delayed_update is not None:
+        cfg.update(delayed_update=True, delayed_update_warmup=args.delayed_update)
     return cfg
 
 
@@ -263,7 +277,7 @@ def train(args, rank: int, world: int) -> dict:
         engine.zero_grad()
         dt = time.perf_counter() - t0
         if measure:
-            comm = {k: int(v) for k, v in engine.comm_stats().items()}
+            comm = {k: int(v) for k, v in engine.comm_stats().items() if k != "offload"}
         # The logged loss is averaged over ranks: a plain all-reduce outside the engine's counters.
         lt = torch.tensor([loss_sum], dtype=torch.float64)
         dist.all_reduce(lt)
@@ -276,13 +290,17 @@ def train(args, rank: int, world: int) -> dict:
             f"{tokens_per_step / dt:9,.0f} tok/s  {dt * 1e3:7.1f} ms"
             + ("" if applied else "  (step skipped: fp16 overflow)"))
 
-    mem = {k: int(v) for k, v in engine.memory_report().items()}
+    report = engine.memory_report()
+    mem = {k: int(v) for k, v in report.items() if k != "by_device"}
     k_bytes = accounting.optimizer_state_bytes("adamw", args.dtype)
     return {
         "rank": rank,
         "numel": numel,
         "k_bytes": k_bytes,
         "memory": mem,
+        "memory_by_device": {at: sum(v for k, v in c.items() if k in ("param", "grad", "optim"))
+                             for at, c in report["by_device"].items()},
+        "offload": engine.comm_stats().get("offload"),
         "memory_pred": accounting.predicted_memory(args.stage, numel, dp_world, args.dtype, k_bytes),
         "dp_world": dp_world,
         "activations": zerocore.activation_memory() if args.checkpoint == "zerocore" else None,
@@ -372,6 +390,14 @@ def report(args, results: list) -> str:
     lines.append(f"  saved by ZeRO: plain data parallelism holds {_fmt(dp_total)} bytes of model states per rank, "
                  f"stage {args.stage} {_fmt(zero_total)} ({dp_total / zero_total:.2f}x less, formula)")
     lines.append(MEMORY_LEGEND)
+    if args.offload_optimizer:
+        lines.append("\noffloaded (ZeRO-Offload): model-state bytes per rank by where they live, and the bytes "
+                     "copied between device and host since the last comm_stats reset")
+        for r in results:
+            lines.append(f"  rank {r['rank']}: device {_fmt(r['memory_by_device']['device'])}, host "
+                         f"{_fmt(r['memory_by_device']['host'])}; grads to host "
+                         f"{_fmt(r['offload']['grad_bytes_to_host'])}, params to device "
+                         f"{_fmt(r['offload']['param_bytes_to_device'])}")
     lines.append(f"\ncommunication in one optimizer step, elements per collective kind: stage {args.stage}, "
                  f"Ψ = {r0['numel']:,}, {args.accum} backward call(s)")
     lines.append(f"  {'rank':>4}  {'collective':<15} {'measured':>14} {'formula':>14} {'meas/form':>10}")

@@ -1,0 +1,146 @@
+"""ZeRO-Offload: the optimizer step on the host (docs/offload.md).
+
+With Config(offload_optimizer="cpu") each rank's fp32 master params,
+optimizer states and the grads its step reads live in host memory
+(FlatGroup.buffer_plan says which buffer lives where), and OffloadUpdate
+drives the native OffloadOptimizer (cpp/include/zerocore/
+offload_optimizer.h) over them:
+
+    backward  reduced grads reach the host bucket by bucket: in stages 2-3
+              the reducer adds each bucket's block into the host partition
+              as soon as its reduce-scatter is done; stage 1 reduces at the
+              step and copies the rank's blocks down then
+    step      the squared norm of the host grads -> the step's one control
+              all-reduce (clipping and overflow skipping stay exact: the
+              update waits for the global norm) -> the CPU optimizer updates
+              bucket after bucket on a native thread while the copy queue
+              sends each updated bucket's params up
+
+Delayed update (Config(delayed_update=True)), from step
+delayed_update_warmup + 1 on: step() queues the update and returns at once,
+so the host updates step t while the device computes step t+1's forward
+and backward on the params it has; step t+1's step() waits for that
+update, copies its params up and queues its own. Writing W_t for the
+master params after step t and g(W) for grads computed at params W:
+
+    warm-up steps      W_t = update(W_{t-1}, g(W_{t-1}))
+    delayed steps      W_t = update(W_{t-1}, g(W_{t-2}))   (one step stale)
+
+Reading or saving the model (full_state_dict, gathered_params, save, load,
+load_state_dict) first finishes a pending update and copies it up, so what
+is read is W_t and a resumed run continues exactly as one that saved.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections import Counter
+
+from zerocore import _native, ops
+
+
+class OffloadUpdate:
+    """The host step of a rank's partition (partition_update.py's interface)."""
+
+    def __init__(self, groups, placement, config):
+        buckets, run_grad_bytes, up_bytes = [], 0, 0
+        for g in groups:
+            if not g.trainable:
+                continue
+            by_bucket = {}
+            for run, view in zip(g.runs, g.run_views()):
+                down, up = g.offload_copies(run)
+                views, downs, ups = by_bucket.setdefault(run.bucket, ([], [], []))
+                views.append(view)
+                downs += down
+                ups += up
+            buckets += [(ops.FlatRuns(*[list(c) for c in zip(*views)]), downs, ups)
+                        for views, downs, ups in by_bucket.values()]
+            # Counted by the params' own elements (runs span the alignment gaps between them).
+            numel = sum(seg.numel for seg in g.segments)
+            run_grad_bytes += numel * g.reduce_dtype.itemsize
+            up_bytes += numel * (g.host_param if g.host_param is not None else g.master).element_size()
+        self.native = _native.OffloadOptimizer(buckets)
+        self.delays_from = config.delays_from
+        self.pending = False  # an update queued whose params are not up yet
+        # Bytes crossing between device and host (PCIe on a GPU): the grads
+        # of each backward (stages 2-3) or step (stage 1), the params of
+        # each update. Copies between two host buffers are not counted.
+        self.grad_bytes_per_backward = run_grad_bytes if placement.partitions_grads else 0
+        self.grad_bytes_per_step = 0 if placement.partitions_grads else run_grad_bytes
+        self.param_bytes = 0 if placement.params_on_host else up_bytes
+        # Serial: the params go up only once the whole update is done (the
+        # step-by-step schedule the overlap is measured against).
+        self.serial = False
+        self._stats = Counter()
+
+    def grad_sum_of_squares(self, backward_calls: int) -> float:
+        self.native.copy_grads()  # behind a pending update, which reads the host grads
+        self.native.wait()
+        self._stats["grad_bytes_to_host"] += self.grad_bytes_per_step + backward_calls * self.grad_bytes_per_backward
+        return self.native.grad_sum_of_squares()
+
+    def apply(self, kind, groups, step, grad_scale):
+        self.params_up()
+        delayed = self.delays_from is not None and step >= self.delays_from
+        overlap = not (delayed or self.serial)
+        if kind == "sgd":
+            self.native.sgd_(groups, step=step, grad_scale=grad_scale, copy_params=overlap)
+        else:
+            self.native.adam_(groups, step=step, grad_scale=grad_scale, adamw=kind == "adamw", copy_params=overlap)
+        if overlap:
+            self._stats["param_bytes_to_device"] += self.param_bytes
+        self.pending = not overlap
+        if not delayed:
+            self.native.wait()
+            self.params_up()
+
+    def params_up(self) -> bool:
+        """Finishes a pending update and copies its params up; True when
+        there was one."""
+        if not self.pending:
+            return False
+        self.native.copy_params()
+        self.native.wait()
+        self.pending = False
+        self._stats["param_bytes_to_device"] += self.param_bytes
+        return True
+
+    def stats(self) -> dict:
+        return {"offload": dict(self._stats)}
+
+    def reset_stats(self):
+        self._stats.clear()
+
+
+def available_host_bytes() -> int:
+    """Memory the OS can give this host's processes now (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_memory_problem(groups, comm):
+    """A MemoryError when the host buffers of the plan do not fit the host
+    memory available, counting every rank that shares this host; None when
+    they fit. One collective; every rank reaches the same verdict."""
+    need = sum(n * dtype.itemsize for g in groups for _, _, at, n, dtype in g.buffer_plan() if at == "host")
+    mine = {"host": socket.gethostname(), "need": need, "available": available_host_bytes()}
+    ranks = [json.loads(text) for text in comm.gather_text(json.dumps(mine))]
+    for host in sorted({r["host"] for r in ranks}):
+        on_host = [i for i, r in enumerate(ranks) if r["host"] == host]
+        total = sum(ranks[i]["need"] for i in on_host)
+        available = min(ranks[i]["available"] for i in on_host)
+        if total > available:
+            return MemoryError(
+                f"zerocore.wrap: the offloaded model states need {total:,} bytes of host memory on {host} "
+                f"(rank(s) {on_host}, {ranks[on_host[0]]['need']:,} bytes each on rank {on_host[0]}), but only "
+                f"{available:,} are available; use more hosts or ranks, offload less (offload_params=None), or "
+                "free host memory. Nothing was allocated.")
+    return None
