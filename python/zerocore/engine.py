@@ -255,10 +255,7 @@ class Engine:
             for g in self.groups:
                 g.allocate()
         except MemoryError as e:
-            need = {at: 0 for at in ("device", "host")}
-            for g in self.groups:
-                for _, _, at, n, dtype in g.buffer_plan():
-                    need[at] += n * dtype.itemsize
+            need = {at: sum(g.planned_bytes(at) for g in self.groups) for at in ("device", "host")}
             error = MemoryError(f"zerocore.wrap: allocating this rank's model states failed ({need['device']:,} bytes "
                                 f"where training runs and {need['host']:,} bytes on the host): {e}")
         self.comm.raise_together(error, "zerocore.wrap: allocating the model states failed on rank(s) {ranks} "

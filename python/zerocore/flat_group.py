@@ -156,6 +156,10 @@ class FlatGroup:
                 out.append(("host_param", "param", "host", n, self.dtype))
         return out
 
+    def planned_bytes(self, where: str) -> int:
+        """Bytes buffer_plan() puts on `where`, before anything is allocated."""
+        return sum(n * dtype.itemsize for _, _, at, n, dtype in self.buffer_plan() if at == where)
+
     def _buffer(self, name: str):
         return self.state.get(name[6:]) if name.startswith("state.") else getattr(self, name)
 

@@ -130,7 +130,7 @@ def host_memory_problem(groups, comm):
     """A MemoryError when the host buffers of the plan do not fit the host
     memory available, counting every rank that shares this host; None when
     they fit. One collective; every rank reaches the same verdict."""
-    need = sum(n * dtype.itemsize for g in groups for _, _, at, n, dtype in g.buffer_plan() if at == "host")
+    need = sum(g.planned_bytes("host") for g in groups)
     mine = {"host": socket.gethostname(), "need": need, "available": available_host_bytes()}
     ranks = [json.loads(text) for text in comm.gather_text(json.dumps(mine))]
     for host in sorted({r["host"] for r in ranks}):
