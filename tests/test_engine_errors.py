@@ -204,3 +204,27 @@ def test_a_rank_that_raises_mid_backward_fails_the_others_without_a_hang(stage):
     assert all(isinstance(r, RankError) for r in results)
     assert results[1].message == "rank 1 fails"
     assert results[0].exc_type == "RuntimeError"
+
+
+def _released_param(rank, world):
+    model = make(layers=2)
+    engine = zerocore.wrap(model, adamw(model), zerocore.Config(stage=3))
+    with engine.gathered_params():
+        full = model.blocks[0].up.weight.detach().clone()
+    weight = model.blocks[0].up.weight  # its unit is released outside forward and backward
+    read = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.add_(1.0)
+        wrote = None
+    except RuntimeError as e:
+        wrote = str(e)
+    return tuple(weight.shape) == tuple(full.shape), read, wrote
+
+
+def test_a_released_stage3_param_reads_as_nan_and_refuses_writes():
+    """Outside its unit's forward and backward a stage-3 param holds no
+    values; reading it must not crash or show another unit's values."""
+    for same_shape, read, wrote in run_ranks(_released_param, 2):
+        assert same_shape and read.isnan().all()
+        assert wrote is not None and "single memory location" in wrote

@@ -18,8 +18,8 @@ The module's nn.Parameters keep their identity; their .data are views into
 F, created once. A sharded group has no F of its own: stage 3's schedule
 gathers its unit into a buffer of the native gather pool and binds the
 params to views of it (bind), and points them back at placeholders of their
-shape with no memory when the unit is released (unbind), so a stale read
-fails loudly instead of reading another unit's values.
+shape that hold one NaN when the unit is released (unbind), so a stale read
+gives NaNs instead of another unit's values.
 """
 from __future__ import annotations
 
@@ -236,12 +236,13 @@ class FlatGroup:
 
     # Binding params to a flat buffer ----------------------------------------
     def _make_placeholders(self) -> list:
-        """Per param, a tensor of its shape whose storage holds no memory:
-        views cut from one buffer before its storage is resized to zero."""
-        backing = torch.empty(max((s.numel for s in self.slots), default=0), dtype=self.dtype)
-        out = [backing[:slot.numel].view(shape) for slot, shape in zip(self.slots, self.shapes)]
-        backing.untyped_storage().resize_(0)
-        return out
+        """Per param, a tensor of its shape that reads as NaN everywhere: one
+        NaN element repeated by zero strides. A read of a released param
+        outside its unit's forward and backward (model.state_dict(),
+        printing a weight) gives NaNs instead of another unit's values or
+        a crash, and a write raises, since every element is one location."""
+        nan = torch.full((1,), float("nan"), dtype=self.dtype)
+        return [nan.expand(shape) for shape in self.shapes]
 
     @property
     def gathered(self) -> bool:
