@@ -90,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="also write all results to this file")
     p.add_argument("--baseline-python", default=None,
                    help="another build's interpreter: zerocore configs also run with it, as <config>@base")
-    p.add_argument("--phases", action="store_true", help="print rank 0's RSS / peak RSS after each phase")
+    p.add_argument("--phases", action="store_true", help="print rank 0's RSS, peak RSS and glibc heap after each phase (and within the first 3 steps)")
     # internal: one rank of one configuration
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -109,6 +109,26 @@ def _rss_kb() -> int:
     return 0
 
 
+def _heap_mb() -> tuple:
+    """glibc's heap over all arenas: bytes in use and bytes free but kept
+    (mallinfo2), MB; () where there is no glibc. Model states in native
+    arenas or large tensors (mmap'd) are outside it."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return ()
+    fn.restype = MallInfo2
+    info = fn()
+    return round(info.uordblks / 2**20), round(info.fordblks / 2**20)
+
+
 def worker(args) -> None:
     import resource
     from datetime import timedelta
@@ -125,11 +145,19 @@ def worker(args) -> None:
                             world_size=world, timeout=timedelta(seconds=args.timeout))
     dist.barrier()
     base_kb = _rss_kb()
-    phases = {}  # RSS (and peak so far) after each phase, MB: where the memory goes
+    # RSS, peak so far and glibc heap (in use, free but kept) after each
+    # phase, MB: where the memory goes. Within the first steps, after each of
+    # forward, backward and optimizer step too.
+    phases = {}
+    probe_step = [None]  # the step being probed, or None
 
     def mark(phase):
         phases[phase] = (round(_rss_kb() / 1024, 1),
-                         round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+                         round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), *_heap_mb())
+
+    def probe(phase):
+        if probe_step[0] is not None:
+            mark(f"s{probe_step[0] + 1}.{phase}")
 
     data, tok = TextData.from_corpus(args.seq_len, args.batch, seed=0)
     shape = dict(vocab=tok.vocab_size, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
@@ -164,8 +192,11 @@ def worker(args) -> None:
             if schedule:
                 rounds, round_s = schedule.rounds, schedule.round_seconds
             loss = engine(x, y)["loss"]
+            probe("fwd")
             engine.backward(loss)
+            probe("bwd")
             engine.step()
+            probe("opt")
             engine.zero_grad()
             if schedule:
                 negotiation.append((schedule.rounds - rounds, schedule.round_seconds - round_s))
@@ -179,8 +210,11 @@ def worker(args) -> None:
         def step(x, y):
             with torch.autocast("cpu", dtype=lowp, enabled=lowp is not None):
                 loss = ddp(x, y)["loss"]
+            probe("fwd")
             loss.backward()
+            probe("bwd")
             opt.step()
+            probe("opt")
             opt.zero_grad(set_to_none=True)
             return loss
     elif name == "fsdp2":
@@ -198,8 +232,11 @@ def worker(args) -> None:
 
         def step(x, y):
             loss = model(x, y)["loss"]
+            probe("fwd")
             loss.backward()
+            probe("bwd")
             opt.step()
+            probe("opt")
             opt.zero_grad(set_to_none=True)
             return loss
     else:
@@ -211,14 +248,13 @@ def worker(args) -> None:
     for i in range(args.warmup + args.steps):
         x, y = data.batch(i, rank, world)
         dist.barrier()
+        probe_step[0] = i if args.phases and i < 3 else None
         t0 = time.perf_counter()
         loss = step(x, y)
         dt = time.perf_counter() - t0
         losses.append(float(loss.detach()))
         if i >= args.warmup:
             times.append(dt)
-        if i < 2:
-            mark(f"step{i + 1}")
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result = {"config": name, "rank": rank, "median_s": statistics.median(times), "times": times,
               "losses": losses, "base_kb": base_kb, "phases": phases, "peak_kb": peak_kb,
@@ -258,6 +294,8 @@ def run_config(args, label: str) -> dict:
         passthrough += ["--bucket-bytes", str(args.bucket_bytes)]
     if args.threads:
         passthrough += ["--threads", str(args.threads)]
+    if args.phases:  # probing within steps costs time: only when asked
+        passthrough += ["--phases"]
     procs = [subprocess.Popen(base + ["--rank", str(r)] + passthrough, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
     deadline = time.monotonic() + args.timeout + 60
@@ -332,8 +370,10 @@ def main(argv=None) -> int:
                   f"{100 * res['round_share']:.2f}% of it" if res["rounds_per_step"] else ""), flush=True)
             if args.phases:
                 ph = res["ranks"][0]["phases"]
-                print("         rank 0 RSS/peak MB: " + "  ".join(f"{k} {v[0]:.0f}/{v[1]:.0f}" for k, v in ph.items()),
-                      flush=True)
+                print("         rank 0, MB: RSS / peak RSS / glibc heap in use + free but kept", flush=True)
+                for k, v in ph.items():
+                    print(f"           {k:<10} {v[0]:6.0f} / {v[1]:4.0f}" + (f" / {v[2]:4d} + {v[3]:3d}" if len(v) > 2 else ""),
+                          flush=True)
     # Time: the best (lowest) median over repeats, since interference only adds.
     # Memory: the median over repeats (allocator noise goes both ways).
     best = {}

@@ -119,6 +119,27 @@ def test_delayed_update_matches_a_reference_one_step_stale(stage):
         assert not all(torch.allclose(state[k].double(), undelayed[k], rtol=1e-4, atol=1e-5) for k in ref)
 
 
+def _grad_buffers_per_step(rank, world, stage):
+    engine, _ = _wrap(dict(stage=stage, offload_optimizer="cpu", delayed_update=True, delayed_update_warmup=1))
+    out = []
+    for step in range(4):
+        _train(engine, rank, world, steps=1, accum=1, first=step)
+        out.append([(g.grad_part.data_ptr(), g.host_grad.data_ptr()) for g in engine.groups if g.trainable])
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_delayed_update_swaps_the_two_host_grad_buffers_instead_of_copying(stage):
+    """Stages 2-3: the buffer the last backward reduced into becomes the one
+    the update reads, and the other one the next backward's, every step
+    (the stale-reference test above checks the values this gives)."""
+    for rank, steps in enumerate(run_ranks(_grad_buffers_per_step, 2, stage)):
+        for before, after in zip(steps, steps[1:]):
+            for (part, host), (part_next, host_next) in zip(before, after):
+                assert part != host, f"rank {rank}: one buffer for reduction and update"
+                assert (part_next, host_next) == (host, part), f"rank {rank}: buffers did not swap"
+
+
 def _ranks_losses(rank, world, stage):
     return _delayed(rank, world, stage)[0]
 

@@ -175,14 +175,20 @@ void bind_optim(nb::module_& m) {
             std::vector<OffloadBucket> out;
             for (nb::handle item : buckets) {
               nb::tuple b = nb::cast<nb::tuple>(item);
+              std::vector<Tensor> spares;
+              if (b.size() > 3) {
+                for (nb::handle t : nb::cast<nb::list>(b[3])) spares.push_back(flat(t, "OffloadOptimizer", "spare grad"));
+              }
               out.push_back(OffloadBucket{nb::cast<const FlatRuns&>(b[0]).runs, copies(nb::cast<nb::list>(b[1]), "grad"),
-                                          copies(nb::cast<nb::list>(b[2]), "param")});
+                                          copies(nb::cast<nb::list>(b[2]), "param"), std::move(spares)});
             }
             new (self) OffloadOptimizer(std::move(out));
           },
           "buckets"_a,
           "buckets: per bucket, (FlatRuns of its host runs, [(device grad, host grad)], [(host param, param "
-          "training reads)]).")
+          "training reads)][, [spare grad per run]]).")
+      .def("swap_grads", &OffloadOptimizer::swap_grads,
+           "Each run's grad trades places with its spare (nothing may be queued).")
       .def("copy_grads", &OffloadOptimizer::copy_grads, "Queues every bucket's grads down.")
       .def(
           "adam_",

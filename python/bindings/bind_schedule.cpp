@@ -123,6 +123,14 @@ void bind_schedule(nb::module_& m) {
       .def("reduce_groups", unlocked(&BucketReducer::reduce_groups), "groups"_a)
       .def("skip_groups", &BucketReducer::skip_groups, "groups"_a)
       .def("end_backward", unlocked(&BucketReducer::end_backward))
+      .def(
+          "set_grad_partitions",
+          [](BucketReducer& self, const nb::list& parts) {
+            std::vector<Tensor> out;
+            for (nb::handle t : parts) out.push_back(tensor_from_dlpack(t, "BucketReducer.set_grad_partitions"));
+            self.set_grad_partitions(out);
+          },
+          "grad_parts"_a, "Where each group's reduced grads are added from now on; between backwards only.")
       .def_prop_ro("staging_bytes", &BucketReducer::staging_bytes)
       .def_prop_ro("staging_slots", &BucketReducer::staging_slots);
 

@@ -149,7 +149,8 @@ class FlatGroup:
             out.append(("grad_full", "grad", "device", plan.total_elems, rd))
         if place.optimizer_on_host:
             # Stage 1 reduces full grads on the device; a delayed update reads
-            # its grads while the next backward accumulates new ones.
+            # its grads while the next backward accumulates new ones (stages
+            # 2-3: into the other of two host buffers, swap_grads).
             if not place.partitions_grads or self.delayed:
                 out.append(("host_grad", "grad", "host", n, rd))
             if self.dtype != f32:
@@ -315,14 +316,28 @@ class FlatGroup:
             out.append((run.group, param, grad, *(s[run.part] if s is not None else None for s in states[:2]), copy))
         return out
 
+    @property
+    def swaps_grads(self) -> bool:
+        """Offloaded with a delayed update at stages 2-3: reduction fills one
+        host grad buffer while the update reads the other, and at each step
+        they trade places (swap_grads) instead of being copied."""
+        return self.placement.partitions_grads and self.host_grad is not None and self.host_grad is not self.grad_part
+
+    def swap_grads(self):
+        self.grad_part, self.host_grad = self.host_grad, self.grad_part
+
     def offload_copies(self, run: Run) -> tuple:
         """Offloaded: the run's (grads down, params up) copies, as (source,
-        destination) pairs: the reduced grads into the host's (none where
-        reduction leaves them there), and the host step's new params (its
-        16-bit copy, or the fp32 master) into the params training reads."""
-        down = [] if self.host_grad is self.grad_part else [(self.owned_grad(run), self.host_grad[run.part])]
+        destination) pairs, and its spare host grad: the reduced grads into
+        the host's (none where reduction leaves them there), the host step's
+        new params (its 16-bit copy, or the fp32 master) into the params
+        training reads, and the buffer reduction fills where the two swap
+        (None elsewhere)."""
+        spare = self.grad_part[run.part] if self.swaps_grads else None
+        down = [] if self.host_grad is self.grad_part or spare is not None \
+            else [(self.owned_grad(run), self.host_grad[run.part])]
         new = self.host_param if self.host_param is not None else self.master
-        return down, [(new[run.part], self.live(run))]
+        return down, [(new[run.part], self.live(run))], spare
 
     # Whole-model views -----------------------------------------------------
     def fp32_partition(self) -> torch.Tensor:

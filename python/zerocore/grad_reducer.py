@@ -87,13 +87,18 @@ class StagedReducer:
         reduce_dtype = NATIVE_NAMES[groups[0].reduce_dtype] if groups else "float32"
         self.native = BucketReducer(self.comm.queue, [(g.tag, g.plan, g.grad_part) for g in groups], reduce_dtype,
                                     self.staging_buffers, self.on_request)
+        self.targets = [g.grad_part for g in groups]
 
     @property
     def pool_bytes(self) -> int:
         return self.native.staging_bytes
 
     def before_backward(self):
-        pass
+        """Reduction adds into each group's grad_part as it is now: a
+        delayed offload update swaps it with the buffer it reads."""
+        if any(t is not g.grad_part for t, g in zip(self.targets, self.groups)):
+            self.targets = [g.grad_part for g in self.groups]
+            self.native.set_grad_partitions(self.targets)
 
     def attach_grad_views(self, group):
         """Stage 3, before a unit's backward: each param's .grad becomes its

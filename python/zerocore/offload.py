@@ -20,7 +20,10 @@ Delayed update (Config(delayed_update=True)), from step
 delayed_update_warmup + 1 on: step() queues the update and returns at once,
 so the host updates step t while the device computes step t+1's forward
 and backward on the params it has; step t+1's step() waits for that
-update, copies its params up and queues its own. Writing W_t for the
+update, copies its params up and queues its own. In stages 2-3 the host
+grad partition is double-buffered: backward t+1 reduces into one buffer
+while update t reads the other, and at the step they swap, with no copy.
+Writing W_t for the
 master params after step t and g(W) for grads computed at params W:
 
     warm-up steps      W_t = update(W_{t-1}, g(W_{t-1}))
@@ -45,18 +48,21 @@ class OffloadUpdate:
 
     def __init__(self, groups, placement, config):
         buckets, run_grad_bytes, up_bytes = [], 0, 0
+        self.swapping = [g for g in groups if g.trainable and g.swaps_grads]
         for g in groups:
             if not g.trainable:
                 continue
             by_bucket = {}
             for run, view in zip(g.runs, g.run_views()):
-                down, up = g.offload_copies(run)
-                views, downs, ups = by_bucket.setdefault(run.bucket, ([], [], []))
+                down, up, spare = g.offload_copies(run)
+                views, downs, ups, spares = by_bucket.setdefault(run.bucket, ([], [], [], []))
                 views.append(view)
                 downs += down
                 ups += up
-            buckets += [(ops.FlatRuns(*[list(c) for c in zip(*views)]), downs, ups)
-                        for views, downs, ups in by_bucket.values()]
+                if spare is not None:
+                    spares.append(spare)
+            buckets += [(ops.FlatRuns(*[list(c) for c in zip(*views)]), downs, ups, spares)
+                        for views, downs, ups, spares in by_bucket.values()]
             # Counted by the params' own elements (runs span the alignment gaps between them).
             numel = sum(seg.numel for seg in g.segments)
             run_grad_bytes += numel * g.reduce_dtype.itemsize
@@ -76,8 +82,16 @@ class OffloadUpdate:
         self._stats = Counter()
 
     def grad_sum_of_squares(self, backward_calls: int) -> float:
-        self.native.copy_grads()  # behind a pending update, which reads the host grads
-        self.native.wait()
+        if self.swapping:
+            # The grads just reduced become the update's, and the buffer a
+            # pending update reads (waited for) the next backward's.
+            self.native.wait()
+            self.native.swap_grads()
+            for g in self.swapping:
+                g.swap_grads()
+        else:
+            self.native.copy_grads()  # behind a pending update, which reads the host grads
+            self.native.wait()
         self._stats["grad_bytes_to_host"] += self.grad_bytes_per_step + backward_calls * self.grad_bytes_per_backward
         return self.native.grad_sum_of_squares()
 

@@ -1,7 +1,8 @@
 // The offloaded step against the same work done in plain calls: grads
 // copied down, one multi-run update, params copied up, bit for bit; copies
 // held back until asked for; grads copied down only once the update that
-// reads them is done; bad input refused before anything is queued.
+// reads them is done; swapped grad buffers instead of copies; bad input
+// refused before anything is queued.
 #include <cstring>
 #include <random>
 #include <vector>
@@ -120,6 +121,48 @@ void test_grads_go_down_after_the_update_reading_them() {
   }
 }
 
+// The delayed update's double buffer: reduction writes the spare grads
+// while the update reads the others; swap_grads trades them with no copy.
+void test_swapped_grads_feed_the_update_without_a_copy() {
+  Partition part;
+  std::vector<Tensor> reading, filling;  // per bucket: the grads an update reads, those backward fills
+  for (OffloadBucket& b : part.buckets) {
+    b.grads_down.clear();
+    b.spare_grads = {zeros(b.runs[0].grad.numel(), DType::kBFloat16)};
+    reading.push_back(b.runs[0].grad);
+    filling.push_back(b.spare_grads[0]);
+  }
+  std::vector<FlatRun> plain = part.runs_copy();
+  OffloadOptimizer offload(part.buckets);
+  for (int64_t step = 1; step <= 3; ++step) {
+    std::vector<Tensor> grads;  // this step's backward
+    for (size_t i = 0; i < plain.size(); ++i) {
+      const Tensor g = random_tensor(rng, filling[i].numel(), DType::kBFloat16);
+      std::memcpy(filling[i].data(), g.data(), g.nbytes());
+      std::memcpy(plain[i].grad.data(), g.data(), g.nbytes());
+      grads.push_back(g);
+    }
+    offload.wait();
+    offload.swap_grads();
+    std::swap(reading, filling);
+    CHECK(offload.grad_sum_of_squares() == sum_of_squares(grads));
+    offload.adam({adam_options()}, step, 0.5, /*copy_params=*/false);
+    adam_update_runs({adam_options()}, step, 0.5, plain);
+    for (const Tensor& f : filling) std::memset(f.data(), 0xff, f.nbytes());  // the next backward, meanwhile: NaNs
+  }
+  offload.wait();
+  for (size_t i = 0; i < plain.size(); ++i) CHECK(same(part.buckets[i].runs[0].param, plain[i].param));
+  bool threw = false;
+  try {
+    std::vector<OffloadBucket> bad = part.buckets;
+    bad[0].spare_grads[0] = zeros(3, DType::kBFloat16);
+    OffloadOptimizer refused(bad);
+  } catch (const InvalidArgument&) {
+    threw = true;
+  }
+  CHECK(threw);
+}
+
 void test_bad_input_is_refused_up_front() {
   Partition part;
   bool threw = false;
@@ -159,6 +202,7 @@ int main() {
   test_step_equals_plain_calls();
   test_held_copies_wait_for_copy_params();
   test_grads_go_down_after_the_update_reading_them();
+  test_swapped_grads_feed_the_update_without_a_copy();
   test_bad_input_is_refused_up_front();
   return finish("test_offload");
 }

@@ -183,6 +183,62 @@ void test_buckets() {
   CHECK(bad == 0);
 }
 
+// A delayed offload update reads one grad partition while the next backward
+// reduces into another: set_grad_partitions redirects the reduction between
+// backwards, leaves the old partition as it was, and refuses mid-backward.
+void test_grad_partitions_change_between_backwards() {
+  const std::vector<int64_t> numels = {17, 40, 5, 64};
+  std::atomic<int> bad{0};
+  on_ranks([&](int r, CommQueue& q) {
+    const LayoutPlan plan = plan_of(numels);
+    auto zeroed = [&] {
+      Tensor t = Tensor::empty({plan.partition_elems()}, DType::kFloat32);
+      std::fill(t.data_as<float>(), t.data_as<float>() + t.numel(), 0.0f);
+      return t;
+    };
+    const Tensor first = zeroed(), second = zeroed();
+    BucketReducer reducer(q, {ReduceGroup{0, plan, first}}, DType::kFloat32, 2);
+    auto backward = [&](float scale, bool try_mid_backward) {
+      for (int p = 0; p < int(numels.size()); ++p) {
+        Tensor g = Tensor::empty({numels[size_t(p)]}, DType::kFloat32);
+        for (int64_t i = 0; i < g.numel(); ++i) g.data_as<float>()[i] = scale * grad_value(r, 0, p, i);
+        reducer.grad_ready(0, p, g);
+        if (try_mid_backward && p == 0) {
+          bool threw = false;
+          try {
+            reducer.set_grad_partitions({zeroed()});
+          } catch (const InvalidArgument&) {
+            threw = true;
+          }
+          if (!threw) ++bad;
+        }
+      }
+      reducer.end_backward();
+    };
+    backward(1.0f, false);
+    bool threw = false;
+    try {
+      reducer.set_grad_partitions({Tensor::empty({plan.partition_elems() + 1}, DType::kFloat32)});
+    } catch (const InvalidArgument&) {
+      threw = true;
+    }
+    if (!threw) ++bad;
+    reducer.set_grad_partitions({second});
+    backward(3.0f, true);
+    for (const Segment& seg : plan.segments(r)) {
+      for (int64_t i = 0; i < seg.numel; ++i) {
+        float want = 0.0f;
+        for (int k = 0; k < kWorld; ++k) want += grad_value(k, 0, seg.param, seg.param_offset + i);
+        const float got1 = first.data_as<float>()[seg.partition_offset + i];
+        const float got2 = second.data_as<float>()[seg.partition_offset + i];
+        if (std::abs(got1 - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
+        if (std::abs(got2 - 3.0f * want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
+      }
+    }
+  });
+  CHECK(bad == 0);
+}
+
 // Ranks that run different units, a different number of times (experts
 // chosen by the data): rank 0 runs block 1 twice, rank 1 block 2, rank 2
 // blocks 3 and 1, rank 3 none; nobody runs block 4. Every unit is gathered
@@ -269,6 +325,7 @@ void test_divergent_units() {
 int main() {
   test_units();
   test_buckets();
+  test_grad_partitions_change_between_backwards();
   test_divergent_units();
   return test::finish("test_schedule");
 }

@@ -69,6 +69,11 @@ class BucketReducer {
   // Issues what is left, agrees with the other ranks on late grads, and
   // waits until every reduction has been added into the partitions.
   void end_backward();
+  // Where each group's reduced grads are added from now on (the same
+  // dtype and size as before): a delayed offload update reads one buffer
+  // while the next backward fills the other. Between backwards only
+  // (InvalidArgument otherwise).
+  void set_grad_partitions(const std::vector<Tensor>& grad_parts);
 
   size_t staging_bytes() const { return pool_.bytes(); }
   int staging_slots() const { return pool_.size(); }
@@ -90,6 +95,8 @@ class BucketReducer {
     std::shared_ptr<Event> event;
   };
 
+  void check_grad_part(const ReduceGroup& group, const Tensor& grad_part) const;
+  bool between_backwards() const;
   int take_staging(BucketState& b);
   void issue_ready();
   void issue(int bucket);
@@ -100,6 +107,7 @@ class BucketReducer {
 
   CommQueue& comm_;
   std::vector<ReduceGroup> groups_;
+  DType reduce_dtype_;
   std::vector<BucketState> buckets_;
   std::vector<std::vector<std::vector<Piece>>> pieces_;  // [group][param]
   std::vector<std::vector<std::vector<bool>>> reported_;  // [group][param][piece]

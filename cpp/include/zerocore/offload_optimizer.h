@@ -39,6 +39,9 @@ struct OffloadBucket {
   std::vector<FlatRun> runs;          // host: fp32 master, grad, states, 16-bit copy
   std::vector<TensorCopy> grads_down; // where the runs' host grads come from (none: they are written there)
   std::vector<TensorCopy> params_up;  // the runs' new params -> the params training reads
+  // Per run, a second host grad of the same dtype and size, or none: where
+  // reduction writes while an update reads the run's grad (swap_grads).
+  std::vector<Tensor> spare_grads;
 };
 
 class OffloadOptimizer {
@@ -64,6 +67,12 @@ class OffloadOptimizer {
   // After an error every later call fails with it too.
   void wait();
   bool busy() const;  // work queued and not yet waited for
+  // Each run's grad and its spare trade places: the grads the last
+  // backward reduced into the spares become the ones the next update
+  // reads, without a copy, and the old ones are free for the next
+  // backward. Only when nothing is queued (InvalidArgument otherwise:
+  // wait() first) and every bucket has spares.
+  void swap_grads();
 
   // The sum of squares of the runs' host grads, in fp64 (after wait()).
   double grad_sum_of_squares() const;

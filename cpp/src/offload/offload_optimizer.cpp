@@ -36,7 +36,32 @@ OffloadOptimizer::OffloadOptimizer(std::vector<OffloadBucket> buckets) : buckets
   for (const OffloadBucket& b : buckets_) {
     check_copies(b.grads_down, "grad");
     check_copies(b.params_up, "param");
+    if (!b.spare_grads.empty()) {
+      if (b.spare_grads.size() != b.runs.size()) {
+        throw InvalidArgument("OffloadOptimizer: a bucket has " + std::to_string(b.spare_grads.size()) +
+                              " spare grads for " + std::to_string(b.runs.size()) + " runs");
+      }
+      for (size_t i = 0; i < b.runs.size(); ++i) {
+        check_copies({TensorCopy{b.runs[i].grad, b.spare_grads[i]}}, "spare grad");
+      }
+    }
     for (const FlatRun& run : b.runs) grads_.push_back(run.grad);
+  }
+}
+
+void OffloadOptimizer::swap_grads() {
+  if (busy()) throw InvalidArgument("OffloadOptimizer.swap_grads: work is queued; wait() first");
+  for (const OffloadBucket& b : buckets_) {
+    if (b.spare_grads.empty() && !b.runs.empty()) {
+      throw InvalidArgument("OffloadOptimizer.swap_grads: a bucket has no spare grads");
+    }
+  }
+  grads_.clear();
+  for (OffloadBucket& b : buckets_) {
+    for (size_t i = 0; i < b.runs.size(); ++i) {
+      std::swap(b.runs[i].grad, b.spare_grads[i]);
+      grads_.push_back(b.runs[i].grad);
+    }
   }
 }
 

@@ -19,15 +19,12 @@ constexpr size_t kMaxInFlight = 1;
 
 BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype,
                              int staging_buffers, bool on_request)
-    : comm_(comm), groups_(std::move(groups)), on_request_(on_request) {
+    : comm_(comm), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
   int64_t largest = 0;
   for (int g = 0; g < int(groups_.size()); ++g) {
     const ReduceGroup& group = groups_[size_t(g)];
     const LayoutPlan& plan = group.plan;
-    if (group.grad_part.dtype() != reduce_dtype || group.grad_part.numel() != plan.partition_elems()) {
-      throw InvalidArgument("BucketReducer: group " + std::to_string(group.tag) + ": grad_part must be " +
-                            std::to_string(plan.partition_elems()) + " elements of " + dtype_name(reduce_dtype));
-    }
+    check_grad_part(group, group.grad_part);
     if (plan.world_size() != comm.world_size()) {
       throw InvalidArgument("BucketReducer: group " + std::to_string(group.tag) + " is planned for " +
                             std::to_string(plan.world_size()) + " ranks, the queue has " +
@@ -67,6 +64,35 @@ BucketReducer::~BucketReducer() {
     } catch (...) {  // the queue's error was raised to whoever waited first
     }
   }
+}
+
+void BucketReducer::check_grad_part(const ReduceGroup& group, const Tensor& grad_part) const {
+  if (grad_part.dtype() != reduce_dtype_ || grad_part.numel() != group.plan.partition_elems()) {
+    throw InvalidArgument("BucketReducer: group " + std::to_string(group.tag) + ": grad_part must be " +
+                          std::to_string(group.plan.partition_elems()) + " elements of " +
+                          dtype_name(reduce_dtype_));
+  }
+}
+
+bool BucketReducer::between_backwards() const {
+  if (!in_flight_.empty() || next_ != 0) return false;
+  for (const BucketState& b : buckets_) {
+    if (b.staging >= 0 || b.issued || b.waiting != b.params) return false;
+  }
+  return true;
+}
+
+void BucketReducer::set_grad_partitions(const std::vector<Tensor>& grad_parts) {
+  if (grad_parts.size() != groups_.size()) {
+    throw InvalidArgument("BucketReducer.set_grad_partitions: " + std::to_string(grad_parts.size()) +
+                          " partitions for " + std::to_string(groups_.size()) + " groups");
+  }
+  if (!between_backwards()) {
+    throw InvalidArgument("BucketReducer.set_grad_partitions: a backward is under way (grads staged or "
+                          "reductions in flight); change the partitions between backwards");
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) check_grad_part(groups_[g], grad_parts[g]);
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g].grad_part = grad_parts[g];
 }
 
 const std::vector<BucketReducer::Piece>& BucketReducer::pieces(int group, int param) const {
