@@ -63,6 +63,30 @@ def test_large_arena_asks_for_huge_pages():
     assert float(t.sum()) == 2.0 * (1 << 20)
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_zeros_hold_no_memory_until_written():
+    """Optimizer moments and grads are zeros until the first step: a large
+    arena of zeros is reserved, not resident, until written."""
+    before = _rss_mb()
+    t = zerocore.to_torch(zerocore.zeros([64 << 20], "float32"))  # 256 MiB
+    assert _rss_mb() - before < 16
+    t[: 16 << 20].fill_(1.0)  # 64 MiB written: now resident (the measurement can see it)
+    assert _rss_mb() - before > 48
+    assert int(t[16 << 20:].count_nonzero()) == 0 and float(t[: 16 << 20].sum()) == 16 << 20
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_small_zeros_are_zeros_in_reused_memory(name):
+    dirty = zerocore.to_torch(zerocore.empty([1000], name)).fill_(7.0)
+    del dirty  # its block goes back to malloc, which may hand it out again
+    z = zerocore.to_torch(zerocore.zeros([1000], name))
+    assert int(z.count_nonzero()) == 0
+
+
 def test_bad_inputs_are_rejected_clearly():
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         zerocore.from_torch(torch.zeros(3, dtype=torch.float64))

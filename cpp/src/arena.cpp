@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "zerocore/error.h"
@@ -17,11 +18,11 @@ constexpr size_t kSmallAlign = 64;  // a cache line; enough for any SIMD load
 size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 }  // namespace
 
-std::shared_ptr<HostArena> HostArena::create(size_t bytes) {
-  return std::shared_ptr<HostArena>(new HostArena(bytes));
+std::shared_ptr<HostArena> HostArena::create(size_t bytes, bool zeroed) {
+  return std::shared_ptr<HostArena>(new HostArena(bytes, zeroed));
 }
 
-HostArena::HostArena(size_t bytes) : bytes_(bytes) {
+HostArena::HostArena(size_t bytes, bool zeroed) : bytes_(bytes) {
   if (bytes >= kHugePageBytes) {
     // mmap gives page-aligned zeroed memory. The start is 2 MiB aligned so
     // every whole 2 MiB stretch can be a huge page; the tail stays in 4 KiB
@@ -41,8 +42,10 @@ HostArena::HostArena(size_t bytes) : bytes_(bytes) {
     huge_pages_ = madvise(data_, mapped_bytes_, MADV_HUGEPAGE) == 0;
 #endif
   } else {
-    data_ = std::aligned_alloc(kSmallAlign, round_up(bytes ? bytes : 1, kSmallAlign));
+    const size_t rounded = round_up(bytes ? bytes : 1, kSmallAlign);
+    data_ = std::aligned_alloc(kSmallAlign, rounded);
     if (!data_) throw std::bad_alloc();
+    if (zeroed) std::memset(data_, 0, rounded);
   }
   g_live_bytes += bytes_;
 }

@@ -34,11 +34,17 @@ Tensor::Tensor(void* data, DType dtype, Device device, std::vector<int64_t> shap
       numel_(checked_numel(shape_)),
       owner_(std::move(owner)) {}
 
-Tensor Tensor::empty(std::vector<int64_t> shape, DType dtype) {
+namespace {
+Tensor in_arena(std::vector<int64_t> shape, DType dtype, bool zeroed) {
   const int64_t n = checked_numel(shape);
-  auto arena = HostArena::create(size_t(n) * dtype_size(dtype));
+  auto arena = HostArena::create(size_t(n) * dtype_size(dtype), zeroed);
   return arena->view(0, dtype, std::move(shape));
 }
+}  // namespace
+
+Tensor Tensor::empty(std::vector<int64_t> shape, DType dtype) { return in_arena(std::move(shape), dtype, false); }
+
+Tensor Tensor::zeros(std::vector<int64_t> shape, DType dtype) { return in_arena(std::move(shape), dtype, true); }
 
 Tensor Tensor::slice(int64_t offset, int64_t count) const {
   if (offset < 0 || count < 0 || offset + count > numel_) {

@@ -61,6 +61,13 @@ void bind_tensor(nb::module_& m) {
       nb::arg("shape"), nb::arg("dtype") = "float32",
       "A new uninitialised host tensor in its own arena (huge pages when large).");
   m.def(
+      "zeros",
+      [](std::vector<int64_t> shape, const std::string& dtype) {
+        return Tensor::zeros(std::move(shape), parse_dtype(dtype));
+      },
+      nb::arg("shape"), nb::arg("dtype") = "float32",
+      "A new host tensor of zeros in its own arena; a large one holds no resident memory until written.");
+  m.def(
       "from_dlpack", [](nb::handle obj) { return tensor_from_dlpack(obj, "tensor"); }, nb::arg("tensor"),
       "Wraps any DLPack tensor's memory (zero-copy); the source stays alive while the result does.");
   m.def("host_arena_bytes", &HostArena::live_bytes, "Bytes held by all live host arenas.");

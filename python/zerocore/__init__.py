@@ -26,6 +26,7 @@ from zerocore._native import (
     num_threads,
     set_cpu_isa,
     set_num_threads,
+    zeros,
 )
 from zerocore._native import from_dlpack as from_torch
 from zerocore import ops
@@ -73,4 +74,5 @@ __all__ = [
     "set_num_threads",
     "to_torch",
     "wrap",
+    "zeros",
 ]

@@ -36,9 +36,10 @@ ALIGN_BYTES = 64  # params and shards start on cache lines
 
 
 def arena_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed 1-D tensor in its own native arena (huge pages when large)."""
-    t = zerocore.to_torch(zerocore.empty([numel], NATIVE_NAMES[dtype]))
-    return t.zero_()
+    """A zeroed 1-D tensor in its own native arena (huge pages when large),
+    resident only once written: optimizer state and grads cost no memory
+    from wrap until the first step uses them."""
+    return zerocore.to_torch(zerocore.zeros([numel], NATIVE_NAMES[dtype]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,10 @@ class HostArena : public std::enable_shared_from_this<HostArena> {
   // huge pages.
   static constexpr size_t kHugePageBytes = size_t(2) << 20;
 
-  static std::shared_ptr<HostArena> create(size_t bytes);
+  // zeroed: the memory reads as zeros. A large arena's pages come zeroed
+  // from the OS and stay unbacked until first written, so zeroed state
+  // (optimizer moments, grads, buffers) costs no resident memory until used.
+  static std::shared_ptr<HostArena> create(size_t bytes, bool zeroed = false);
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
@@ -39,7 +42,7 @@ class HostArena : public std::enable_shared_from_this<HostArena> {
   static size_t live_bytes();
 
  private:
-  explicit HostArena(size_t bytes);
+  HostArena(size_t bytes, bool zeroed);
   void* data_ = nullptr;
   size_t bytes_ = 0;
   size_t mapped_bytes_ = 0;  // non-zero when the memory came from mmap

@@ -19,6 +19,9 @@ class Tensor {
 
   // A new host tensor with its own memory (from a HostArena).
   static Tensor empty(std::vector<int64_t> shape, DType dtype);
+  // The same, reading as zeros; large ones hold no resident memory until
+  // written (HostArena::create).
+  static Tensor zeros(std::vector<int64_t> shape, DType dtype);
 
   void* data() const { return data_; }
   DType dtype() const { return dtype_; }
