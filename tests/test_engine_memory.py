@@ -107,11 +107,13 @@ def test_peak_does_not_depend_on_the_allocator(runs):
         return growth[False] - growth[True]
 
     # Gathering six 4.7 MB units a step through malloc (or through gloo's
-    # tensor collectives, which allocate full-size temporaries) would add
-    # tens of MB under the default allocator. Each effect drifts by a few MB
-    # from run to run (8-11 MB for both, measured); zerocore's may be the
-    # smaller by any amount.
-    assert allocator_effect("zerocore") - allocator_effect("torch") <= 8.0, \
+    # tensor collectives, which allocate full-size temporaries) would keep
+    # up to a step's gathers, 28 MB, resident under the default allocator;
+    # the bound is half of that. Each effect drifts from run to run
+    # (measured: zerocore 7-10 MB, plain torch 0.3-11 MB, one run's pair
+    # up to 9.6 MB apart); zerocore's may be the smaller by any amount.
+    step_gathers = 6 * 4.7
+    assert allocator_effect("zerocore") - allocator_effect("torch") <= step_gathers / 2, \
         (allocator_effect("zerocore"), allocator_effect("torch"))
 
 
