@@ -74,9 +74,9 @@ def test_host_step_gives_the_bits_of_the_device_step(config, optimizer, hp):
 WARMUP, STEPS = 2, 6
 
 
-def _delayed(rank, world, stage):
-    engine, scheduler = _wrap(dict(stage=stage, offload_optimizer="cpu", delayed_update=True,
-                                   delayed_update_warmup=WARMUP, max_grad_norm=0.5))
+def _delayed(rank, world, stage, offload_params=None):
+    engine, scheduler = _wrap(dict(stage=stage, offload_optimizer="cpu", offload_params=offload_params,
+                                   delayed_update=True, delayed_update_warmup=WARMUP, max_grad_norm=0.5))
     losses = _train(engine, rank, world, STEPS, accum=1, scheduler=scheduler)
     return losses, engine.full_state_dict()
 
@@ -107,12 +107,12 @@ def _stale_reference(world, delayed=True):
     return losses, master.state_dict()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_delayed_update_matches_a_reference_one_step_stale(stage):
+@pytest.mark.parametrize("stage,offload_params", [(1, None), (2, None), (3, None), (3, "cpu")])
+def test_delayed_update_matches_a_reference_one_step_stale(stage, offload_params):
     world = 2
     _, ref = _stale_reference(world)
     _, undelayed = _stale_reference(world, delayed=False)
-    for rank, (_, state) in enumerate(run_ranks(_delayed, world, stage)):
+    for rank, (_, state) in enumerate(run_ranks(_delayed, world, stage, offload_params)):
         for k, v in ref.items():
             torch.testing.assert_close(state[k].double(), v, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {k}: {m}")
         # The staleness is real: the same bound rejects training without it.
