@@ -66,7 +66,7 @@ class Communicator:
         # Drain the queue when this communicator goes, or at the latest at
         # interpreter exit, while the queue's thread can still take the GIL
         # to finish a collective that is in flight.
-        weakref.finalize(self, self.queue.close)
+        self._drain = weakref.finalize(self, self.queue.close)
         self.rank = self.queue.rank
         self.world_size = self.queue.world_size
 
@@ -77,6 +77,10 @@ class Communicator:
 
     def reset_stats(self):
         self.queue.reset_stats()
+
+    def close(self):
+        """Drains and stops the queue now (after what is in flight)."""
+        self._drain()
 
     @property
     def trace(self) -> list:

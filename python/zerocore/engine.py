@@ -144,6 +144,8 @@ class Engine:
         self.update = OffloadUpdate(self.groups, placement, cfg) if placement.optimizer_on_host \
             else InPlaceUpdate(self.groups)
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
+        # close() gives the buffers their dtype back.
+        self._buffer_dtypes = {name: b.dtype for name, b in module.named_buffers(remove_duplicate=False)}
         self._cast_buffers()
 
         # Stages 1-2: every rank's updated blocks into every rank's full params, in place.
@@ -561,6 +563,47 @@ class Engine:
             self.scheduler.free_all()
         loader.load(self._places())
         return IncompatibleKeys(loader.missing, loader.unexpected)
+
+
+    # Ending ----------------------------------------------------------------
+    def close(self) -> nn.Module:
+        """Ends training with this engine and hands the module back as a plain
+        torch module: its params hold the full fp32 values (full_state_dict's)
+        in memory of their own, its buffers their own dtype again. What the
+        engine made goes now, not at some later garbage collection: its
+        hooks, native buffers and threads (its process groups stay with
+        torch.distributed until destroy_process_group()). Call it on every
+        rank (stage 3 gathers the params). The module may be wrapped again;
+        the engine and engine.optimizer refuse any further use."""
+        module, state = self.module, self.full_state_dict()
+        for handles in (getattr(self.scheduler, "handles", []), getattr(self.reducer, "hooks", [])):
+            for h in handles:
+                h.remove()
+        for name, p in module.named_parameters():
+            p.grad = None
+            p.data = state[name]
+        for mod_name, mod in module.named_modules():  # every rank's are rank 0's since full_state_dict
+            for name, b in list(mod.named_buffers(recurse=False)):
+                setattr(mod, name, b.to(self._buffer_dtypes[f"{mod_name}.{name}" if mod_name else name]))
+        del module._zerocore_engine
+        self.optimizer.close()
+        comms = [self.comm] + ([self.rounds_comm] if self.scheduler else [])
+        for comm in comms:  # what is in flight (stage 3's prefetch for the next forward) lands first
+            comm.close()
+        self.__dict__.clear()  # the native objects and buffers go
+        self.__class__ = _ClosedEngine
+        return module
+
+
+class _ClosedEngine:
+    """What an engine is after close()."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"zerocore: engine.{name}: this engine was closed (engine.close()); wrap the module "
+                           "again to go on training")
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)  # raises
 
 
 def wrap(module, optimizer, config=None, *, group=None, units=None, init=None) -> Engine:

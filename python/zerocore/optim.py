@@ -150,6 +150,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True):
         self._engine_zero_grad()
 
+    def close(self):
+        """Its engine was closed: step() and zero_grad() refuse from now on."""
+        self._engine_step = self._engine_zero_grad = _closed
+
     def state_dict(self):
         """Not supported: torch's form would be silently empty, losing every
         moment, the step count and the loss scale."""
@@ -163,3 +167,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise NotImplementedError(
             "zerocore: engine.optimizer.load_state_dict() cannot restore the optimizer: its state lives in the "
             "engine's native buffers. Resume with engine.load(path), from a checkpoint engine.save(path) wrote.")
+
+
+def _closed():
+    raise RuntimeError("zerocore: engine.optimizer: its engine was closed (engine.close()); wrap the module again "
+                       "and train with the new engine's optimizer")

@@ -42,6 +42,9 @@ buffer the unit is gathered in when backward needs it.
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -278,21 +281,28 @@ class SavedParamViews(torch.autograd.graph.saved_tensors_hooks):
     buffer the unit is gathered in by then, which may be another one."""
 
     def __init__(self, scheduler):
-        self.scheduler = scheduler
-        super().__init__(self._pack, self._unpack)
+        # Hooks that hold the scheduler weakly and not this object: no
+        # reference cycle, so a closed engine's memory goes at once.
+        ref = weakref.ref(scheduler)
+        super().__init__(functools.partial(_pack, ref), functools.partial(_unpack, ref))
 
-    def _pack(self, t):
-        if t.layout == torch.strided and not t.is_meta:
-            unit = self.scheduler.at.get(t.untyped_storage().data_ptr())
-            if unit is not None:
-                return _ParamView(unit, t.storage_offset(), t.shape, t.stride())
-        return t
 
-    def _unpack(self, packed):
-        if isinstance(packed, _ParamView):
-            flat = self.scheduler.buffer_of(packed.unit)
-            return flat.as_strided(packed.sizes, packed.strides, packed.offset)
-        return packed
+def _pack(scheduler, t):
+    if t.layout == torch.strided and not t.is_meta:
+        unit = scheduler().at.get(t.untyped_storage().data_ptr())
+        if unit is not None:
+            return _ParamView(unit, t.storage_offset(), t.shape, t.stride())
+    return t
+
+
+def _unpack(scheduler, packed):
+    if isinstance(packed, _ParamView):
+        live = scheduler()
+        if live is None:
+            raise RuntimeError("zerocore: this backward needs params of an engine that was closed (engine.close()); "
+                               "run backward before closing the engine")
+        return live.buffer_of(packed.unit).as_strided(packed.sizes, packed.strides, packed.offset)
+    return packed
 
 
 class _ParamView:
