@@ -90,7 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="also write all results to this file")
     p.add_argument("--baseline-python", default=None,
                    help="another build's interpreter: zerocore configs also run with it, as <config>@base")
-    p.add_argument("--phases", action="store_true", help="print rank 0's RSS, peak RSS and glibc heap after each phase (and within the first 3 steps)")
+    p.add_argument("--phases", action="store_true",
+                   help="print rank 0's RSS, peak RSS and glibc heap after each phase (and within the first 3 steps)")
     # internal: one rank of one configuration
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -372,8 +373,8 @@ def main(argv=None) -> int:
                 ph = res["ranks"][0]["phases"]
                 print("         rank 0, MB: RSS / peak RSS / glibc heap in use + free but kept", flush=True)
                 for k, v in ph.items():
-                    print(f"           {k:<10} {v[0]:6.0f} / {v[1]:4.0f}" + (f" / {v[2]:4d} + {v[3]:3d}" if len(v) > 2 else ""),
-                          flush=True)
+                    heap = f" / {v[2]:4d} + {v[3]:3d}" if len(v) > 2 else ""
+                    print(f"           {k:<10} {v[0]:6.0f} / {v[1]:4.0f}{heap}", flush=True)
     # Time: the best (lowest) median over repeats, since interference only adds.
     # Memory: the median over repeats (allocator noise goes both ways).
     best = {}

@@ -23,8 +23,8 @@ and backward on the params it has; step t+1's step() waits for that
 update, copies its params up and queues its own. In stages 2-3 the host
 grad partition is double-buffered: backward t+1 reduces into one buffer
 while update t reads the other, and at the step they swap, with no copy.
-Writing W_t for the
-master params after step t and g(W) for grads computed at params W:
+Writing W_t for the master params after step t and g(W) for grads
+computed at params W:
 
     warm-up steps      W_t = update(W_{t-1}, g(W_{t-1}))
     delayed steps      W_t = update(W_{t-1}, g(W_{t-2}))   (one step stale)
