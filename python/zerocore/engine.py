@@ -146,7 +146,7 @@ class Engine:
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
         # close() gives the buffers their dtype back.
         self._buffer_dtypes = {name: b.dtype for name, b in module.named_buffers(remove_duplicate=False)}
-        self._cast_buffers()
+        self._cast_buffers(lambda _, b: self.dtype if b.is_floating_point() else b.dtype)
 
         # Stages 1-2: every rank's updated blocks into every rank's full params, in place.
         gathered = [g for g in self.groups if g.trainable and placement.partitions_optimizer and not g.sharded]
@@ -319,11 +319,13 @@ class Engine:
             if g.trainable:
                 self.reducer.attach_grad_views(g)
 
-    def _cast_buffers(self):
-        for mod in self.module.modules():
+    def _cast_buffers(self, dtype_of):
+        """Each buffer to dtype_of(its name, the buffer)."""
+        for mod_name, mod in self.module.named_modules():
             for name, b in list(mod.named_buffers(recurse=False)):
-                if b is not None and b.is_floating_point() and b.dtype != self.dtype:
-                    setattr(mod, name, b.to(self.dtype))
+                dtype = None if b is None else dtype_of(f"{mod_name}.{name}" if mod_name else name, b)
+                if dtype is not None and b.dtype != dtype:
+                    setattr(mod, name, b.to(dtype))
 
     def _sync_buffers(self):
         """Every rank takes rank 0's buffers (running statistics...), as DDP does."""
@@ -564,7 +566,6 @@ class Engine:
         loader.load(self._places())
         return IncompatibleKeys(loader.missing, loader.unexpected)
 
-
     # Ending ----------------------------------------------------------------
     def close(self) -> nn.Module:
         """Ends training with this engine and hands the module back as a plain
@@ -582,9 +583,7 @@ class Engine:
         for name, p in module.named_parameters():
             p.grad = None
             p.data = state[name]
-        for mod_name, mod in module.named_modules():  # every rank's are rank 0's since full_state_dict
-            for name, b in list(mod.named_buffers(recurse=False)):
-                setattr(mod, name, b.to(self._buffer_dtypes[f"{mod_name}.{name}" if mod_name else name]))
+        self._cast_buffers(lambda name, _: self._buffer_dtypes[name])  # rank 0's values since full_state_dict
         del module._zerocore_engine
         self.optimizer.close()
         comms = [self.comm] + ([self.rounds_comm] if self.scheduler else [])
