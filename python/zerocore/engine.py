@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import activation_checkpoint, save_load
+from zerocore import activation_checkpoint, devices, param_guards, save_load
 from zerocore._native import BucketCollectives, UnitSchedule
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
@@ -28,7 +28,8 @@ from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.loss_scale import LossScaler
 from zerocore.materialize import IncompatibleKeys, Initializer, Loader
 from zerocore.offload import OffloadUpdate, host_memory_problem
-from zerocore.optim import ZeroOptimizer, read_optimizer
+from zerocore.optim import drive_engine, read_optimizer
+from zerocore.optim import release as release_optimizer
 from zerocore.partition_update import InPlaceUpdate
 from zerocore.placement import Placement
 from zerocore.stage3 import Unit, UnitScheduler, find_units
@@ -57,14 +58,21 @@ def _own_group(group):
 
 
 def _default_group(group, placement):
-    if group is not None:
-        return group
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    if placement.partitions_optimizer:
-        raise ValueError(f"zerocore.wrap: stage {placement.stage} partitions across ranks and needs a process group; "
-                         "call torch.distributed.init_process_group() first (or torchrun), or pass group=")
-    return None
+    """The process group to train over: `group`, or the world's. A group
+    whose backend cannot move the runtime's tensors raises here, alike on
+    every rank, before any collective."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    if group is None:
+        if placement.partitions_optimizer:
+            raise ValueError(f"zerocore.wrap: stage {placement.stage} partitions across ranks and needs a process "
+                             "group; call torch.distributed.init_process_group() first (or torchrun), or pass group=")
+        return None
+    backend = dist.get_backend_config(group)
+    problem = devices.group_problem(devices.device_types(backend), backend)
+    if problem is not None:
+        raise ValueError(problem)
+    return group
 
 
 def _param_names(module):
@@ -80,9 +88,13 @@ def _param_names(module):
     return names
 
 
-def _model_problem(params, names, spec):
+def _model_problem(module, params, names, spec):
     """The error this rank's model or optimizer earns before wrapping, or
     None (meta params are the Initializer's to check)."""
+    where = devices.tensor_problem([(names[id(p)][0], p.device) for p in params] +
+                                   [(name, b.device) for name, b in module.named_buffers()])
+    if where is not None:
+        return ValueError(where)
     bad = [names[id(p)][0] for p in params if not p.is_floating_point()]
     if bad:
         return TypeError(f"zerocore.wrap: parameter(s) {', '.join(bad)} are not floating point")
@@ -125,7 +137,7 @@ class Engine:
         params = list(module.parameters())
         names = _param_names(module)
         initializer = Initializer(module, params, names, init)
-        problem = _model_problem(params, names, spec) or initializer.problem
+        problem = _model_problem(module, params, names, spec) or initializer.problem
         self._check_same_model(spec, params, names, initializer, failed=problem is not None)
         if problem is not None:
             raise problem
@@ -136,7 +148,12 @@ class Engine:
         for g in self.groups:
             g.fill(initializer.values_later)
         self._fill_agreeing(initializer)
+        for g in self.groups:
+            g.note_param_versions()
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
+        # requires_grad as planned, checked at each backward (_note_trainability).
+        self._planned_trainable = [(p, g.trainable, names[0]) for g in self.groups
+                                   for p, names in zip(g.params, g.names)]
         # Stage 3: the root unit's trainable params, gathered once per backward (accounting.predicted_comm).
         self.root_numel = sum(s.numel for g in self.units[0].groups if g.trainable for s in g.slots) \
             if self.units else 0
@@ -170,8 +187,17 @@ class Engine:
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes,
                                     lambda unit, reduce: ref()(unit, reduce))
             self.scheduler = UnitScheduler(self.units, schedule, self._attach_unit_grads)
-        self.optimizer = ZeroOptimizer(spec, self._step, self.zero_grad)
+        # Stage 3: module.state_dict() and load_state_dict() refuse while params are released.
+        self._state_guards = param_guards.guard_module_state(
+            module, {id(p) for u in self.units for g in u.groups for p in g.params})
+        # The user's optimizer drives the engine (optim.drive_engine); its
+        # param_groups hold the hyperparameters every step reads.
+        self.optimizer = optimizer
+        drive_engine(optimizer, self._step, self.zero_grad)
         self._backward_calls = 0
+        # Per step: the reduced grads' global squared norm once taken,
+        # clip_grad_norm_'s bound, and trainability changes noted.
+        self._forget_reduction()
         module._zerocore_engine = self
 
     # Construction ----------------------------------------------------------
@@ -358,6 +384,10 @@ class Engine:
         step() to accumulate: grads sum over calls and average over ranks."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a scalar tensor")
+        if self._reduced is not None:
+            raise RuntimeError("engine.backward: the grads of this step were already reduced (engine.clip_grad_norm_ "
+                               "or a step that raised); call engine.step() or engine.zero_grad() first")
+        self._note_trainability()
         self.reducer.before_backward()
         if self.scheduler:
             self.scheduler.begin_backward()
@@ -372,13 +402,42 @@ class Engine:
             finally:
                 self.reducer.after_backward()
         self._backward_calls += 1
+        for g in self.groups:
+            if g.trainable:
+                g.hide_grads()
 
     def step(self) -> bool:
         """Applies the accumulated gradients. Returns False when an fp16
         overflow on any rank skipped the step (on every rank)."""
         return self.optimizer.step()
 
-    def _step(self) -> bool:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips this step's grads to the global norm max_norm, as
+        torch.nn.utils.clip_grad_norm_ does, and returns their global norm
+        (over every param and rank, before clipping; inf or NaN when a grad
+        is). Call it on every rank, between the last engine.backward() of a
+        step and engine.step(), which applies the clipped grads. With
+        Config(max_grad_norm) too, the smaller bound wins."""
+        if norm_type != 2.0:
+            raise ValueError(f"engine.clip_grad_norm_: norm_type={norm_type!r}; zerocore clips by the L2 norm "
+                             "(norm_type=2.0)")
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"engine.clip_grad_norm_: max_norm={max_norm!r}; use a positive number")
+        norm = math.sqrt(self._reduce_grads()) / (self.comm.world_size * self.scaler.scale)
+        self._clip_norm = max_norm if self._clip_norm is None else min(self._clip_norm, max_norm)
+        return torch.tensor(norm)
+
+    def _reduce_grads(self) -> float:
+        """Reduces this step's grads across ranks, once a step, and returns
+        their global sum of squares (of loss-scaled grads summed over ranks);
+        raises if a param was frozen or unfrozen on any rank."""
+        if self._reduced is None:
+            self._reduce_and_exchange()
+        if self._changed_anywhere:
+            self._refuse_trainability_change()
+        return self._reduced
+
+    def _reduce_and_exchange(self):
         if self._backward_calls == 0:
             raise RuntimeError("engine.step: no gradients; call engine.backward(loss) first")
         self.reducer.reduce()
@@ -386,8 +445,39 @@ class Engine:
         # The step's one control collective; it also checks that every rank
         # issued the same collectives. Partitioned, each rank holds a
         # disjoint part of the grads; otherwise all ranks hold them all.
-        summed = self.comm.sum_checking_order([local], self._describe_group)[0]
-        total = summed if self.placement.partitions_optimizer else local
+        summed, self._changed_anywhere = self.comm.sum_checking_order([local, len(self._trainability_changed)],
+                                                                      self._describe_group)
+        self._reduced = summed if self.placement.partitions_optimizer else local
+
+    def _note_trainability(self):
+        """Notes params whose requires_grad differs from the plan made at
+        wrap; the step refuses them on every rank (_refuse_trainability_change)."""
+        for p, trainable, name in self._planned_trainable:
+            if p.requires_grad != trainable:
+                self._trainability_changed.add(name)
+
+    def _refuse_trainability_change(self):
+        """A param was frozen or unfrozen after wrap, on some rank: every
+        rank raises before anything is updated. The engine laid out and
+        partitioned the trainable params at wrap, so it cannot train a param
+        unfrozen since (its grads go nowhere) nor leave one frozen since as
+        torch would (it would still get weight decay and moment updates)."""
+        mine = sorted(self._trainability_changed)
+        for p, trainable, _ in self._planned_trainable:
+            if not trainable:
+                p.grad = None  # grads autograd made for a frozen param unfrozen since
+        here = (f"{', '.join(mine[:5])}{' and more' if len(mine) > 5 else ''} changed requires_grad" if mine
+                else "another rank changed requires_grad of some params")
+        raise RuntimeError(
+            f"zerocore: {here} after zerocore.wrap; the engine plans which params train when it wraps the model, "
+            "so this step would not train them as torch would. Nothing was updated. To change which params "
+            "train: model = engine.close() (the trained params), set requires_grad, and wrap the model again "
+            "(the optimizer's moments start afresh); or, to unfreeze a layer later without that, keep it "
+            "trainable from the start in a param group of its own with lr=0 until it should train (a scheduler "
+            "can raise it).")
+
+    def _step(self) -> bool:
+        total = self._reduce_grads()
         world = self.comm.world_size
         if not math.isfinite(total):
             self.scaler.update(overflow=True)
@@ -402,9 +492,11 @@ class Engine:
         # Grads hold the sum over ranks of loss-scaled grads.
         grad_scale = 1.0 / (world * self.scaler.scale)
         norm = math.sqrt(total) * grad_scale
-        if self.config.max_grad_norm is not None:
-            grad_scale *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+        bounds = [b for b in (self.config.max_grad_norm, self._clip_norm) if b is not None]
+        if bounds:
+            grad_scale *= min(1.0, min(bounds) / (norm + 1e-6))
         self.step_count += 1
+        self._carry_param_writes()
         self.update.apply(self.kind, self.optimizer.param_groups, self.step_count, grad_scale)
         if self.param_gather:
             self.param_gather.run()
@@ -417,9 +509,15 @@ class Engine:
         host finishes and its params go up (and, in stages 1-2, to every
         rank), so the module and the engine hold the latest params. Reading
         or saving the model calls it first; nothing to do otherwise. Call
-        it on every rank."""
+        it on every rank. Before it, writes the user made to params held
+        whole reach the fp32 masters (FlatGroup.carry_param_writes)."""
+        self._carry_param_writes()
         if self.update.params_up() and self.param_gather:
             self.param_gather.run()
+
+    def _carry_param_writes(self):
+        for g in self.groups:
+            g.carry_param_writes()
 
     def _describe_group(self, tag) -> str:
         """A flat group's params, named for an order-contract error (another
@@ -428,15 +526,22 @@ class Engine:
 
     def _end_step(self):
         self._backward_calls = 0
+        self._forget_reduction()
         if self.scheduler:
             self.scheduler.end_step()
 
     def zero_grad(self):
+        """Zeroes the grads (a step's reduced ones too, after a step that
+        raised); every param's .grad is None."""
         for g in self.groups:
             g.zero_grad()
-        for p in self.module.parameters():
-            if self.placement.partitions_grads:
-                p.grad = None
+        self._forget_reduction()
+
+    def _forget_reduction(self):
+        """A new step begins: nothing of the last one's reduction applies."""
+        self._reduced = self._clip_norm = None
+        self._trainability_changed = set()  # names of this rank's params whose requires_grad changed
+        self._changed_anywhere = 0  # how many changed on all ranks together (the step's exchange)
 
     # Inspection ------------------------------------------------------------
     @property
@@ -503,7 +608,7 @@ class Engine:
                     out[name] = value
         for name, b in self.module.named_buffers():
             out[name] = b.detach().clone()
-        return {k: out[k] for k in self.module.state_dict(keep_vars=True)}
+        return {k: out[k] for k in param_guards.state_dict_keys(self.module)}
 
     # Checkpoints -------------------------------------------------------------
     def save(self, path, lr_scheduler=None, extra=None):
@@ -577,15 +682,15 @@ class Engine:
         rank (stage 3 gathers the params). The module may be wrapped again;
         the engine and engine.optimizer refuse any further use."""
         module, state = self.module, self.full_state_dict()
-        for handles in (getattr(self.scheduler, "handles", []), getattr(self.reducer, "hooks", [])):
+        for handles in (getattr(self.scheduler, "handles", []), self.reducer.hooks, self._state_guards):
             for h in handles:
                 h.remove()
         for name, p in module.named_parameters():
             p.grad = None
-            p.data = state[name]
+            param_guards.restore(p, state[name])
         self._cast_buffers(lambda name, _: self._buffer_dtypes[name])  # rank 0's values since full_state_dict
         del module._zerocore_engine
-        self.optimizer.close()
+        release_optimizer(self.optimizer)
         comms = [self.comm] + ([self.rounds_comm] if self.scheduler else [])
         for comm in comms:  # what is in flight (stage 3's prefetch for the next forward) lands first
             comm.close()
@@ -607,7 +712,9 @@ class _ClosedEngine:
 
 def wrap(module, optimizer, config=None, *, group=None, units=None, init=None) -> Engine:
     """Wraps `module` for ZeRO training with `optimizer`'s algorithm and
-    hyperparameters (which it takes over: train with engine.optimizer).
+    hyperparameters. It takes the optimizer over: its step() and zero_grad()
+    become the engine's, its param_groups hold the hyperparameters each step
+    reads (schedulers on it apply), and engine.optimizer is the same object.
 
     config: a zerocore.Config or a dict of its fields.
     group: the torch.distributed process group (default: the world).

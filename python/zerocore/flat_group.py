@@ -19,7 +19,8 @@ F, created once. A sharded group has no F of its own: stage 3's schedule
 gathers its unit into a buffer of the native gather pool and binds the
 params to views of it (bind), and points them back at placeholders of their
 shape that hold one NaN when the unit is released (unbind), so a stale read
-gives NaNs instead of another unit's values.
+gives NaNs instead of another unit's values, and a write raises
+(param_guards.py).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import dataclasses
 import torch
 
 import zerocore
+from zerocore import param_guards
 from zerocore.comm import Communicator
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,6 +89,9 @@ class FlatGroup:
         self.full = None  # F; for a sharded group, the buffer it is bound to while gathered
         self._views = {}  # sharded: per buffer address, the params' views into it
         self._placeholders = []
+        self._grad_placeholders = None  # made by hide_grads, once
+        self._grads_zeroed = False  # zero_grad zeroed the grad buffers since the last backward
+        self._versions = []  # the params' version counters as carry_param_writes last saw them
         self.shard = None
         self.master = None
         self.state = {}
@@ -261,34 +266,57 @@ class FlatGroup:
             if keep_views:
                 self._views[flat.data_ptr()] = views
         for p, v in zip(self.params, views):
-            p.data = v
+            param_guards.restore(p, v)
         self.full = flat
 
     def unbind(self):
-        """Sharded: the params point at placeholders with no memory again."""
-        for p, v in zip(self.params, self._placeholders):
-            p.data = v
+        """Sharded: the params point at placeholders with no memory again,
+        and refuse writes (param_guards.release)."""
+        for p, v, names in zip(self.params, self._placeholders, self.names):
+            param_guards.release(p, v, names[0])
         self.full = None
 
     # Gradients -------------------------------------------------------------
     def attach_grad_views(self):
         """Stages 0-1: each param's .grad is its view into the flat grad
-        buffer, so autograd accumulates in place. A grad the user set to None
-        counts as zero; one they replaced is taken over."""
-        for p, slot, shape in zip(self.params, self.slots, self.shapes):
+        buffer, so autograd accumulates in place. The placeholder hide_grads
+        left stands for the grads the buffer holds; a grad the user set to
+        None counts as zero; one they replaced is taken over."""
+        hidden = self._grad_placeholders or [None] * len(self.params)
+        for p, slot, shape, placeholder in zip(self.params, self.slots, self.shapes, hidden):
             view = self.grad_full[slot.offset:slot.offset + slot.numel].view(shape)
             if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
+                if not self._grads_zeroed:
+                    view.zero_()
+            elif p.grad is not placeholder and p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
-            else:
-                continue
             p.grad = view
+        self._grads_zeroed = False
+
+    def hide_grads(self):
+        """After backward: each param's .grad becomes a placeholder that
+        raises on use (param_guards.GradPlaceholder), since what autograd
+        left there is not the grad the step applies."""
+        if self._grad_placeholders is None:
+            self._grad_placeholders = [param_guards.GradPlaceholder.of(p, self.placement.stage, names[0])
+                                       for p, names in zip(self.params, self.names)]
+        for p, placeholder in zip(self.params, self._grad_placeholders):
+            p.grad = placeholder
+
+    def drop_hidden_grads(self):
+        """.grad is None again where it is hide_grads' placeholder."""
+        for p, placeholder in zip(self.params, self._grad_placeholders or ()):
+            if p.grad is placeholder:
+                p.grad = None
 
     def zero_grad(self):
+        """Zeroes the grad buffers; the params' .grad are None."""
         for g in (self.grad_full, self.grad_part):
             if g is not None:
                 g.zero_()
+        for p in self.params:
+            p.grad = None
+        self._grads_zeroed = True
 
     def owned_grad(self, run: Run) -> torch.Tensor:
         return self.grad_full[run.flat] if self.grad_full is not None else self.grad_part[run.part]
@@ -378,6 +406,29 @@ class FlatGroup:
             self.shard.copy_(now)
         if self.master is not None:
             self.master[changed] = now[changed].float()
+        self.note_param_versions()
+
+    def note_param_versions(self):
+        """The params' values as they are now are the engine's own (wrap's
+        initialisation wrote through them too): writes through them from
+        here on are the user's (carry_param_writes)."""
+        self._versions = [p._version for p in self.params]
+
+    def carry_param_writes(self):
+        """Params held whole that the user wrote in place since the last
+        call (model.load_state_dict, p.fill_, nn.init.*): this rank's
+        stretches of them go to the fp32 master, which the step updates and
+        which would otherwise give the old values back. The params' version
+        counters, which only writes through the param itself advance, tell
+        which were written."""
+        if self.sharded or self.master is None:
+            return
+        for i, p in enumerate(self.params):
+            if p._version != self._versions[i]:
+                for seg in self._segments_of[i]:
+                    self.master[seg.partition_offset:seg.partition_offset + seg.numel].copy_(
+                        self.full[seg.flat_offset:seg.flat_offset + seg.numel])
+                self._versions[i] = p._version
 
     def snapshot_partition(self) -> torch.Tensor:
         out = torch.empty(self.plan.partition_elems, dtype=self.dtype)

@@ -52,6 +52,8 @@ class FullGradReducer:
         for g in self.groups:
             if g.reduce_dtype == g.dtype:
                 g.attach_grad_views()
+            else:
+                g.drop_hidden_grads()
 
     def _on_grad(self, p):
         g, i = self.converted[id(p)]
@@ -95,7 +97,10 @@ class StagedReducer:
 
     def before_backward(self):
         """Reduction adds into each group's grad_part as it is now: a
-        delayed offload update swaps it with the buffer it reads."""
+        delayed offload update swaps it with the buffer it reads. The
+        params' .grad are None, for autograd to fill."""
+        for g in self.groups:
+            g.drop_hidden_grads()
         if any(t is not g.grad_part for t, g in zip(self.targets, self.groups)):
             self.targets = [g.grad_part for g in self.groups]
             self.native.set_grad_partitions(self.targets)

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from zerocore import param_guards
 from zerocore.safetensors_file import Reader
 
 
@@ -305,27 +306,29 @@ class Initializer:
 
     def _replay(self, places):
         """Each module in `replayed` initialises its own params on temporary
-        tensors, which go to the groups; then the params are bound back."""
+        tensors, which go to the groups; then the params are bound back.
+        Released stage-3 params take these writes (unguarded)."""
         taken = set()  # params that have their values (reset_parameters: the first registrant's)
         for path, mod in self.replayed:
             direct = list(mod.named_parameters(recurse=False))
-            bound = [p.data for _, p in direct]
-            for _, p in direct:
-                p.data = torch.empty(p.shape, dtype=self.meta.get(id(p), p.dtype))
-            with torch.no_grad():
-                if self.fn:
-                    self.fn(mod)
-                else:
-                    mod.reset_parameters()
-            for name, p in direct:
-                if mod._parameters[name] is not p:
-                    raise ValueError(
-                        f"zerocore.wrap: initialising {_module_label(path, mod)} replaced its parameter {name} with "
-                        "a new object; initialise params in place (nn.init.*, p.data.normal_()): the engine and "
-                        "the optimizer hold the original")
-                if id(p) in self.meta and (self.fn or id(p) not in taken):
-                    taken.add(id(p))
-                    group, index = places[id(p)]
-                    group.load_param(index, _reads(p.data))
-            for (_, p), data in zip(direct, bound):
-                p.data = data
+            with param_guards.unguarded([p for _, p in direct]):
+                bound = [p.data for _, p in direct]
+                for _, p in direct:
+                    p.data = torch.empty(p.shape, dtype=self.meta.get(id(p), p.dtype))
+                with torch.no_grad():
+                    if self.fn:
+                        self.fn(mod)
+                    else:
+                        mod.reset_parameters()
+                for name, p in direct:
+                    if mod._parameters[name] is not p:
+                        raise ValueError(
+                            f"zerocore.wrap: initialising {_module_label(path, mod)} replaced its parameter {name} "
+                            "with a new object; initialise params in place (nn.init.*, p.data.normal_()): the "
+                            "engine and the optimizer hold the original")
+                    if id(p) in self.meta and (self.fn or id(p) not in taken):
+                        taken.add(id(p))
+                        group, index = places[id(p)]
+                        group.load_param(index, _reads(p.data))
+                for (_, p), data in zip(direct, bound):
+                    p.data = data

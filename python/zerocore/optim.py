@@ -2,10 +2,11 @@
 
 wrap() reads the user's optimizer (torch.optim.Adam, AdamW, SGD, or
 zerocore's own classes below) into an OptimizerSpec: the kind and each param
-group's hyperparameters. It then replaces the optimizer with a
-ZeroOptimizer, a torch.optim.Optimizer whose param_groups hold the same
-params and hyperparameters (so torch.optim.lr_scheduler works on it) and
-whose step() runs the engine's partitioned native update.
+group's hyperparameters. It then takes the optimizer over (drive_engine):
+the same object, with the same param_groups, which the engine reads its
+hyperparameters from at every step (so torch.optim.lr_scheduler works on
+it), and whose step() and zero_grad() are the engine's: the user's habits
+with the optimizer they hold drive the engine.
 
 zerocore.Adam/AdamW/SGD also work on their own, on ordinary fp32 CPU
 params, with the SIMD kernels of zerocore.ops.
@@ -13,6 +14,8 @@ params, with the SIMD kernels of zerocore.ops.
 from __future__ import annotations
 
 import dataclasses
+import types
+import weakref
 
 import torch
 
@@ -112,6 +115,10 @@ def _kind_of(optimizer) -> str:
 def read_optimizer(optimizer) -> OptimizerSpec:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zerocore.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    driver = getattr(optimizer, "_zerocore", None)
+    if driver is not None and driver.live:
+        raise ValueError("zerocore.wrap: this optimizer already drives an engine; close that engine first "
+                         "(engine.close()), or give each wrapped model an optimizer of its own")
     kind = _kind_of(optimizer)
     groups = []
     for i, g in enumerate(optimizer.param_groups):
@@ -125,50 +132,91 @@ def read_optimizer(optimizer) -> OptimizerSpec:
     return OptimizerSpec(kind, groups)
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
-    """The optimizer a wrapped model trains with (engine.optimizer).
+class _Driver:
+    """What a wrapped model's optimizer calls instead of its own step and
+    zero_grad: the engine's, held weakly (the optimizer must not keep a
+    dropped engine's buffers alive)."""
 
-    Its param_groups are the user's (same params, same hyperparameters), so
-    learning-rate schedulers work on it; step() and zero_grad() run the
-    engine's partitioned update. State lives in the engine's flat buffers.
-    """
+    def __init__(self, step, zero_grad):
+        self._step, self._zero_grad = weakref.WeakMethod(step), weakref.WeakMethod(zero_grad)
+        self.closed = False
 
-    def __init__(self, spec: OptimizerSpec, engine_step, engine_zero_grad):
-        defaults = {k: v for k, v in spec.param_groups[0].items() if k != "params"}
-        super().__init__([dict(g) for g in spec.param_groups], defaults)
-        self.kind = spec.kind
-        self._engine_step = engine_step
-        self._engine_zero_grad = engine_zero_grad
+    @property
+    def live(self) -> bool:
+        return not self.closed and self._step() is not None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Runs the update; returns False when an fp16 overflow skipped it."""
-        if closure is not None:
-            raise ValueError("zerocore: step(closure) is not supported; call engine.backward(loss) first")
-        return self._engine_step()
+    def _engine(self, method):
+        fn = method()
+        if self.closed or fn is None:
+            raise RuntimeError("zerocore: this optimizer's engine was closed (engine.close()) or dropped; wrap the "
+                               "module again (zerocore.wrap(model, optimizer, ...)) to go on training")
+        return fn
 
-    def zero_grad(self, set_to_none: bool = True):
-        self._engine_zero_grad()
+    def step(self):
+        return self._engine(self._step)()
 
-    def close(self):
-        """Its engine was closed: step() and zero_grad() refuse from now on."""
-        self._engine_step = self._engine_zero_grad = _closed
-
-    def state_dict(self):
-        """Not supported: torch's form would be silently empty, losing every
-        moment, the step count and the loss scale."""
-        raise NotImplementedError(
-            "zerocore: engine.optimizer.state_dict() cannot save the optimizer: its state (Adam moments, fp32 "
-            "master weights, step count, loss scale) lives partitioned across ranks in the engine's native "
-            "buffers, and torch's state_dict would be empty. Save it with engine.save(path) on every rank (and "
-            "engine.load(path) to resume, at any world size and stage).")
-
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError(
-            "zerocore: engine.optimizer.load_state_dict() cannot restore the optimizer: its state lives in the "
-            "engine's native buffers. Resume with engine.load(path), from a checkpoint engine.save(path) wrote.")
+    def zero_grad(self):
+        self._engine(self._zero_grad)()
 
 
-def _closed():
-    raise RuntimeError("zerocore: engine.optimizer: its engine was closed (engine.close()); wrap the module again "
-                       "and train with the new engine's optimizer")
+def _step(self, closure=None):
+    """The engine's step (zerocore.wrap took this optimizer over): returns
+    False when an fp16 overflow skipped it."""
+    if closure is not None:
+        raise ValueError("zerocore: step(closure) is not supported; call engine.backward(loss), then step()")
+    self._opt_called = True  # what lr schedulers' own wrapper of step() records
+    return self._zerocore.step()
+
+
+# Schedulers wrap optimizer.step to record that it ran; this one records it
+# itself, so a scheduler made before or after wrap neither wraps nor warns.
+_step._wrapped_by_lr_sched = True
+
+
+def _zero_grad(self, set_to_none: bool = True):
+    """The engine's zero_grad: its grads are zeroed and every .grad is None."""
+    self._zerocore.zero_grad()
+
+
+def _state_dict(self):
+    """Not supported: torch's form would be silently empty, losing every
+    moment, the step count and the loss scale."""
+    raise NotImplementedError(
+        "zerocore: optimizer.state_dict() cannot save a wrapped model's optimizer: its state (Adam moments, fp32 "
+        "master weights, step count, loss scale) lives partitioned across ranks in the engine's native buffers, "
+        "and torch's state_dict would be empty. Save it with engine.save(path) on every rank (and "
+        "engine.load(path) to resume, at any world size and stage).")
+
+
+def _load_state_dict(self, state_dict):
+    raise NotImplementedError(
+        "zerocore: optimizer.load_state_dict() cannot restore a wrapped model's optimizer: its state lives in the "
+        "engine's native buffers. Resume with engine.load(path), from a checkpoint engine.save(path) wrote.")
+
+
+def _add_param_group(self, param_group):
+    raise ValueError("zerocore: add_param_group() on a wrapped model's optimizer: the engine lays out and "
+                     "partitions the params it trains when it wraps the model. Give the optimizer every param "
+                     "group before zerocore.wrap.")
+
+
+_DRIVEN = {"step": _step, "zero_grad": _zero_grad, "state_dict": _state_dict,
+           "load_state_dict": _load_state_dict, "add_param_group": _add_param_group}
+
+
+def drive_engine(optimizer, engine_step, engine_zero_grad):
+    """Makes the user's optimizer drive the engine: its step() and
+    zero_grad() become the engine's, and its param_groups stay the ones the
+    engine reads its hyperparameters from at every step, so an lr scheduler
+    on it, made before or after wrap, applies. Its own state stays empty;
+    state_dict() and load_state_dict() raise and point at engine.save and
+    engine.load."""
+    optimizer._zerocore = _Driver(engine_step, engine_zero_grad)
+    for name, fn in _DRIVEN.items():
+        setattr(optimizer, name, types.MethodType(fn, optimizer))
+
+
+def release(optimizer):
+    """Its engine was closed: step() and zero_grad() refuse from now on
+    (until it is wrapped again)."""
+    optimizer._zerocore.closed = True

@@ -26,6 +26,7 @@ import shutil
 
 import torch
 
+from zerocore import param_guards
 from zerocore.flat_group import FlatGroup
 from zerocore.checkpoint_format import (FORMAT, MANIFEST, VERSION, CheckpointError, CheckpointReader, rank_file,
                                         stretch_key, write_manifest, write_rank_file)
@@ -88,7 +89,7 @@ def _manifest(engine, save_id, sizes, lr_scheduler, extra) -> dict:
                     "group": group_of.get(id(p))} for p, names in _params(engine)],
         "buffers": {name: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", "")}
                     for name, b in engine.module.named_buffers()},
-        "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
+        "state_dict_keys": param_guards.state_dict_keys(engine.module),
         "lr_scheduler": lr_scheduler, "extra": extra,
         "files": [{"path": rank_file(save_id, r, len(sizes)), "bytes": n} for r, n in enumerate(sizes)],
     }

@@ -1,0 +1,312 @@
+"""A PyTorch user's habits with a wrapped model: each one trains as torch
+does, or raises a clear error naming what to call instead, on every rank
+that uses it and without a hang. Against single-process torch on the same
+global batch (models.reference_train), at every stage."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerocore
+from zerocore import devices
+from dist_harness import RankError, run_ranks
+from models import TinyLM, assert_state_close, lm_batch, lm_loss, local, make, reference_train
+
+STAGES = (0, 1, 2, 3)
+STEPS = 4
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.2)
+
+
+# The user's optimizer drives the engine -------------------------------------
+
+def _classic_loop(rank, world, stage, scheduler_before_wrap):
+    """engine.backward, then the user's own opt.step() and opt.zero_grad(),
+    with an lr scheduler on the user's optimizer made before or after wrap."""
+    model = make()
+    opt = sgd(model.parameters())
+    make_scheduler = lambda: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # noqa: E731
+    scheduler = make_scheduler() if scheduler_before_wrap else None
+    engine = zerocore.wrap(model, opt, zerocore.Config(stage=stage, bucket_bytes=512))
+    scheduler = scheduler or make_scheduler()
+    assert engine.optimizer is opt
+    for step in range(STEPS):
+        x, y = lm_batch(step, 0, world)
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    assert all(p.grad is None for p in model.parameters())
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("scheduler_before_wrap", [True, False])
+def test_the_users_optimizer_and_its_scheduler_drive_the_engine(scheduler_before_wrap):
+    model = make()
+    opt = sgd(model.parameters())
+    ref = reference_train(model, opt, STEPS, 1, 2, scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    for stage in STAGES:
+        for rank, got in enumerate(run_ranks(_classic_loop, 2, stage, scheduler_before_wrap)):
+            assert_state_close(got, ref, rtol=1e-5, atol=1e-5, what=f"stage {stage} rank {rank}")
+
+
+def _optimizer_misuse(rank, world):
+    model = make()
+    opt = sgd(model.parameters())
+    engine = zerocore.wrap(model, opt, zerocore.Config(stage=2))
+    errors = {}
+    for what, call in [("state_dict", opt.state_dict), ("load_state_dict", lambda: opt.load_state_dict({})),
+                       ("add_param_group", lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]})),
+                       ("step(closure)", lambda: opt.step(lambda: 0.0)),
+                       ("second wrap", lambda: zerocore.wrap(make(), opt, zerocore.Config(stage=0)))]:
+        try:
+            call()
+        except (NotImplementedError, ValueError) as e:
+            errors[what] = str(e)
+    engine.close()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        errors["after close"] = str(e)
+    # Wrapped again, the same optimizer drives the new engine.
+    engine = zerocore.wrap(model, opt, zerocore.Config(stage=2))
+    x, y = lm_batch(0, 0, world)
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    return errors, opt.step()
+
+
+def test_what_the_users_optimizer_cannot_do_raises_naming_the_fix():
+    for errors, stepped in run_ranks(_optimizer_misuse, 2):
+        assert "engine.save(path)" in errors["state_dict"]
+        assert "engine.load(path)" in errors["load_state_dict"]
+        assert "every param group before zerocore.wrap" in errors["add_param_group"]
+        assert "step(closure) is not supported" in errors["step(closure)"]
+        assert "already drives an engine" in errors["second wrap"]
+        assert "engine was closed" in errors["after close"]
+        assert stepped is True
+
+
+# Grads: clip_grad_norm_ and reading .grad -----------------------------------
+
+def _clip(rank, world, stage, max_norm):
+    model = make()
+    opt = sgd(model.parameters())
+    engine = zerocore.wrap(model, opt, zerocore.Config(stage=stage, bucket_bytes=512))
+    norms, errors = [], []
+    for step in range(STEPS):
+        for micro in range(2):
+            x, y = lm_batch(step, micro, world)
+            engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        for use in (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm),
+                    lambda: model.blocks[0].up.weight.grad.norm()):
+            try:
+                use()
+            except RuntimeError as e:
+                errors.append(str(e))
+        norms.append(engine.clip_grad_norm_(max_norm).item())
+        opt.step()
+        opt.zero_grad()
+    return norms, errors, engine.full_state_dict()
+
+
+def test_clip_grad_norm_returns_torchs_norm_and_clips_where_torch_does():
+    """SGD and accumulation 2, so that a wrong scale of the grads or the norm
+    shows; max_norm between the steps' norms, so that some steps clip and
+    some do not. torch.nn.utils.clip_grad_norm_ on the params, and any read
+    of a .grad, raise naming engine.clip_grad_norm_."""
+    model = make()
+    opt = sgd(model.parameters())
+    torch_norms = []
+
+    class ClipThenStep:
+        def step(self):
+            torch_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+            opt.step()
+
+        def zero_grad(self):
+            opt.zero_grad()
+
+    free = make()
+    free_norms = []
+
+    class Measure:  # the unclipped run's norms, to place max_norm among them
+        def step(self):
+            free_norms.append(torch.nn.utils.clip_grad_norm_(free.parameters(), float("inf")).item())
+            free_opt.step()
+
+        def zero_grad(self):
+            free_opt.zero_grad()
+
+    free_opt = sgd(free.parameters())
+    reference_train(free, Measure(), STEPS, 2, 2)
+    max_norm = sorted(free_norms)[len(free_norms) // 2]
+    ref = reference_train(model, ClipThenStep(), STEPS, 2, 2)
+    assert min(torch_norms) < max_norm < max(torch_norms), "max_norm must clip some steps and not others"
+    for stage in STAGES:
+        for rank, (norms, errors, got) in enumerate(run_ranks(_clip, 2, stage, max_norm)):
+            what = f"stage {stage} rank {rank}"
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(torch_norms), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{what}: {m}")
+            assert_state_close(got, ref, rtol=1e-5, atol=1e-5, what=what)
+            assert len(errors) == 2 * STEPS
+            for e in errors:
+                assert f"at stage {stage} the engine keeps the grads" in e and "engine.clip_grad_norm_" in e, e
+
+
+# Devices and process groups ---------------------------------------------------
+
+def test_the_device_decision():
+    cpu, meta, cuda = torch.device("cpu"), torch.device("meta"), torch.device("cuda", 0)
+    assert devices.tensor_problem([("a", cpu), ("b", meta)]) is None
+    message = devices.tensor_problem([("a", cpu), ("w", cuda), ("bn.running_mean", cuda)])
+    assert "w (cuda:0), bn.running_mean (cuda:0) are not on the CPU" in message and "model.cpu()" in message
+    assert devices.group_problem(("cpu", "cuda"), "gloo") is None
+    assert devices.group_problem(("cpu",), "cpu:gloo") is None
+    assert "(nccl) cannot move cpu tensors" in devices.group_problem(("cuda",), "nccl")
+    assert devices.device_types("cpu:gloo,cuda:nccl") == ("cpu", "cuda")
+    assert devices.device_types("nccl") == ("cuda",)
+    assert "cpu" in devices.device_types("gloo")
+
+
+def _cuda_param(rank, world, where):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = make()
+    with FakeTensorMode():  # a CPU-only torch can make a tensor that says it is on a GPU only this way
+        on_gpu = torch.empty(4, device="cuda")
+    if where == "param" or rank == 0:  # a buffer on one rank only: the others must raise too
+        if where == "param":
+            model.extra = nn.Parameter(on_gpu)
+        else:
+            model.register_buffer("stat", on_gpu)
+    zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=3))
+
+
+def _nccl_only(rank, world):
+    dist.get_backend_config = lambda group=None: "nccl"  # what a group without a CPU backend reports
+    model = make()
+    zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=3))
+
+
+def test_wrap_refuses_gpu_tensors_and_groups_without_a_cpu_backend_on_every_rank():
+    for results in (run_ranks(_cuda_param, 2, "param", raise_errors=False),):
+        for r in results:
+            assert isinstance(r, RankError) and r.exc_type == "ValueError"
+            assert "extra (cuda:0) is not on the CPU" in r.message, r.message
+    buffer_on_rank_0 = run_ranks(_cuda_param, 2, "buffer", raise_errors=False)
+    assert "stat (cuda:0) is not on the CPU" in buffer_on_rank_0[0].message
+    assert "rank(s) [0] rejected the model" in buffer_on_rank_0[1].message
+    for r in run_ranks(_nccl_only, 2, raise_errors=False):
+        assert isinstance(r, RankError) and "(nccl) cannot move cpu tensors" in r.message, r
+
+
+# Stage 3: the module's own state_dict and writes to its params ------------------
+
+def _module_state(rank, world, config, callers):
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(**config))
+    x, y = lm_batch(0, 0, world)
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    engine.step()
+    before = engine.full_state_dict()
+    new = {k: torch.randn_like(v) for k, v in before.items()}
+    new["head.weight"] = new["embed.weight"]  # tied
+    errors, got = {}, {}
+    if rank in callers:
+        for what, call in [("state_dict", lambda: got.setdefault("state_dict", {k: v.clone() for k, v in
+                                                                                model.state_dict().items()})),
+                           ("load_state_dict", lambda: model.load_state_dict(new)),
+                           ("fill_", lambda: model.blocks[1].down.weight.fill_(1.0)),
+                           ("copy_", lambda: model.blocks[0].up.weight.copy_(new["blocks.0.up.weight"])),
+                           ("init.normal_", lambda: nn.init.normal_(model.blocks[0].up.bias)),
+                           ("data.normal_", lambda: model.blocks[0].norm.weight.data.normal_())]:
+            try:
+                with torch.no_grad():
+                    call()
+            except RuntimeError as e:
+                errors[what] = str(e)
+    after = engine.full_state_dict()
+    with engine.gathered_params():
+        gathered = model.state_dict()
+    # The step starts from what was written (lr 0: it changes nothing).
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    engine.step()
+    assert_state_close(engine.full_state_dict(), after, rtol=0, atol=0, what="the step after the writes")
+    return errors, got.get("state_dict"), before, after, gathered, new
+
+
+@pytest.mark.parametrize("callers", [(0, 1), (0,)], ids=["every rank", "rank 0 only"])
+def test_stage3_module_state_dict_and_writes_raise_on_the_calling_rank(callers):
+    for rank, (errors, state, before, after, gathered, _) in enumerate(run_ranks(_module_state, 2, {"stage": 3},
+                                                                                   callers)):
+        assert state is None
+        if rank in callers:
+            assert "engine.full_state_dict()" in errors["state_dict"] and "engine.save" in errors["state_dict"]
+            assert "engine.load_state_dict(state_dict) on every rank" in errors["load_state_dict"]
+            for what in ("fill_", "copy_", "init.normal_", "data.normal_"):
+                assert "a stage-3 param that is released" in errors[what], (what, errors)
+                assert "engine.gathered_params()" in errors[what]
+        else:
+            assert errors == {}
+        assert_state_close(after, before, rtol=0, atol=0, what="nothing changed")
+        assert_state_close(gathered, before, rtol=0, atol=0, what="state_dict() inside gathered_params()")
+
+
+@pytest.mark.parametrize("config", [{"stage": s, "dtype": d} for s in (0, 1, 2) for d in ("fp32", "bf16")] +
+                         [{"stage": 2, "offload_optimizer": "cpu"}, {"stage": 3, "persist_threshold": 10**6}],
+                         ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_module_state_dict_and_writes_land_where_params_are_held_whole(config):
+    """Stages 0-2, and stage 3's persistent params: the module's own
+    state_dict, load_state_dict and in-place writes work, and the writes
+    reach the fp32 master (16-bit training, offload) that the step updates."""
+    rounded = (lambda t: t.bfloat16().float()) if config.get("dtype") == "bf16" else (lambda t: t)
+    for errors, state, before, after, gathered, new in run_ranks(_module_state, 2, config, (0, 1)):
+        assert errors == {}
+        assert_state_close(state, {k: rounded(v) for k, v in before.items()}, rtol=0, atol=0,
+                           what="model.state_dict()")
+        # load_state_dict, then the in-place writes after it, all landed.
+        assert torch.equal(after["blocks.1.down.weight"], torch.ones_like(new["blocks.1.down.weight"]))
+        assert torch.equal(after["blocks.0.up.weight"], rounded(new["blocks.0.up.weight"]))
+        assert not torch.equal(after["blocks.0.up.bias"], rounded(new["blocks.0.up.bias"]))  # re-initialised
+        assert torch.equal(after["embed.weight"], rounded(new["embed.weight"]))
+
+
+# Freezing and unfreezing after wrap --------------------------------------------
+
+def _change_trainability(rank, world, stage, change, ranks):
+    model = make()
+    model.blocks[0].requires_grad_(change == "unfreeze")
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage, bucket_bytes=512))
+    losses = []
+    for step in range(2):
+        x, y = lm_batch(step, 0, world)
+        if step == 1 and rank in ranks:
+            model.blocks[0].requires_grad_(change != "unfreeze")
+        before = engine.full_state_dict()
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        try:
+            engine.step()
+        except RuntimeError as e:
+            engine.zero_grad()
+            return str(e), before, engine.full_state_dict()
+        engine.zero_grad()
+        losses.append(step)
+    return None, None, None
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_a_change_of_requires_grad_after_wrap_raises_on_every_rank(change):
+    for stage in STAGES:
+        for ranks in ((0, 1), (1,)):
+            for rank, (error, before, after) in enumerate(run_ranks(_change_trainability, 2, stage, change, ranks)):
+                assert error is not None, f"stage {stage} rank {rank}: no error"
+                if rank in ranks:
+                    assert "blocks.0.down.bias" in error and "changed requires_grad after zerocore.wrap" in error
+                else:
+                    assert "another rank changed requires_grad" in error
+                assert "Nothing was updated" in error and "engine.close()" in error
+                assert_state_close(after, before, rtol=0, atol=0, what=f"stage {stage}: nothing updated")
