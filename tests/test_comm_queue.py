@@ -41,18 +41,18 @@ class RecordingTransport:
         if name == self.fail_on:
             raise ValueError(f"the transport refused {name}")
 
-    def all_gather(self, shard, output):
+    def all_gather(self, key, shard, output):
         self._run("all_gather")
         torch.from_dlpack(output).copy_(torch.from_dlpack(shard))
 
-    def reduce_scatter(self, input, shard):
+    def reduce_scatter(self, key, input, shard):
         self._run("reduce_scatter")
 
-    def all_reduce(self, tensor):
+    def all_reduce(self, key, tensor):
         self._run("all_reduce")
         torch.from_dlpack(tensor).mul_(2)  # in place, seen by the issuer
 
-    def broadcast(self, tensor, root):
+    def broadcast(self, key, tensor, root):
         self._run("broadcast")
 
 

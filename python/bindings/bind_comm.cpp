@@ -13,6 +13,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -52,9 +53,30 @@ CollectiveKey to_key(nb::handle key) {
 
 nb::tuple key_tuple(const CollectiveKey& k) { return nb::make_tuple(int(k.kind), k.group, k.bucket, k.numel); }
 
+// CollectiveTimeout as Python sees it: a RuntimeError, as torch's own
+// collective errors, and a TimeoutError. The module holds the type.
+void bind_collective_timeout(nb::module_& m) {
+  nb::object bases = nb::make_tuple(nb::handle(PyExc_RuntimeError), nb::handle(PyExc_TimeoutError));
+  static PyObject* type = PyErr_NewExceptionWithDoc(
+      "zerocore._native.CollectiveTimeoutError",
+      "A collective did not complete within its process group's timeout: a peer is stuck or dead. Raised on every "
+      "live rank; the message names the collective, and every later collective of the engine fails with it.",
+      bases.ptr(), nullptr);
+  if (!type) throw nb::python_error();
+  m.attr("CollectiveTimeoutError") = nb::borrow(type);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const CollectiveTimeout& e) {
+      PyErr_SetString(type, e.what());
+    }
+  });
+}
+
 }  // namespace
 
 void bind_comm(nb::module_& m) {
+  bind_collective_timeout(m);
   nb::class_<CollectiveKey>(m, "CollectiveKey",
                             "What a collective moves: kind (0 all_gather, 1 reduce_scatter, 2 all_reduce, "
                             "3 broadcast), flat group (negative: control plane), bucket, elements.")
@@ -82,8 +104,10 @@ void bind_comm(nb::module_& m) {
            [](BoundQueue* self, nb::object transport) { new (self) BoundQueue(python_transport(std::move(transport))); },
            "transport"_a,
            "A queue over a Python transport: an object with rank, world_size and the blocking methods "
-           "all_gather(shard, output), reduce_scatter(input, shard), all_reduce(tensor), broadcast(tensor, root), "
-           "called on the queue's thread with DLPack tensors.")
+           "all_gather(key, shard, output), reduce_scatter(key, input, shard), all_reduce(key, tensor), "
+           "broadcast(key, tensor, root), called on the queue's thread with the key (kind, group, bucket, numel) and "
+           "DLPack tensors. A TimeoutError they raise comes out of Event.wait() as CollectiveTimeoutError, with its "
+           "message as is; any other error as RuntimeError naming the collective.")
       .def_static(
           "single_process", [] { return std::make_unique<BoundQueue>(InProcessGroup(1).transport(0)); },
           "A queue over a group of this process alone (no torch.distributed).")

@@ -92,8 +92,9 @@ class PythonTransport final : public Transport {
   void call(const CollectiveKey& key, const char* method, const Args&... args) {
     nb::gil_scoped_acquire gil;
     try {
-      impl_.attr(method)(to_python(args)...);
+      impl_.attr(method)(nb::make_tuple(int(key.kind), key.group, key.bucket, key.numel), to_python(args)...);
     } catch (const nb::python_error& e) {
+      if (e.matches(PyExc_TimeoutError)) throw CollectiveTimeout(nb::str(e.value()).c_str());
       throw TransportFailed(describe(key) + ": the transport's " + method + " raised " +
                             nb::type_name(e.type()).c_str() + ": " + nb::str(e.value()).c_str());
     }

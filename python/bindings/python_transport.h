@@ -12,13 +12,16 @@
 namespace zerocore::bindings {
 
 // `impl` has `rank` and `world_size` (read once, here, with the GIL held)
-// and the blocking methods all_gather(shard, output), reduce_scatter(input,
-// shard), all_reduce(tensor) and broadcast(tensor, root), which take the
-// tensors as DLPack objects (torch.from_dlpack views them) and work in
-// place. The queue's thread takes the GIL for each call; a Python exception
-// fails the collective with a C++ error carrying its type and message (the
-// queue's thread keeps no Python object once it lets go of the GIL), which
-// Event.wait() raises as RuntimeError.
+// and the blocking methods all_gather(key, shard, output),
+// reduce_scatter(key, input, shard), all_reduce(key, tensor) and
+// broadcast(key, tensor, root), where key is the collective's (kind, group,
+// bucket, numel) and the tensors are DLPack objects (torch.from_dlpack views
+// them) worked on in place. The queue's thread takes the GIL for each call;
+// a Python exception fails the collective with a C++ error carrying its
+// type and message (the queue's thread keeps no Python object once it lets
+// go of the GIL), which Event.wait() raises as RuntimeError; a TimeoutError
+// with CollectiveTimeout, its message as is (the transport names the
+// collective), raised as zerocore.CollectiveTimeoutError.
 std::unique_ptr<Transport> python_transport(nanobind::object impl);
 
 }  // namespace zerocore::bindings

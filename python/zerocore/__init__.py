@@ -18,6 +18,7 @@ with warnings.catch_warnings():
     import torch  # noqa: F401
 
 from zerocore._native import (
+    CollectiveTimeoutError,
     LayoutPlan,
     Tensor,
     cpu_features,
@@ -54,6 +55,7 @@ __all__ = [
     "AdamW",
     "CheckpointError",
     "CollectiveOrderError",
+    "CollectiveTimeoutError",
     "Config",
     "Engine",
     "LayoutPlan",

@@ -56,6 +56,8 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from zerocore.process_group import private_group
+
 OFFLOADS = (None, "cpu")
 _ALIGN = 16  # bytes: every slice starts at a multiple, so a byte view of it views any dtype in place
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -93,8 +95,7 @@ def _partition_of(group) -> _Partition:
                                     f"(ranks {dist.get_process_group_ranks(group)}); pass the model-parallel "
                                     "group this rank belongs to"))
         world = dist.get_world_size(group)
-        own = dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True) \
-            if world > 1 else None
+        own = private_group(group) if world > 1 else None
         _partitions[group] = _Partition(own, rank, world)
     return _partitions[group]
 

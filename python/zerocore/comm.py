@@ -12,8 +12,9 @@ by (kind, the flat group's tag, the same on every rank, bucket, elements).
 The queue counts them in elements at their full, unpartitioned size: an
 all-gather by its output, a reduce-scatter by its input, an all-reduce by
 its tensor. Control plane (layout checks, overflow flags, norms, buffer
-broadcasts): keyed with group -1, neither counted nor in the order contract,
-always waited on. Their payloads (int64 hashes, float64 sums, buffers of any
+broadcasts): keyed with group -1 and, in the bucket, what they are for (an
+error names it), neither counted nor in the order contract, always waited
+on. Their payloads (int64 hashes, float64 sums, buffers of any
 dtype) cross the queue as raw bytes, since it moves float tensors only, so
 they are only ever gathered or broadcast; sums are taken here, in rank
 order, so every rank gets the same bits.
@@ -35,11 +36,16 @@ from collections import Counter
 import torch
 
 from zerocore import _native
-from zerocore.process_group import ProcessGroupTransport
+from zerocore.process_group import Failure, ProcessGroupTransport
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the data plane, by native CollectiveKind
 _ALL_GATHER, _BROADCAST = 0, 3  # native CollectiveKind values
 _CONTROL = -1  # the key group of control-plane collectives
+# What a control collective is for, in its key's bucket. Native code issues
+# its own with bucket 0: the Communicator's `native_control` names them.
+_NORMS, _AGREEMENT, _BROADCASTS = 1, 2, 3
+_PURPOSES = {_NORMS: "the step's norm exchange", _AGREEMENT: "the ranks' agreement (at wrap, load or save)",
+             _BROADCASTS: "a broadcast of buffers or params"}
 
 
 class CollectiveOrderError(RuntimeError):
@@ -57,11 +63,36 @@ def _column_sums(rows) -> list:
     return [sum(column) for column in zip(*rows)]
 
 
+class CollectiveNames:
+    """Names a collective by its key, for errors: a data-plane one by its
+    flat group's params (once `groups` lists their labels, by tag), a
+    control one by what it is for."""
+
+    def __init__(self, native_control: str):
+        self.groups = []
+        self.native_control = native_control
+
+    def __call__(self, key) -> str:
+        kind, tag, bucket, numel = key
+        name = (KINDS + ("broadcast",))[kind]
+        if tag < 0:
+            return f"control {name} of {_PURPOSES.get(bucket, self.native_control)} ({numel:,} elements)"
+        group = self.groups[tag] if tag < len(self.groups) else f"flat group {tag}"
+        return f"{name} of {group}, bucket {bucket} ({numel:,} elements)"
+
+
 class Communicator:
-    def __init__(self, group):
+    """The collectives of one process group (None: this process alone).
+    native_control: what the control collectives native code issues on it
+    are for. fails_with: a Communicator of the same engine; after a failed
+    collective on either, every collective of both fails at once."""
+
+    def __init__(self, group, native_control="backward's agreement on late grads", fails_with=None):
         self.group = group
         self.distributed = group is not None
-        self.queue = (_native.CommQueue(ProcessGroupTransport(group)) if self.distributed
+        self.names = CollectiveNames(native_control)
+        self.failure = fails_with.failure if fails_with is not None else Failure()
+        self.queue = (_native.CommQueue(ProcessGroupTransport(group, self.names, self.failure)) if self.distributed
                       else _native.CommQueue.single_process())
         # Drain the queue when this communicator goes, or at the latest at
         # interpreter exit, while the queue's thread can still take the GIL
@@ -123,7 +154,7 @@ class Communicator:
         t.copy_(staged[:nbytes].view(t.dtype).view(t.shape))
 
     def _broadcast_halves(self, halves, src_rank):
-        self.queue.broadcast((_BROADCAST, _CONTROL, 0, halves.numel()), halves, src_rank).wait()
+        self.queue.broadcast((_BROADCAST, _CONTROL, _BROADCASTS, halves.numel()), halves, src_rank).wait()
 
     def sum_scalars(self, values):
         """Sums a list of floats over ranks (float64, in rank order)."""
@@ -165,7 +196,7 @@ class Communicator:
         CollectiveOrderError on every rank if not. describe(tag) names a
         flat group for the message."""
         fingerprint = float(self.queue.fingerprint >> 12)  # 52 bits: exact in float64
-        rows = self._gather_rows([*values, fingerprint], torch.float64)
+        rows = self._gather_rows([*values, fingerprint], torch.float64, _NORMS)
         diverged = len({row[-1] for row in rows}) > 1
         trace = self.trace if diverged else None
         self.queue.restart_trace()
@@ -197,10 +228,10 @@ class Communicator:
         return (f"zerocore: ranks issued different collectives since the last step; collective #{first + 1} was\n"
                 f"{ranks}\nNothing was updated. Every rank must issue the same collectives in the same order.")
 
-    def _gather_rows(self, values, dtype) -> list:
+    def _gather_rows(self, values, dtype, purpose=_AGREEMENT) -> list:
         """Every rank's list of numbers (all of one length, 8-byte dtype), in rank order."""
         t = torch.tensor(values, dtype=dtype)
         out = torch.empty(self.world_size * t.numel(), dtype=dtype)
         rows = _as_halves(out)
-        self.queue.all_gather((_ALL_GATHER, _CONTROL, 0, rows.numel()), _as_halves(t), rows).wait()
+        self.queue.all_gather((_ALL_GATHER, _CONTROL, purpose, rows.numel()), _as_halves(t), rows).wait()
         return out.view(self.world_size, -1).tolist()

@@ -7,6 +7,7 @@ allocated or communicated.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 from typing import Optional, Union
 
@@ -29,6 +30,18 @@ def _dtype_name(value, field: str) -> Optional[str]:
     if name not in DTYPES:
         raise ValueError(f"zerocore.Config: {field}={value!r} is not supported; use one of {', '.join(DTYPES)}")
     return name
+
+
+def _timeout(value) -> Optional[datetime.timedelta]:
+    """Config.timeout as a timedelta (None stays None)."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or seconds <= 0:
+        raise ValueError(f"zerocore.Config: timeout={value!r}; use a positive number of seconds or a "
+                         "datetime.timedelta, or None for the process group's own")
+    return value if isinstance(value, datetime.timedelta) else datetime.timedelta(seconds=seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +73,11 @@ class Config:
         update. Step t's update runs on the host while the device computes
         step t+1's forward and backward, on params one step stale.
     delayed_update_warmup: steps that update without delay before it starts.
+    timeout: how long a collective of the engine waits for its peers before
+        raising zerocore.CollectiveTimeoutError (naming it) on every live
+        rank: a datetime.timedelta or seconds. None (the default): the
+        timeout of the process group given to wrap (init_process_group's),
+        which the engine's own groups then take.
     """
 
     stage: int = 3
@@ -74,6 +92,7 @@ class Config:
     offload_params: Optional[str] = None
     delayed_update: bool = False
     delayed_update_warmup: int = 40
+    timeout: Optional[Union[datetime.timedelta, float]] = None
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -92,6 +111,7 @@ class Config:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"zerocore.Config: {name}={v!r}; use an integer >= {lo}")
+        object.__setattr__(self, "timeout", _timeout(self.timeout))
         self._check_offload()
 
     def _check_offload(self):

@@ -32,6 +32,7 @@ from zerocore.optim import drive_engine, read_optimizer
 from zerocore.optim import release as release_optimizer
 from zerocore.partition_update import InPlaceUpdate
 from zerocore.placement import Placement
+from zerocore.process_group import private_group
 from zerocore.stage3 import Unit, UnitScheduler, find_units
 
 
@@ -47,14 +48,13 @@ class NonFiniteGradientError(FloatingPointError):
     scaling is there to absorb it; params and optimizer state are untouched."""
 
 
-def _own_group(group):
+def _own_group(group, timeout):
     """A process group of the same ranks for the engine alone: its
     collectives run on native threads and may still be in flight when
     control returns to the user (a prefetch, a round), so they must never
-    share a group with the user's own collectives."""
-    if group is None:
-        return None
-    return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+    share a group with the user's own collectives. Its timeout: `timeout`
+    (Config.timeout), or else `group`'s."""
+    return None if group is None else private_group(group, timeout)
 
 
 def _default_group(group, placement):
@@ -126,7 +126,7 @@ class Engine:
         spec = read_optimizer(optimizer)
         self.module = module
         user_group = _default_group(group, placement)
-        self.comm = Communicator(_own_group(user_group))
+        self.comm = Communicator(_own_group(user_group, cfg.timeout))
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
@@ -144,6 +144,7 @@ class Engine:
         opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
         initializer.materialize()
         self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units)
+        self.comm.names.groups = [g.label for g in self.groups]  # errors name a collective's params
         self._allocate_agreeing()
         for g in self.groups:
             g.fill(initializer.values_later)
@@ -182,7 +183,8 @@ class Engine:
             ref = weakref.WeakMethod(self._unit_grads_final)  # the native schedule must not keep the engine alive
             # The rounds run on a group of their own too, so that none waits
             # behind the data collectives queued before it.
-            self.rounds_comm = Communicator(_own_group(user_group))
+            self.rounds_comm = Communicator(_own_group(user_group, cfg.timeout), "stage 3's round",
+                                            fails_with=self.comm)
             schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes,
                                     lambda unit, reduce: ref()(unit, reduce))

@@ -16,28 +16,134 @@ rank's block (the same bytes moved) and a reduce-scatter an in-place
 all-reduce of the bucket, of which this rank keeps its block; both measured
 faster than gloo's own at 2 ranks (bench/RESULTS.md). Other backends (NCCL)
 get the tensor collectives.
+
+Timeouts: the engine's groups (private_group) take the timeout of the
+group they were made from, or Config.timeout; torch would give them its
+30-minute default. A collective whose peer does not join in time raises
+zerocore.CollectiveTimeoutError naming it (`describe` names a key); on NCCL,
+whose collectives return once queued, torch's watchdog acts instead. After
+any failed collective the ranks are out of step, so the transports of one
+engine share a Failure: every later collective, on any of its groups, fails
+at once with the first error instead of waiting for a peer.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
+import time
+from typing import Optional
+
 import torch
 import torch.distributed as dist
+
+from zerocore._native import CollectiveTimeoutError
 
 # torch 2.13 renamed the tensor collectives; keep working with older names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def group_timeout(group) -> Optional[datetime.timedelta]:
+    """The timeout of `group`'s collectives (its backend's), or None where
+    the backend shows none."""
+    for device in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def private_group(group, timeout: Optional[datetime.timedelta] = None):
+    """A new process group of `group`'s ranks (a collective call of those
+    ranks only), with `timeout`, or else `group`'s own."""
+    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout or group_timeout(group),
+                          use_local_synchronization=True)
+
+
+class Failure:
+    """The first failed collective of the transports that share this. Only
+    its type and message are kept: the exception's traceback would hold the
+    queue's tensors."""
+
+    def __init__(self):
+        self.timed_out, self.message = False, None
+
+    def record(self, timed_out: bool, message: str):
+        if self.message is None:
+            self.timed_out, self.message = timed_out, message
+
+    def check(self):
+        """Raises the first failure again."""
+        if self.timed_out:
+            raise CollectiveTimeoutError(self.message)
+        if self.message is not None:
+            raise RuntimeError(f"zerocore: an earlier collective failed, so the ranks are out of step: {self.message}")
+
+
+def _timed_out(error, elapsed: float, timeout) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text or \
+        (timeout is not None and elapsed >= 0.9 * timeout.total_seconds())
+
+
 class ProcessGroupTransport:
-    def __init__(self, group):
+    def __init__(self, group, describe=repr, failure: Optional[Failure] = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self.in_place = dist.get_backend(group) == "gloo"
+        self.timeout = group_timeout(group)
+        self.describe = describe  # key -> what the collective is, for errors
+        self.failure = failure or Failure()
 
-    def all_gather(self, shard, output):
+    @contextlib.contextmanager
+    def _running(self, key):
+        """Runs one collective: at once into the first failure, if there
+        was one; a timeout raised as CollectiveTimeoutError naming it."""
+        self.failure.check()
+        start = time.monotonic()
+        try:
+            yield
+        except Exception as e:
+            if not _timed_out(e, time.monotonic() - start, self.timeout):
+                self.failure.record(False, f"{self.describe(key)}: {type(e).__name__}: {e}")
+                raise
+            message = self._timeout_message(key, e)
+            self.failure.record(True, message)
+            raise CollectiveTimeoutError(message) from None
+
+    def _timeout_message(self, key, error) -> str:
+        peers = [r for r in self.global_ranks if r != self.global_ranks[self.rank]]
+        after = f" after {self.timeout.total_seconds():g} s" if self.timeout is not None else ""
+        waiting = f"rank(s) {peers}" if len(peers) <= 8 else f"{len(peers)} other ranks"
+        return (f"zerocore: the {self.describe(key)} timed out{after} waiting for {waiting}; a peer is stuck or dead. "
+                "The ranks are out of step now: every later collective of this engine fails at once, so end the job "
+                "and restart it (from a checkpoint); raise Config(timeout=...) if a peer is only slow. "
+                f"(torch.distributed: {type(error).__name__}: {error})")
+
+    def all_gather(self, key, shard, output):
         """output (world_size x shard) <- every rank's shard."""
-        output, shard = torch.from_dlpack(output), torch.from_dlpack(shard)
+        with self._running(key):
+            self._all_gather(torch.from_dlpack(shard), torch.from_dlpack(output))
+
+    def reduce_scatter(self, key, input, shard):
+        """shard <- this rank's block of the sum of every rank's input (the
+        rest of input is scratch)."""
+        with self._running(key):
+            self._reduce_scatter(torch.from_dlpack(input), torch.from_dlpack(shard))
+
+    def all_reduce(self, key, tensor):
+        with self._running(key):
+            dist.all_reduce(torch.from_dlpack(tensor), group=self.group)
+
+    def broadcast(self, key, tensor, root):
+        """tensor <- the tensor of rank `root` of the group."""
+        with self._running(key):
+            dist.broadcast(torch.from_dlpack(tensor), self.global_ranks[root], group=self.group)
+
+    def _all_gather(self, shard, output):
         if not self.in_place:
             _all_gather_single(output, shard, group=self.group)
             return
@@ -49,10 +155,7 @@ class ProcessGroupTransport:
         for w in works:
             w.wait()
 
-    def reduce_scatter(self, input, shard):
-        """shard <- this rank's block of the sum of every rank's input (the
-        rest of input is scratch)."""
-        input, shard = torch.from_dlpack(input), torch.from_dlpack(shard)
+    def _reduce_scatter(self, input, shard):
         if not self.in_place:
             _reduce_scatter_single(shard, input, group=self.group)
             return
@@ -61,9 +164,3 @@ class ProcessGroupTransport:
         if mine.data_ptr() != shard.data_ptr():
             shard.copy_(mine)
 
-    def all_reduce(self, tensor):
-        dist.all_reduce(torch.from_dlpack(tensor), group=self.group)
-
-    def broadcast(self, tensor, root):
-        """tensor <- the tensor of rank `root` of the group."""
-        dist.broadcast(torch.from_dlpack(tensor), self.global_ranks[root], group=self.group)

@@ -58,6 +58,15 @@ class CollectiveMismatch : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A peer did not join a collective within the group's timeout (it is stuck
+// or dead): a transport throws it with a message naming the collective. The
+// queue then fails every later collective with it, as any error. Python:
+// zerocore.CollectiveTimeoutError.
+class CollectiveTimeout : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;

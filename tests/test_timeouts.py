@@ -1,0 +1,200 @@
+"""A stuck peer ends in zerocore.CollectiveTimeoutError on every live rank
+within the timeout (Config.timeout, or else the group's own) plus a few
+seconds, naming the collective, and the engine fails at once on further
+use; a dead peer fails at once. 2-rank worlds: rank 1 stops responding in
+forward, backward or the step of step STALL, until rank 0 is done (or
+TIMEOUT + 8 s), then raises _Stalled."""
+import datetime
+import multiprocessing
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocore
+from dist_harness import RankError, run_ranks
+from models import lm_batch, lm_loss, local, make
+from zerocore import _native
+
+TIMEOUT = 2  # seconds
+STALL = 1  # the step in which rank 1 stops responding
+
+
+class _Stalled(Exception):
+    pass
+
+
+class _StallInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, stall):
+        ctx.stall = stall
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.stall()
+        return grad, None
+
+
+def _train_step(engine, rank, world, step):
+    x, y = lm_batch(step, 0, world)
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    engine.step()
+    engine.zero_grad()
+
+
+def _stuck_peer(rank, world, released, stage, where, offload, inherit):
+    """Trains until a collective raises. Rank 1 stalls at step STALL, in
+    `where`; rank 0 reports how long the failing step took, the error, and
+    what a further step raised (and how fast)."""
+    config, group = {"stage": stage, "bucket_bytes": 2048}, None
+    if inherit:  # the engine's groups take the timeout of the group it is given
+        group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=TIMEOUT))
+    else:  # Config.timeout overrides the default group's 60 s
+        config["timeout"] = TIMEOUT
+    if offload:
+        config["offload_optimizer"] = "cpu"
+    model = make()
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config, group=group)
+    step = 0
+
+    def stall(*_):
+        if rank == 1 and step == STALL:
+            released.wait(TIMEOUT + 8)
+            raise _Stalled(where)
+
+    if where == "forward":
+        model.blocks[1].register_forward_pre_hook(stall)
+    elif where == "backward":
+        model.blocks[1].register_forward_hook(lambda m, args, out: _StallInBackward.apply(out, stall))
+    else:  # the step: between its reduction and its norm exchange
+        sum_of_squares = engine.update.grad_sum_of_squares
+        engine.update.grad_sum_of_squares = lambda calls: stall() or sum_of_squares(calls)
+    try:
+        for step in range(STALL + 1):
+            start = time.monotonic()
+            try:
+                _train_step(engine, rank, world, step)
+            except zerocore.CollectiveTimeoutError as e:
+                out = {"step": step, "seconds": time.monotonic() - start, "error": str(e)}
+                start = time.monotonic()
+                try:
+                    _train_step(engine, rank, world, step + 1)
+                except Exception as again:  # noqa: BLE001 - reported
+                    out["again"] = (type(again).__name__, str(again), time.monotonic() - start)
+                return out
+        return {"step": None}
+    finally:
+        released.set()
+
+
+CASES = [(stage, where, False, False) for stage in (1, 2, 3) for where in ("forward", "backward", "step")] + [
+    (2, "step", True, False),  # offload_optimizer
+    (3, "backward", True, False),
+    (3, "forward", False, True),  # the timeout of the group given to wrap
+    (1, "step", False, True),
+]
+
+
+@pytest.mark.parametrize("stage,where,offload,inherit", CASES)
+def test_a_stuck_peer_raises_within_the_timeout(stage, where, offload, inherit):
+    released = multiprocessing.get_context("fork").Event()
+    results = run_ranks(_stuck_peer, 2, released, stage, where, offload, inherit, raise_errors=False,
+                        timeout=TIMEOUT + 40)
+    stuck, live = results[1], results[0]
+    assert isinstance(stuck, RankError), stuck
+    assert isinstance(live, dict), live
+    assert live["step"] == STALL, live
+    assert TIMEOUT * 0.9 <= live["seconds"] <= TIMEOUT + 5, live
+    # It names the collective: its kind, and its params or what a control one is for.
+    assert re.search(r"^zerocore: the (all_gather|reduce_scatter|all_reduce|broadcast) of the params \S+"
+                     r"|^zerocore: the control \w+ of (stage 3's round|the step's norm exchange|backward's)",
+                     live["error"]), live["error"]
+    assert f"timed out after {TIMEOUT:g} s waiting for rank(s) [1]" in live["error"], live["error"]
+    if where == "step":  # rank 1 stalls before the step's one control collective
+        assert "control all_gather of the step's norm exchange" in live["error"], live["error"]
+    # The engine is left failing at once (with the first timeout of the
+    # queue it reaches: another may have timed out beside this one).
+    kind, message, seconds = live["again"]
+    assert kind == "CollectiveTimeoutError" and f"timed out after {TIMEOUT:g} s" in message and seconds < 1.5, \
+        live["again"]
+
+
+def _dead_peer(rank, world):
+    """Rank 1 leaves after the first step (its process ends); rank 0 goes on."""
+    model = make()
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3, "timeout": 60})
+    _train_step(engine, rank, world, 0)
+    if rank == 1:
+        return None
+    start = time.monotonic()
+    try:
+        _train_step(engine, rank, world, 1)
+    except Exception as e:  # noqa: BLE001 - reported
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None
+
+
+def test_a_dead_peer_fails_at_once():
+    kind, message, seconds = run_ranks(_dead_peer, 2, timeout=60)[0]
+    assert seconds < 10, (kind, message, seconds)
+    assert kind == "RuntimeError" and "timed out" not in message, (kind, message)
+
+
+def _group_timeouts(rank, world):
+    from zerocore.process_group import group_timeout
+
+    def timeouts(config, group=None):
+        model = make()
+        engine = zerocore.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), config, group=group)
+        return [group_timeout(c.group).total_seconds() for c in (engine.comm, engine.rounds_comm)]
+
+    seven = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=7))
+    return (timeouts({"stage": 3}), timeouts({"stage": 3}, seven),
+            timeouts({"stage": 3, "timeout": datetime.timedelta(seconds=5)}, seven))
+
+
+def test_the_engines_groups_take_the_given_groups_timeout_or_the_configs():
+    for result in run_ranks(_group_timeouts, 2):
+        assert result == ([60, 60], [7, 7], [5, 5])  # run_ranks' default group has 60 s
+
+
+@pytest.mark.parametrize("value", [0, -1.5, "2", True, float("nan"), datetime.timedelta(0)])
+def test_bad_timeouts(value):
+    with pytest.raises(ValueError, match=r"timeout=.*positive number of seconds or a datetime.timedelta"):
+        zerocore.Config(timeout=value)
+
+
+def test_timeouts_are_timedeltas():
+    assert zerocore.Config(timeout=2.5).timeout == datetime.timedelta(seconds=2.5)
+    assert zerocore.Config(timeout=datetime.timedelta(minutes=1)).timeout.total_seconds() == 60
+    assert zerocore.Config().timeout is None
+
+
+class _TimingOut:
+    rank, world_size = 0, 1
+
+    def __init__(self):
+        self.keys = []
+
+    def all_reduce(self, key, tensor):
+        self.keys.append(key)
+        raise TimeoutError(f"zerocore: the collective {key} timed out")
+
+
+def _timeout_comes_out_as_is():
+    transport = _TimingOut()
+    q = _native.CommQueue(transport)
+    t = torch.zeros(4)
+    with pytest.raises(zerocore.CollectiveTimeoutError, match=r"^zerocore: the collective \(2, 5, 1, 4\) timed out$"):
+        q.all_reduce((2, 5, 1, 4), t).wait()
+    with pytest.raises(TimeoutError, match=r"\(2, 5, 1, 4\) timed out"):  # later ones fail with it, unrun
+        q.all_reduce((2, 5, 2, 4), t).wait()
+    assert transport.keys == [(2, 5, 1, 4)]
+    assert issubclass(zerocore.CollectiveTimeoutError, RuntimeError)
+
+
+def test_a_transports_timeout_comes_out_as_collective_timeout_error():
+    run_ranks(lambda rank, world: _timeout_comes_out_as_is(), 1, timeout=30)
