@@ -31,7 +31,8 @@ from zerocore._native import (
 )
 from zerocore._native import from_dlpack as from_torch
 from zerocore import ops
-from zerocore.config import Config
+from zerocore.config import Config, DynamicLossScale
+from zerocore.deepspeed_config import DeepSpeedConfig, DeepSpeedConfigError
 from zerocore.activation_checkpoint import activation_memory, checkpoint
 from zerocore.comm import CollectiveOrderError
 from zerocore.checkpoint_format import CheckpointError
@@ -57,6 +58,9 @@ __all__ = [
     "CollectiveOrderError",
     "CollectiveTimeoutError",
     "Config",
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
+    "DynamicLossScale",
     "Engine",
     "LayoutPlan",
     "NonFiniteGradientError",

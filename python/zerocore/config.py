@@ -44,6 +44,45 @@ def _timeout(value) -> Optional[datetime.timedelta]:
     return value if isinstance(value, datetime.timedelta) else datetime.timedelta(seconds=seconds)
 
 
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """fp16's dynamic loss scaling (loss_scale.py): start at `initial`; an
+    overflow (inf/NaN grads on any rank) skips the step, and once
+    `hysteresis` overflows came without a scale increase between them the
+    scale halves, never below `min_scale` (an overflow there raises); after
+    `window` steps without overflow it doubles. consecutive_hysteresis: a
+    clean step restores the hysteresis. deepspeed_growth: DeepSpeed's rule,
+    whose first doubling after an overflow (or the start) comes after
+    window + 1 clean steps. DeepSpeed's fp16 block maps onto these fields
+    (initial = 2**initial_scale_power, deepspeed_growth=True)."""
+
+    initial: float = 2.0**16
+    window: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+    deepspeed_growth: bool = False
+
+    def __post_init__(self):
+        for name in ("initial", "min_scale"):
+            if not _positive(getattr(self, name)):
+                raise ValueError(f"zerocore.DynamicLossScale: {name}={getattr(self, name)!r}; use a positive number")
+        for name in ("window", "hysteresis"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"zerocore.DynamicLossScale: {name}={v!r}; use an integer >= 1")
+        if self.min_scale > self.initial:
+            raise ValueError(f"zerocore.DynamicLossScale: min_scale={self.min_scale!r} is above "
+                             f"initial={self.initial!r}")
+        for name in ("consecutive_hysteresis", "deepspeed_growth"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"zerocore.DynamicLossScale: {name}={getattr(self, name)!r}; use True or False")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Configuration of zerocore.wrap.
@@ -54,8 +93,9 @@ class Config:
         default: wrapping changes no numerics unless asked), "bf16" or
         "fp16". With 16 bits an fp32 master copy lives in the optimizer.
     reduce_dtype: dtype of gradient buffers and reductions (default: dtype).
-    loss_scale: "dynamic" (fp16: start at 2**16, halve on overflow, double
-        after 2000 clean steps; other dtypes: no scaling) or a fixed number.
+    loss_scale: "dynamic" (fp16: DynamicLossScale(): start at 2**16, halve
+        on overflow, double after 2000 clean steps; other dtypes: no
+        scaling), a DynamicLossScale with other settings, or a fixed number.
     max_grad_norm: clip gradients to this global norm (None: no clipping).
     bucket_bytes: size of the constant-size communication buckets.
     prefetch_bytes: stage 3: bytes of upcoming units to gather ahead of
@@ -83,7 +123,7 @@ class Config:
     stage: int = 3
     dtype: str = "fp32"
     reduce_dtype: Optional[str] = None
-    loss_scale: Union[str, float] = "dynamic"
+    loss_scale: Union[str, float, DynamicLossScale] = "dynamic"
     max_grad_norm: Optional[float] = None
     bucket_bytes: int = 25 * 2**20
     prefetch_bytes: int = 8 * 2**20
@@ -100,11 +140,13 @@ class Config:
         object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))
         object.__setattr__(self, "reduce_dtype", _dtype_name(self.reduce_dtype, "reduce_dtype") or self.dtype)
         ls = self.loss_scale
-        if not (ls == "dynamic" or (isinstance(ls, (int, float)) and not isinstance(ls, bool)
-                                    and math.isfinite(ls) and ls > 0)):
-            raise ValueError(f"zerocore.Config: loss_scale={ls!r}; use 'dynamic' or a positive number")
+        if ls == "dynamic":
+            object.__setattr__(self, "loss_scale", DynamicLossScale())
+        elif not (isinstance(ls, DynamicLossScale) or _positive(ls)):
+            raise ValueError(f"zerocore.Config: loss_scale={ls!r}; use 'dynamic', a zerocore.DynamicLossScale or a "
+                             "positive number")
         mgn = self.max_grad_norm
-        if mgn is not None and not (isinstance(mgn, (int, float)) and math.isfinite(mgn) and mgn > 0):
+        if mgn is not None and not _positive(mgn):
             raise ValueError(f"zerocore.Config: max_grad_norm={mgn!r}; use a positive number or None")
         for name, lo in (("bucket_bytes", 1), ("prefetch_bytes", 0), ("persist_threshold", 0),
                          ("delayed_update_warmup", 0)):
@@ -146,6 +188,15 @@ class Config:
             return cls(**config)
         raise TypeError(f"zerocore.wrap: config must be a zerocore.Config or a dict, got {type(config).__name__}")
 
+    @classmethod
+    def from_deepspeed(cls, source, world_size=None) -> "Config":
+        """The Config a DeepSpeed JSON config (a path or a dict) sets;
+        zerocore.DeepSpeedConfig also builds its optimizer and scheduler
+        and resolves its batch keys (deepspeed_config.py)."""
+        from zerocore.deepspeed_config import DeepSpeedConfig
+
+        return DeepSpeedConfig(source, world_size).config
+
     @property
     def delays_from(self) -> Optional[int]:
         """The first step whose update is delayed (None: none is)."""
@@ -153,4 +204,4 @@ class Config:
 
     @property
     def uses_loss_scaling(self) -> bool:
-        return self.loss_scale != "dynamic" or self.dtype == "fp16"
+        return not isinstance(self.loss_scale, DynamicLossScale) or self.dtype == "fp16"

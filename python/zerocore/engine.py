@@ -25,7 +25,7 @@ from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES, FlatGroup
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
-from zerocore.loss_scale import LossScaler
+from zerocore.loss_scale import LossScaler, NonFiniteGradientError
 from zerocore.materialize import IncompatibleKeys, Initializer, Loader
 from zerocore.offload import OffloadUpdate, host_memory_problem
 from zerocore.optim import drive_engine, read_optimizer
@@ -41,11 +41,6 @@ def _state_names(spec) -> tuple:
     if spec.kind == "sgd":
         return ("momentum_buffer",) if any(g["momentum"] for g in spec.param_groups) else ()
     return ("exp_avg", "exp_avg_sq")
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """Raised (on every rank) when gradients hold inf/NaN and no dynamic loss
-    scaling is there to absorb it; params and optimizer state are untouched."""
 
 
 def _own_group(group, timeout):

@@ -82,7 +82,7 @@ def _manifest(engine, save_id, sizes, lr_scheduler, extra) -> dict:
         "format": FORMAT, "version": VERSION, "id": save_id,
         "world_size": engine.comm.world_size, "stage": engine.config.stage, "dtype": engine.config.dtype,
         "step": engine.step_count,
-        "loss_scale": {"scale": engine.scaler.scale, "clean_steps": engine.scaler._clean_steps},
+        "loss_scale": engine.scaler.state_dict(),
         "optimizer": {"kind": engine.kind, "states": list(engine.state_names),
                       "param_groups": [_hyper(g) for g in engine.optimizer.param_groups]},
         "params": [{"names": names, "shape": list(p.shape), "trainable": p.requires_grad,
@@ -253,8 +253,7 @@ def _apply(engine, ckpt, loads, lr_scheduler):
         elif torch.cuda.is_available() and int(key.rsplit("/", 1)[1]) < torch.cuda.device_count():
             torch.cuda.set_rng_state(state, int(key.rsplit("/", 1)[1]))
     engine.step_count = m["step"]
-    engine.scaler.scale = m["loss_scale"]["scale"]
-    engine.scaler._clean_steps = m["loss_scale"]["clean_steps"]
+    engine.scaler.load_state_dict(m["loss_scale"])
     for group, saved in zip(engine.optimizer.param_groups, m["optimizer"]["param_groups"]):
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
     if lr_scheduler is not None:

@@ -1,0 +1,267 @@
+"""DeepSpeed JSON configs (zerocore.DeepSpeedConfig, Config.from_deepspeed):
+every key of DeepSpeed's documented schema that zerocore reads maps onto
+what it names; a run configured from JSON equals the same run configured by
+hand; where semantics could drift (batch-size resolution, loss scaling, the
+schedulers' learning rates) zerocore is compared with DeepSpeed itself, on
+its CPU accelerator."""
+import math
+import os
+
+import pytest
+import torch
+
+import zerocore
+from zerocore import DeepSpeedConfig, DeepSpeedConfigError, DynamicLossScale
+from zerocore.deepspeed_schedules import WarmupCosineLR, WarmupDecayLR
+from zerocore.loss_scale import LossScaler, NonFiniteGradientError
+from dist_harness import run_ranks
+from models import assert_state_close, engine_train, make
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# Every key zerocore reads, as DeepSpeed's documentation spells them.
+FULL = {
+    "train_batch_size": 32,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "communication_data_type": "fp32",
+    "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4,
+                                                      "warmup_num_steps": 100, "total_num_steps": 1000,
+                                                      "warmup_type": "linear"}},
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+             "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 2},
+    "bf16": {"enabled": False},
+    "zero_optimization": {
+        "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 1000,
+        "stage3_prefetch_bucket_size": 3000, "stage3_param_persistence_threshold": 50,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 1e9,
+    },
+    "steps_per_print": 10,
+    "wall_clock_breakdown": False,
+}
+
+
+def test_every_key_maps_onto_what_it_names():
+    with pytest.warns(UserWarning, match="change nothing") as record:
+        ds = DeepSpeedConfig(FULL, world_size=2)
+    ignored = str(record[0].message)
+    for key in ("steps_per_print", "wall_clock_breakdown", "zero_optimization.overlap_comm",
+                "zero_optimization.offload_param.pin_memory", "zero_optimization.sub_group_size"):
+        assert key in ignored
+    assert (ds.train_batch_size, ds.micro_batch_size, ds.gradient_accumulation_steps) == (32, 4, 4)
+    c = ds.config
+    assert (c.stage, c.dtype, c.reduce_dtype, c.max_grad_norm) == (3, "fp16", "fp32", 1.0)
+    assert c.loss_scale == DynamicLossScale(initial=2.0**12, window=500, hysteresis=3, min_scale=2.0,
+                                            consecutive_hysteresis=True, deepspeed_growth=True)
+    assert (c.bucket_bytes, c.prefetch_bytes, c.persist_threshold) == (4000, 6000, 50)  # fp32 reduce, fp16 params
+    assert (c.offload_optimizer, c.offload_params) == ("cpu", "cpu")
+    with pytest.warns(UserWarning, match="change nothing"):
+        assert zerocore.Config.from_deepspeed(FULL, world_size=2) == c
+    opt = ds.optimizer([torch.nn.Parameter(torch.zeros(3))])
+    assert type(opt) is torch.optim.AdamW
+    group = opt.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.9, 0.95), 1e-8, 0.1)
+    assert isinstance(ds.scheduler(opt), WarmupDecayLR)
+
+
+@pytest.mark.parametrize("kind,decoupled,weight_decay", [
+    ({"type": "Adam", "params": {"lr": 1e-3}}, True, 0.0),  # DeepSpeed's Adam is AdamW unless told
+    ({"type": "adam", "params": {"lr": 1e-3, "adam_w_mode": False, "weight_decay": 0.1}}, False, 0.1),
+    ({"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, True, 0.01),  # torch's default decay
+])
+def test_adam_types_keep_deepspeeds_semantics(kind, decoupled, weight_decay):
+    opt = DeepSpeedConfig({"train_batch_size": 2, "optimizer": kind}).optimizer([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(opt, torch.optim.AdamW) == decoupled and opt.param_groups[0]["weight_decay"] == weight_decay
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}}, "NVMe"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, "quantized gradients"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, "partial offload"),
+    ({"zero_optimization": {"stage": 2, "some_new_knob": 1}}, "zero_optimization.some_new_knob"),
+    ({"curriculum_learning": {"enabled": True}}, "'curriculum_learning' would change training"),
+    ({"amp": {"enabled": True}}, "'amp' would change training"),
+    ({"prescale_gradients": True}, "'prescale_gradients'"),
+    ({"gradient_clipping": "auto"}, "gradient_clipping is \"auto\""),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both fp16 and bf16"),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
+    ({"train_micro_batch_size_per_gpu": 3}, "disagree"),
+    ({"train_batch_size": None}, "neither train_batch_size"),
+    ({"zero_optimization": {"stage": 5}}, "stage=5"),
+])
+def test_what_zerocore_does_not_do_is_an_error_naming_it(change, match):
+    config = {"train_batch_size": 8, "gradient_accumulation_steps": 2, **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(DeepSpeedConfigError, match=match):
+        DeepSpeedConfig(config, world_size=2)
+
+
+@pytest.mark.parametrize("block,match", [
+    ({"optimizer": {"type": "Lamb", "params": {}}}, "Lamb"),
+    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, "bias_correction"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "OneCycle"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "total_num_steps"),
+])
+def test_optimizer_and_scheduler_blocks_zerocore_cannot_build_are_errors(block, match):
+    ds = DeepSpeedConfig({"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **block})
+    with pytest.raises(DeepSpeedConfigError, match=match):
+        ds.scheduler(ds.optimizer([torch.nn.Parameter(torch.zeros(2))]))
+
+
+# A run from JSON against the same run by hand ---------------------------------
+
+POWER = 15  # high enough for the first steps to overflow in fp16, so that hysteresis and growth both act
+RUN = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+       "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1}},
+       "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2}},
+       "fp16": {"enabled": True, "initial_scale_power": POWER, "loss_scale_window": 2, "hysteresis": 2},
+       "zero_optimization": {"stage": 2, "reduce_bucket_size": 300}}
+
+
+def _from_json_and_by_hand(rank, world):
+    ds = DeepSpeedConfig(RUN)
+    model = make()
+    opt = ds.optimizer(model.parameters())
+    scheduler = ds.scheduler(opt)
+    engine = zerocore.wrap(model, opt, ds.config)
+    from_json = engine_train(engine, rank, world, 8, ds.gradient_accumulation_steps, scheduler=scheduler)
+    scales = [engine.loss_scale, engine.step_count]
+
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    scheduler = WarmupCosineLR(opt, total_num_steps=6, warmup_num_steps=2)
+    engine = zerocore.wrap(model, opt, zerocore.Config(
+        stage=2, dtype="fp16", bucket_bytes=600, max_grad_norm=0.05,
+        loss_scale=DynamicLossScale(initial=2.0**POWER, window=2, hysteresis=2, deepspeed_growth=True)))
+    by_hand = engine_train(engine, rank, world, 8, 2, scheduler=scheduler)
+    return from_json, by_hand, ds.micro_batch_size, scales + [engine.loss_scale, engine.step_count]
+
+
+def test_a_run_from_json_equals_the_run_configured_by_hand():
+    for from_json, by_hand, micro, (scale, steps, hand_scale, hand_steps) in run_ranks(_from_json_and_by_hand, 2):
+        assert micro == 2
+        assert (scale, steps) == (hand_scale, hand_steps)
+        assert 0 < steps < 8, "some steps overflowed and some were applied"
+        assert_state_close(from_json, by_hand, rtol=0, atol=0, what="from JSON")
+
+
+# Against DeepSpeed itself --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def deepspeed():
+    ds = pytest.importorskip("deepspeed")
+    import deepspeed.runtime.config as ds_config
+    import deepspeed.runtime.fp16.loss_scaler as ds_scaler
+
+    # Outside deepspeed.init_distributed, DeepSpeed asks its comm layer for
+    # this process's rank; the tests give it one.
+    ds_config.dist.get_rank = ds_scaler.dist.get_rank = lambda *a, **k: 0
+    return ds
+
+
+class _DataParallel:
+    def __init__(self, world):
+        self.world = world
+
+    def get_data_parallel_world_size(self):
+        return self.world
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_batch_keys_resolve_as_deepspeeds(deepspeed, world):
+    from deepspeed.runtime.config import DeepSpeedConfig as Reference
+
+    for train in (None, 16, 24):
+        for micro in (None, 2, 3):
+            for accum in (None, 1, 2):
+                given = {k: v for k, v in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
+                                           ("gradient_accumulation_steps", accum)) if v is not None}
+                try:
+                    ref = Reference(dict(given), mpu=_DataParallel(world))
+                    expected = (ref.train_batch_size, ref.train_micro_batch_size_per_gpu,
+                                ref.gradient_accumulation_steps)
+                except (AssertionError, ValueError):
+                    expected = None
+                try:
+                    ours = DeepSpeedConfig(given, world_size=world)
+                    got = (ours.train_batch_size, ours.micro_batch_size, ours.gradient_accumulation_steps)
+                except DeepSpeedConfigError:
+                    got = None
+                assert got == expected, (given, world)
+
+
+@pytest.mark.parametrize("hysteresis,consecutive", [(1, False), (2, False), (3, True)])
+def test_dynamic_loss_scale_follows_deepspeeds_step_by_step(deepspeed, hysteresis, consecutive, gen):
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    fp16 = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 3, "hysteresis": hysteresis,
+            "consecutive_hysteresis": consecutive, "min_loss_scale": 4}
+    ours = LossScaler(DeepSpeedConfig({"train_batch_size": 1, "fp16": fp16}).config.loss_scale, "fp16")
+    ref = DynamicLossScaler(init_scale=2.0**10, scale_window=3, min_scale=4, delayed_shift=hysteresis,
+                            consecutive_hysteresis=consecutive)
+    # Random outcomes, then overflows until both reach the minimum scale.
+    overflows = (torch.rand(200, generator=gen) < 0.3).tolist() + [True] * 40
+    raised = []
+    for step, overflow in enumerate(overflows):
+        for scaler, update in ((ours, ours.update), (ref, ref.update_scale)):
+            try:
+                update(overflow)
+            except (NonFiniteGradientError, Exception) as e:  # noqa: PERF203 - DeepSpeed raises a bare Exception
+                raised.append((scaler is ours, step, "minimum" in str(e)))
+        if raised:
+            break
+        assert ours.scale == ref.cur_scale, f"step {step}"
+    # Both reach the minimum scale and raise there, at the same step.
+    assert sorted(raised) == [(False, raised[0][1], True), (True, raised[0][1], True)]
+
+
+SCHEDULES = [
+    ("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}),
+    ("WarmupLR", {"warmup_num_steps": 7, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 25, "warmup_min_lr": 0, "warmup_max_lr": 2e-3, "warmup_num_steps": 5}),
+    ("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 8, "warmup_type": "linear"}),
+    ("WarmupCosineLR", {"total_num_steps": 30, "warmup_num_steps": 6, "warmup_min_ratio": 0.1,
+                        "cos_min_ratio": 0.01}),
+    ("WarmupCosineLR", {"total_num_steps": 12, "warmup_num_steps": 4, "warmup_type": "linear"}),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no optimizer steps here
+@pytest.mark.parametrize("kind,params", SCHEDULES)
+def test_schedulers_give_deepspeeds_learning_rates_step_by_step(deepspeed, kind, params):
+    from deepspeed.runtime import lr_schedules
+
+    def optimizer():
+        return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 1e-3},
+                                {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 5e-4}], lr=1e-3)
+
+    ours_opt, ref_opt = optimizer(), optimizer()
+    ours = DeepSpeedConfig({"train_batch_size": 1, "scheduler": {"type": kind, "params": params}}).scheduler(ours_opt)
+    ref = getattr(lr_schedules, kind)(ref_opt, **params)
+    for step in range(40):
+        got, expected = [g["lr"] for g in ours_opt.param_groups], [g["lr"] for g in ref_opt.param_groups]
+        assert all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15) for a, b in zip(got, expected)), (step, got,
+                                                                                                      expected)
+        ours.step()
+        ref.step()
+
+
+def test_loss_scale_settings_round_trip_through_a_checkpoint(tmp_path):
+    """The hysteresis left is part of the loss scale's state."""
+    scaler = LossScaler(DynamicLossScale(hysteresis=3), "fp16")
+    scaler.update(True)
+    again = LossScaler(DynamicLossScale(hysteresis=3), "fp16")
+    again.load_state_dict(scaler.state_dict())
+    for s in (scaler, again):
+        s.update(True)
+    assert scaler.state_dict() == again.state_dict() and scaler.scale == 2.0**16
+    scaler.update(True)
+    assert scaler.scale == 2.0**15
