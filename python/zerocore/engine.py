@@ -7,6 +7,14 @@ step's BucketCollectives), stage 3's UnitSchedule (stage3.py) and the
 post-step param all-gather; then it runs forward through the module,
 backward through autograd with the hooks that drive that schedule, and
 steps the partitioned native optimizer in one call.
+
+torch.compile: the engine's own work runs eagerly, never traced
+(torch.compiler.disable: dynamo must not trace native calls): the buffer
+broadcast before the forward, backward, the step and zero_grad, and stage
+3's hooks (stage3.py). The module's forward is compiled (in one graph at
+stages 0-2, between the units' hooks at stage 3), and so is the backward of
+what it compiled, through autograd as usual. (torch.compiler.disable imports
+torch._dynamo with zerocore; building any torch.optim optimizer does too.)
 """
 from __future__ import annotations
 
@@ -103,6 +111,15 @@ def _model_problem(module, params, names, spec):
         return ValueError(f"zerocore.wrap: optimizer param group {unknown[0]} holds a tensor that is not a "
                           "parameter of this module")
     return None
+
+
+# Why a graph breaks at the engine's calls: dynamo's error under fullgraph=True.
+_BUFFERS = ("zerocore: engine.forward broadcasts the module's buffers from rank 0 eagerly, a graph break before the "
+            "module runs; for fullgraph=True compile the module (model.compile(fullgraph=True)), not the engine")
+_TRAINING = ("zerocore: engine.backward, step and zero_grad run eagerly (native collectives and hooks), graph breaks; "
+             "for fullgraph=True compile the forward alone (torch.compile(engine) or model.compile()) and call "
+             "them outside it: the backward of the compiled forward is compiled all the same")
+_training = torch.compiler.disable(reason=_TRAINING)
 
 
 def _hash(data: bytes, bits: int) -> int:
@@ -350,6 +367,7 @@ class Engine:
                 if dtype is not None and b.dtype != dtype:
                     setattr(mod, name, b.to(dtype))
 
+    @torch.compiler.disable(reason=_BUFFERS)
     def _sync_buffers(self):
         """Every rank takes rank 0's buffers (running statistics...), as DDP does."""
         for b in self.module.buffers():
@@ -362,7 +380,8 @@ class Engine:
     def forward(self, *args, **kwargs):
         """Runs the module. Floating-point inputs are cast to the training
         dtype; buffers come from rank 0, as DDP does."""
-        self._sync_buffers()
+        if next(self.module.buffers(), None) is not None:  # compiled, a model without buffers has no graph break
+            self._sync_buffers()
         if self.dtype != torch.float32:
             cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             args = torch.utils._pytree.tree_map(cast, args)
@@ -376,11 +395,20 @@ class Engine:
             if self.scheduler:
                 self.scheduler.end_forward(failed)
 
+    @_training
     def backward(self, loss: torch.Tensor):
         """loss.backward() with gradient reduction. Call it k times before
         step() to accumulate: grads sum over calls and average over ranks."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a scalar tensor")
+        if self.placement.partitions_grads and getattr(torch._dynamo.compiled_autograd, "compiled_autograd_enabled",
+                                                       False):
+            hooks = "hand each grad to native reduction" + (" and gather units" if self.scheduler else "")
+            raise RuntimeError(
+                f"engine.backward: compiled autograd cannot run the backward of stage {self.placement.stage}, whose "
+                f"hooks {hooks} as autograd goes, outside any graph. Leave compiled autograd off "
+                "(torch._dynamo.config.compiled_autograd = False) for engine.backward: the backward of a compiled "
+                "forward is compiled all the same")
         if self._reduced is not None:
             raise RuntimeError("engine.backward: the grads of this step were already reduced (engine.clip_grad_norm_ "
                                "or a step that raised); call engine.step() or engine.zero_grad() first")
@@ -403,11 +431,13 @@ class Engine:
             if g.trainable:
                 g.hide_grads()
 
+    @_training
     def step(self) -> bool:
         """Applies the accumulated gradients. Returns False when an fp16
         overflow on any rank skipped the step (on every rank)."""
         return self.optimizer.step()
 
+    @_training
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips this step's grads to the global norm max_norm, as
         torch.nn.utils.clip_grad_norm_ does, and returns their global norm
@@ -473,6 +503,7 @@ class Engine:
             "trainable from the start in a param group of its own with lr=0 until it should train (a scheduler "
             "can raise it).")
 
+    @_training
     def _step(self) -> bool:
         total = self._reduce_grads()
         world = self.comm.world_size
@@ -527,6 +558,7 @@ class Engine:
         if self.scheduler:
             self.scheduler.end_step()
 
+    @_training
     def zero_grad(self):
         """Zeroes the grads (a step's reduced ones too, after a step that
         raised); every param's .grad is None."""

@@ -33,6 +33,17 @@ schedule, in which the ranks agree on what to gather and when to reduce
 Prefetch is only ever a guess: a wrong one costs a gather, never a wrong
 result, and every rank makes the same guesses.
 
+torch.compile: the module hooks and the saved-tensor hooks are
+torch.compiler.disable'd (FSDP2's are too): they call the native schedule
+and rebind params, which dynamo must not trace. A compiled module's graphs
+break at each unit's hooks, so a unit's forward is a graph of its own
+(and its backward, through AOTAutograd), called with the params its
+pre-hook bound; the params it saves for backward go through _pack like
+any others. (A root forward that calls its units in a loop runs its own
+code eagerly: dynamo gives up on a frame with a graph break in a loop.)
+fullgraph=True across units cannot work and raises with UNIT_HOOKS as the
+reason; the backward hooks run inside engine.backward, which is eager.
+
 Saved tensors: a released unit may be gathered again into another buffer
 of the pool. Autograd saves a leaf param as the param itself, which follows
 the rebinding; a view of a param (W.t() inside a linear) it saves as is, so
@@ -51,6 +62,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import zerocore
 from zerocore.flat_group import NATIVE_NAMES
+
+
+# Why a graph breaks at a unit's hooks: dynamo's error under fullgraph=True.
+UNIT_HOOKS = ("zerocore stage 3 gathers and releases a unit's params in its module hooks, which run eagerly: a "
+              "graph breaks at each unit. Compile without fullgraph=True, or compile each unit with "
+              "torch.compile(unit, fullgraph=True) before zerocore.wrap (its hooks then run outside the graph)")
+_eager = torch.compiler.disable(reason=UNIT_HOOKS)
 
 
 def find_units(module: nn.Module, units=None) -> list:
@@ -170,6 +188,7 @@ class UnitScheduler:
 
     # Forward ---------------------------------------------------------------
     def _pre_forward(self, unit):
+        @_eager
         def hook(module, args, kwargs):
             if unit.index == 0 and not self.in_backward:
                 self._save_param_views(True)
@@ -200,6 +219,7 @@ class UnitScheduler:
         self.saving = on
 
     def _post_forward(self, unit):
+        @_eager
         def hook(module, args, output):
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors and not self.in_backward:  # a recomputation's backward is the one already running
@@ -211,6 +231,7 @@ class UnitScheduler:
             return output
         return hook
 
+    @_eager
     def end_forward(self, failed=False):
         """After the root's forward (or its failure): posts this rank's
         done-round (a failure waits for the other ranks to hear of it)."""
@@ -287,6 +308,7 @@ class SavedParamViews(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(functools.partial(_pack, ref), functools.partial(_unpack, ref))
 
 
+@_eager
 def _pack(scheduler, t):
     if t.layout == torch.strided and not t.is_meta:
         unit = scheduler().at.get(t.untyped_storage().data_ptr())
@@ -295,6 +317,7 @@ def _pack(scheduler, t):
     return t
 
 
+@_eager
 def _unpack(scheduler, packed):
     if isinstance(packed, _ParamView):
         live = scheduler()
