@@ -15,7 +15,7 @@ from zerocore import DeepSpeedConfig, DeepSpeedConfigError, DynamicLossScale
 from zerocore.deepspeed_schedules import WarmupCosineLR, WarmupDecayLR
 from zerocore.loss_scale import LossScaler, NonFiniteGradientError
 from dist_harness import run_ranks
-from models import assert_state_close, engine_train, make
+from models import assert_state_close, engine_train, lm_batch, local, make
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -265,3 +265,34 @@ def test_loss_scale_settings_round_trip_through_a_checkpoint(tmp_path):
     assert scaler.state_dict() == again.state_dict() and scaler.scale == 2.0**16
     scaler.update(True)
     assert scaler.scale == 2.0**15
+
+
+def _readme_example(rank, world, folder):
+    """The README's DeepSpeed example, as written, with a model, a loss and
+    batches of its own."""
+    import json
+    import re
+
+    import torch.nn.functional as F
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme[readme.index("## DeepSpeed configs"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    os.chdir(folder)
+    if rank == 0:
+        with open("ds_config.json", "w") as f:
+            json.dump({**RUN, "fp16": {"enabled": False}}, f)
+    torch.distributed.barrier()
+    model = make()
+    x, y = lm_batch(0, 0, world)
+    batches = [local(x, rank, world)] * 4
+    targets = local(y, rank, world)
+    namespace = {"zerocore": zerocore, "model": model, "batches": batches,
+                 "loss_fn": lambda logits: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))}
+    exec(code, namespace)
+    return namespace["engine"].step_count, namespace["ds"].micro_batch_size
+
+
+def test_the_readme_example_runs_as_written(tmp_path):
+    for steps, micro in run_ranks(_readme_example, 2, str(tmp_path)):
+        assert (steps, micro) == (2, 2)
