@@ -40,6 +40,7 @@ from zerocore.engine import Engine, NonFiniteGradientError, wrap
 from zerocore.export import export
 from zerocore.materialize import init
 from zerocore.optim import SGD, Adam, AdamW
+from zerocore.sizing import estimate, largest_model
 
 __version__ = "0.1.0"
 
@@ -70,10 +71,12 @@ __all__ = [
     "checkpoint",
     "cpu_features",
     "empty",
+    "estimate",
     "export",
     "from_torch",
     "host_arena_bytes",
     "init",
+    "largest_model",
     "num_threads",
     "ops",
     "set_cpu_isa",

@@ -13,15 +13,18 @@ corpus bundled with the package (``zerocore/examples/data/tiny_corpus.txt``,
 a short story), so it needs no download. With ``--ranks N`` the job starts
 N local processes itself (gloo over 127.0.0.1, a free port); under torchrun
 (RANK/WORLD_SIZE set) it uses the launcher's environment instead. Rank 0
-prints the loss and tokens/s of every step. At the end every rank's
-measured model-state memory (``engine.memory_report()``) is printed beside
-the ZeRO formula (``zerocore.accounting.predicted_memory``, docs/design.md)
-and beside what plain data parallelism would hold, and the elements moved
-by each kind of collective in one step (``engine.comm_stats()``) beside
-``zerocore.accounting.predicted_comm``. With ``--tp T`` the GPT's blocks are
-tensor-parallel (zerocore.examples.tp_gpt) over groups of T consecutive
-ranks and ZeRO partitions over the other dimension (--ranks / T ranks), each
-block checkpointed with ``zerocore.checkpoint`` partitioned over its
+prints the loss, tokens/s and time of every step (tokens of the global
+batch, all ranks together), and after the last the run's throughput in one
+line (``throughput:``, the first step left out as warm-up). At the end
+every rank's measured model-state memory (``engine.memory_report()``) is
+printed beside the ZeRO formula (``zerocore.accounting.predicted_memory``,
+docs/design.md) and beside what plain data parallelism would hold, and the
+elements moved by each kind of collective in one step
+(``engine.comm_stats()``) beside ``zerocore.accounting.predicted_comm``.
+With ``--tp T`` the GPT's blocks are tensor-parallel
+(zerocore.examples.tp_gpt) over groups of T consecutive ranks and ZeRO
+partitions over the other dimension (--ranks / T ranks), each block
+checkpointed with ``zerocore.checkpoint`` partitioned over its
 tensor-parallel group (``--checkpoint``, ``--offload``); the report then
 adds every rank's activation-checkpoint bytes beside what the same
 checkpoints take whole.
@@ -224,6 +227,15 @@ def build_model(args, vocab: int, tp_group=None):
     return GPT(GPTConfig(**shape), seed=args.seed)
 
 
+def default_model():
+    """The model the job trains with its default flags, built from nothing
+    else: `zerocore estimate zerocore.examples.train:default_model --ranks 2`
+    tells its memory per rank."""
+    from zerocore.examples.gpt import CharTokenizer, load_corpus
+
+    return build_model(parse_args([]), CharTokenizer(load_corpus()).vocab_size)
+
+
 def _param_groups(model, weight_decay: float):
     """Weight decay on matrices only (embeddings and linear weights), none on biases and LayerNorms."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -292,7 +304,9 @@ def train(args, rank: int, world: int) -> dict:
 
     report = engine.memory_report()
     mem = {k: int(v) for k, v in report.items() if k != "by_device"}
-    k_bytes = accounting.optimizer_state_bytes("adamw", args.dtype)
+    k_bytes = accounting.optimizer_state_bytes("adamw", args.dtype, offload=args.offload_optimizer)
+    placement = dict(reduce_dtype=args.reduce_dtype, offload_optimizer=args.offload_optimizer,
+                     offload_params=args.offload_params, delayed_update=args.delayed_update is not None)
     return {
         "rank": rank,
         "numel": numel,
@@ -301,12 +315,13 @@ def train(args, rank: int, world: int) -> dict:
         "memory_by_device": {at: sum(v for k, v in c.items() if k in ("param", "grad", "optim"))
                              for at, c in report["by_device"].items()},
         "offload": engine.comm_stats().get("offload"),
-        "memory_pred": accounting.predicted_memory(args.stage, numel, dp_world, args.dtype, k_bytes),
+        "memory_pred": accounting.predicted_memory(args.stage, numel, dp_world, args.dtype, k_bytes, **placement),
         "dp_world": dp_world,
         "activations": zerocore.activation_memory() if args.checkpoint == "zerocore" else None,
         "comm": comm,
         "comm_pred": accounting.predicted_comm(args.stage, numel, args.accum, engine.root_numel),
-        "memory_dp": accounting.predicted_memory(0, numel, dp_world, args.dtype, k_bytes),
+        "memory_dp": accounting.predicted_memory(0, numel, dp_world, args.dtype,
+                                                 accounting.optimizer_state_bytes("adamw", args.dtype)),
         "uniform_loss": math.log(tok.vocab_size),
         "losses": losses,
         "step_times": step_times,
@@ -349,7 +364,8 @@ MEMORY_LEGEND = """\
   comm_buffers  buffers collectives work in, allocated at wrap: the gradient reduction's staging
                 buckets and, in stage 3, the pool units are gathered into (not model states; with
                 experts, the pool grows once to the units the ranks need at the same time)
-  formula       the ZeRO formula for this stage (docs/design.md, zerocore.accounting)
+  formula       the ZeRO formula for this stage (docs/design.md, zerocore.accounting; offloaded, with
+                the host's buffers too, docs/offload.md)
   plain DP      what plain data parallelism (stage 0, as DDP) would hold on every rank
   measured may exceed the formula by alignment padding; stage-3 params under --persist-threshold
   stay whole on every rank."""
@@ -363,6 +379,19 @@ COMM_LEGEND = """\
   rank's tokens were routed to are neither gathered nor reduced, so it may stay under the formula."""
 
 
+def throughput_line(step_times: list, tokens_per_step: int, ranks: int) -> str:
+    """The run's throughput in one line: tokens over seconds of every step
+    but the first (its warm-up: first-touch of the buffers, torch's lazy
+    initialisation), all ranks together and per rank."""
+    timed = step_times[1:] or step_times
+    first = len(step_times) - len(timed) + 1
+    tokens, seconds = tokens_per_step * len(timed), sum(timed)
+    steps = f"step {first}" if len(timed) == 1 else f"steps {first}-{len(step_times)}"
+    return (f"throughput: {tokens / seconds:,.0f} tok/s over {steps} ({tokens:,} tokens in {seconds:.3f} s"
+            + ("" if first == 1 else ", step 1 left out as warm-up")
+            + f"), {tokens / seconds / ranks:,.0f} tok/s per rank")
+
+
 def report(args, results: list) -> str:
     """The end-of-run summary (rank 0 prints it, for all ranks)."""
     r0 = results[0]
@@ -373,6 +402,7 @@ def report(args, results: list) -> str:
         f"\nloss {r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f} over {len(r0['losses'])} steps "
         f"(uniform guess: {r0['uniform_loss']:.4f}); median step {med * 1e3:.1f} ms, "
         f"{r0['tokens_per_step'] / med:,.0f} tok/s (all ranks)",
+        throughput_line(r0["step_times"], r0["tokens_per_step"], len(results)),
         f"\nmodel-state memory per rank, bytes: stage {args.stage}, Ψ = {r0['numel']:,}, N = {world}, "
         f"dtype {args.dtype}, K = {r0['k_bytes']}",
         f"  {'rank':>4}  {'category':<12} {'measured':>14} {'formula':>14} {'meas/form':>10} {'plain DP':>14}",
