@@ -10,7 +10,7 @@ from torch import nn
 import zerocore
 from zerocore import devices
 from dist_harness import RankError, run_ranks
-from models import TinyLM, assert_state_close, lm_batch, lm_loss, local, make, reference_train
+from models import assert_state_close, lm_batch, lm_loss, local, make, reference_train
 
 STAGES = (0, 1, 2, 3)
 STEPS = 4

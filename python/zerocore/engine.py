@@ -31,8 +31,9 @@ from zerocore import activation_checkpoint, devices, param_guards, save_load
 from zerocore._native import BucketCollectives, UnitSchedule
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
-from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES, FlatGroup
+from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
+from zerocore.grouping import build_groups
 from zerocore.loss_scale import LossScaler, NonFiniteGradientError
 from zerocore.materialize import IncompatibleKeys, Initializer, Loader
 from zerocore.offload import OffloadUpdate, host_memory_problem
@@ -41,7 +42,7 @@ from zerocore.optim import release as release_optimizer
 from zerocore.partition_update import InPlaceUpdate
 from zerocore.placement import Placement
 from zerocore.process_group import private_group
-from zerocore.stage3 import Unit, UnitScheduler, find_units
+from zerocore.stage3 import UnitScheduler
 
 
 def _state_names(spec) -> tuple:
@@ -155,7 +156,9 @@ class Engine:
             raise problem
         opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
         initializer.materialize()
-        self.groups, self.units = self._build_groups(module, params, names, opt_group, spec, units)
+        self.groups, self.units = build_groups(module, params, names, opt_group, config=cfg, placement=placement,
+                                               dtype=self.dtype, reduce_dtype=self.reduce_dtype, comm=self.comm,
+                                               state_names=self.state_names, units=units)
         self.comm.names.groups = [g.label for g in self.groups]  # errors name a collective's params
         self._allocate_agreeing()
         for g in self.groups:
@@ -245,44 +248,6 @@ class Engine:
             raise ValueError(f"zerocore.wrap: ranks disagree on the model, config or optimizer: rank(s) {odd} "
                              "differ from rank 0; every rank must wrap the same model with the same config")
 
-    def _build_groups(self, module, params, names, opt_group, spec, unit_spec):
-        cfg, sharded = self.config, self.placement.partitions_params
-        unit_modules = find_units(module, unit_spec) if sharded else [module]
-        # Each module's innermost unit (outer units come first), then each
-        # param's users: the innermost units of the modules registering it.
-        unit_of = {id(sub): i for i, m in enumerate(unit_modules) for sub in m.modules()}
-        users = {}
-        for mod in module.modules():
-            for p in mod.parameters(recurse=False):
-                users.setdefault(id(p), set()).add(unit_of[id(mod)])
-        owner = {id(p): self._owning_unit(unit_modules, users[id(p)]) for p in params}
-        def make(ps, trainable, sharded):
-            ps = ps[::-1]  # backward order: the reverse of registration
-            return FlatGroup(ps, [names[id(p)] for p in ps], [opt_group.get(id(p), 0) for p in ps],
-                             placement=self.placement, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
-                             trainable=trainable, sharded=sharded, bucket_bytes=cfg.bucket_bytes,
-                             comm=self.comm, state_names=self.state_names if trainable else (),
-                             delayed=cfg.delayed_update)
-
-        def split(ps, sharded):
-            return [make(sub, t, sharded) for t in (True, False)
-                    for sub in [[p for p in ps if p.requires_grad == t]] if sub]
-
-        units, persistent = [], []
-        for index, m in enumerate(unit_modules):
-            members = [p for p in params if owner[id(p)] == index]
-            if sharded:
-                persistent += [p for p in members if p.numel() < cfg.persist_threshold]
-                members = [p for p in members if p.numel() >= cfg.persist_threshold]
-            units.append(Unit(index, m, split(members, sharded=sharded)))
-        # Reduction order, the same on every rank: units in backward order
-        # (last registered first, the root, whose embeddings finish last,
-        # at the end), then the params kept whole.
-        groups = [g for u in units[1:][::-1] + units[:1] for g in u.groups] + split(persistent, sharded=False)
-        for tag, g in enumerate(groups):
-            g.tag = tag
-        return groups, (units if sharded else [])
-
     def _allocate_agreeing(self):
         """Every group's buffers, on every rank or on none: a host that
         cannot hold the offloaded states, or an allocation that fails on
@@ -320,18 +285,6 @@ class Engine:
     def _places(self) -> dict:
         """id(param) -> (its flat group, its index there)."""
         return {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
-
-    @staticmethod
-    def _owning_unit(unit_modules, users) -> int:
-        """The unit every use of a param runs inside: the user that contains
-        all the others (a weight of a unit, or tied between a unit and a
-        unit nested in it); the root when none does (weights tied across
-        unrelated units, or between a unit and the root's own modules, such
-        as an embedding tied to a head that is a unit)."""
-        for i in users:
-            if all(j == i or any(m is unit_modules[j] for m in unit_modules[i].modules()) for j in users):
-                return i
-        return 0
 
     def _staging_buffers(self) -> int:
         """Staging buffers of gradient reduction planned at wrap: one in

@@ -373,20 +373,19 @@ def _combinations(world_sizes, stages, offload):
 
 def _engine_layout(module, config, world_size: int, state_names, units) -> dict:
     """{"device" | "host": {"param", "grad", "optim"}}: the bytes the flat
-    groups zerocore.wrap would build hold on each rank: the engine's own
-    grouping (Engine._build_groups) and each group's buffer_plan, on an
-    engine that is never built, with no process group and no memory."""
-    from zerocore import engine as engine_module
+    groups zerocore.wrap would build hold on each rank: wrap's own plan
+    (grouping.build_groups) and each group's buffer_plan, with no process
+    group and no memory."""
+    from zerocore.engine import _param_names
     from zerocore.flat_group import TORCH_DTYPES
+    from zerocore.grouping import build_groups
     from zerocore.placement import Placement
 
-    planner = object.__new__(engine_module.Engine)  # only the attributes _build_groups reads
-    planner.config, planner.placement = config, Placement.of(config)
-    planner.dtype, planner.reduce_dtype = TORCH_DTYPES[config.dtype], TORCH_DTYPES[config.reduce_dtype]
-    planner.comm = SimpleNamespace(world_size=world_size, rank=0)
-    planner.state_names = state_names
-    groups, _ = planner._build_groups(module, list(module.parameters()), engine_module._param_names(module),
-                                      {}, None, units)
+    groups, _ = build_groups(module, list(module.parameters()), _param_names(module), {}, config=config,
+                             placement=Placement.of(config), dtype=TORCH_DTYPES[config.dtype],
+                             reduce_dtype=TORCH_DTYPES[config.reduce_dtype],
+                             comm=SimpleNamespace(world_size=world_size, rank=0), state_names=state_names,
+                             units=units)
     out = {at: dict.fromkeys(CATEGORIES, 0) for at in PLACES}
     for g in groups:
         for _, category, at, numel, dtype in g.buffer_plan():

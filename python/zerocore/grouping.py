@@ -1,0 +1,64 @@
+"""How wrap lays a module's params out: which stage-3 unit owns each param,
+and the flat groups (flat_group.py) they go into, in reduction order. The
+engine builds its store from this plan, and zerocore.estimate (sizing.py)
+counts the bytes of the same plan without allocating any."""
+from __future__ import annotations
+
+from zerocore.flat_group import FlatGroup
+from zerocore.stage3 import Unit, find_units
+
+
+def owning_unit(unit_modules, users) -> int:
+    """The unit every use of a param runs inside: the user that contains
+    all the others (a weight of a unit, or tied between a unit and a unit
+    nested in it); the root when none does (weights tied across unrelated
+    units, or between a unit and the root's own modules, such as an
+    embedding tied to a head that is a unit)."""
+    for i in users:
+        if all(j == i or any(m is unit_modules[j] for m in unit_modules[i].modules()) for j in users):
+            return i
+    return 0
+
+
+def build_groups(module, params, names, opt_group, *, config, placement, dtype, reduce_dtype, comm, state_names,
+                 units=None):
+    """(flat groups in reduction order, with their tags; stage 3's units,
+    root first, else []). names: id(param) -> its names; opt_group: id(param)
+    -> its optimizer param group; comm: the world size and rank the groups
+    partition over; units: wrap's units= (find_units)."""
+    sharded = placement.partitions_params
+    unit_modules = find_units(module, units) if sharded else [module]
+    # Each module's innermost unit (outer units come first), then each
+    # param's users: the innermost units of the modules registering it.
+    unit_of = {id(sub): i for i, m in enumerate(unit_modules) for sub in m.modules()}
+    users = {}
+    for mod in module.modules():
+        for p in mod.parameters(recurse=False):
+            users.setdefault(id(p), set()).add(unit_of[id(mod)])
+    owner = {id(p): owning_unit(unit_modules, users[id(p)]) for p in params}
+
+    def make(ps, trainable, sharded):
+        ps = ps[::-1]  # backward order: the reverse of registration
+        return FlatGroup(ps, [names[id(p)] for p in ps], [opt_group.get(id(p), 0) for p in ps],
+                         placement=placement, dtype=dtype, reduce_dtype=reduce_dtype, trainable=trainable,
+                         sharded=sharded, bucket_bytes=config.bucket_bytes, comm=comm,
+                         state_names=state_names if trainable else (), delayed=config.delayed_update)
+
+    def split(ps, sharded):
+        return [make(sub, t, sharded) for t in (True, False)
+                for sub in [[p for p in ps if p.requires_grad == t]] if sub]
+
+    built, persistent = [], []
+    for index, m in enumerate(unit_modules):
+        members = [p for p in params if owner[id(p)] == index]
+        if sharded:
+            persistent += [p for p in members if p.numel() < config.persist_threshold]
+            members = [p for p in members if p.numel() >= config.persist_threshold]
+        built.append(Unit(index, m, split(members, sharded=sharded)))
+    # Reduction order, the same on every rank: units in backward order (last
+    # registered first, the root, whose embeddings finish last, at the end),
+    # then the params kept whole.
+    groups = [g for u in built[1:][::-1] + built[:1] for g in u.groups] + split(persistent, sharded=False)
+    for tag, g in enumerate(groups):
+        g.tag = tag
+    return groups, (built if sharded else [])
