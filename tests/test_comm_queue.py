@@ -170,7 +170,7 @@ def _collectives_over_gloo(rank, world):
     out["sums"] = comm.sum_scalars([0.5, float(rank)])
     out["stats"] = dict(comm.stats)
     out["trace"] = comm.trace
-    out["total"] = comm.sum_checking_order([float(rank)], str)
+    out["total"] = comm.sum_checking_order([float(rank)])
     out["trace after check"] = comm.trace
     return out
 

@@ -189,22 +189,22 @@ class Communicator:
         return [b"".join(w.to_bytes(8, "little", signed=True) for w in row)[:n].decode()
                 for row, n in zip(rows, lengths)]
 
-    def sum_checking_order(self, values, describe) -> list:
+    def sum_checking_order(self, values) -> list:
         """Sums floats over ranks (in rank order, so every rank gets the same
         bits) and, in the same collective, checks that every rank issued the
         same data-plane collectives since the last call; raises
-        CollectiveOrderError on every rank if not. describe(tag) names a
-        flat group for the message."""
+        CollectiveOrderError on every rank if not, naming the first
+        collective where they parted (self.names)."""
         fingerprint = float(self.queue.fingerprint >> 12)  # 52 bits: exact in float64
         rows = self._gather_rows([*values, fingerprint], torch.float64, _NORMS)
         diverged = len({row[-1] for row in rows}) > 1
         trace = self.trace if diverged else None
         self.queue.restart_trace()
         if diverged:
-            raise CollectiveOrderError(self._divergence(trace, describe))
+            raise CollectiveOrderError(self._divergence(trace))
         return _column_sums(row[:-1] for row in rows)
 
-    def _divergence(self, trace, describe) -> str:
+    def _divergence(self, trace) -> str:
         """The error path: ranks exchange their traces and name the first
         collective where they parted."""
         lengths = self.gather_ints(len(trace))
@@ -221,8 +221,7 @@ class Communicator:
         def what(t):
             if first >= len(t):
                 return "nothing more before the step"
-            kind, tag, bucket, numel = t[first]
-            return f"{KINDS[kind]} of {describe(tag)}, bucket {bucket} ({numel:,} elements)"
+            return self.names(t[first])
 
         ranks = "\n".join(f"  rank {r}: {what(t)}" for r, t in enumerate(traces))
         return (f"zerocore: ranks issued different collectives since the last step; collective #{first + 1} was\n"

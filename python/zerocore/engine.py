@@ -425,8 +425,7 @@ class Engine:
         # The step's one control collective; it also checks that every rank
         # issued the same collectives. Partitioned, each rank holds a
         # disjoint part of the grads; otherwise all ranks hold them all.
-        summed, self._changed_anywhere = self.comm.sum_checking_order([local, len(self._trainability_changed)],
-                                                                      self._describe_group)
+        summed, self._changed_anywhere = self.comm.sum_checking_order([local, len(self._trainability_changed)])
         self._reduced = summed if self.placement.partitions_optimizer else local
 
     def _note_trainability(self):
@@ -499,11 +498,6 @@ class Engine:
     def _carry_param_writes(self):
         for g in self.groups:
             g.carry_param_writes()
-
-    def _describe_group(self, tag) -> str:
-        """A flat group's params, named for an order-contract error (another
-        rank's tag may be one this rank does not have)."""
-        return self.groups[tag].label if 0 <= tag < len(self.groups) else f"flat group {tag}"
 
     def _end_step(self):
         self._backward_calls = 0
