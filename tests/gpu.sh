@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path, checked in one command on a machine with an NVIDIA GPU:
 #
-#   bash tests/gpu.sh [results file]          # default: gpu-results.txt
+#   bash tests/gpu.sh [results file]            # default: gpu-results.txt
+#   bash tests/gpu.sh --dry-run [results file]  # anywhere nvcc is: CI runs this
 #
 # Nothing is downloaded (GPU machines may reach no registry, and their torch
 # may be older than the CPU pin): it builds zerocore with CUDA into a
@@ -10,24 +11,52 @@
 # CUDA ones (ctest), every Python test marked gpu and the GPU benchmarks,
 # and writes all they print to the results file. Without a visible GPU it
 # fails at once instead of skipping everything quietly.
+#
+# --dry-run needs no GPU and no driver: it makes the same two CUDA builds,
+# lists the C++ tests, imports zerocore.cuda from the CUDA build, collects
+# every GPU test (at least one, none failing to import) and starts each GPU
+# benchmark far enough to parse its arguments, and writes the results file:
+# everything the real run needs up to the GPU itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+dry_run=0
+if [[ "${1:-}" == "--dry-run" ]]; then
+  dry_run=1
+  shift
+fi
 results=$(realpath -m "${1:-gpu-results.txt}")
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/zerocore-gpu.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
 
 {
   echo "# zerocore GPU run, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  "$PYTHON" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device visible"; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+  if (( dry_run )); then
+    echo "# dry run: builds, imports and collection only; nothing ran on a GPU"
+  else
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$PYTHON" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device visible"; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+  fi
   cmake -S . -B "$scratch/native" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF -DZEROCORE_CUDA=ON
   cmake --build "$scratch/native"
-  ctest --test-dir "$scratch/native" --output-on-failure --timeout 300
+  if (( dry_run )); then
+    ctest --test-dir "$scratch/native" -N
+  else
+    ctest --test-dir "$scratch/native" --output-on-failure --timeout 300
+  fi
   "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index --target "$scratch/site" \
     -C cmake.define.ZEROCORE_CUDA=ON .
   export PYTHONPATH="$scratch/site"
-  "$PYTHON" -c 'import zerocore.cuda as c; assert c.is_available(), "zerocore was built without usable CUDA kernels"'
-  "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests
-  "$PYTHON" bench/gpu_adam_bench.py
+  if (( dry_run )); then
+    "$PYTHON" -c 'import zerocore.cuda as c; assert c.is_built(), "zerocore was built without the CUDA kernels"'
+    collected=$("$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --collect-only tests | tail -n 1)
+    echo "$collected"
+    [[ "$collected" =~ ^([0-9]+)/[0-9]+\ tests\ collected ]] && (( BASH_REMATCH[1] > 0 )) ||
+      { echo "gpu.sh --dry-run: no GPU test collected" >&2; exit 1; }
+    "$PYTHON" bench/gpu_adam_bench.py --help > /dev/null
+  else
+    "$PYTHON" -c 'import zerocore.cuda as c; assert c.is_available(), "zerocore was built without usable CUDA kernels"'
+    "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests
+    "$PYTHON" bench/gpu_adam_bench.py
+  fi
 } 2>&1 | tee "$results"

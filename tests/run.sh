@@ -4,8 +4,9 @@
 # what the project's own files declare (pyproject.toml: the package, its
 # `test` extra, torch pinned to the CPU build), so a dependency the project
 # forgot to declare fails here instead of hiding behind the machine's own
-# packages. Then it runs the C++ tests (ctest) and the Python tests (pytest);
-# GPU tests skip without a GPU. Extra arguments go to pytest.
+# packages. Then it runs the C++ tests (ctest), the GPU script's dry run
+# where a CUDA compiler is (tests/gpu.sh --dry-run) and the Python tests
+# (pytest); GPU tests skip without a GPU. Extra arguments go to pytest.
 #
 #   PYTHON=python3.12 bash tests/run.sh       # another interpreter
 #   bash tests/run.sh -k engine -x            # a subset of the Python tests
@@ -25,6 +26,14 @@ venv="$scratch/venv/bin"
   -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF
 "$venv/cmake" --build "$scratch/native"
 "$venv/ctest" --test-dir "$scratch/native" --output-on-failure --timeout 300
+
+# The GPU path up to the GPU itself (tests/gpu.sh --dry-run: the CUDA builds,
+# imports, test collection), wherever a CUDA compiler is.
+if command -v nvcc > /dev/null || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || -x /usr/local/cuda/bin/nvcc ]]; then
+  PATH="$venv:$PATH" PYTHON="$venv/python" bash tests/gpu.sh --dry-run "$scratch/gpu-dry-run.txt"
+else
+  echo "tests/run.sh: no CUDA compiler found; skipping tests/gpu.sh --dry-run"
+fi
 
 # From the repository root `python/zerocore` is not on the path, so the
 # tests import the installed package.
