@@ -89,7 +89,7 @@ def test_binding_checks_arguments_before_any_cuda_call():
         _cuda.adam_(p, p.clone(), p.clone(), p.clone(), step=1, lr=1e-3)
     with pytest.raises(ValueError, match="1-D"):
         _cuda.adam_(p.view(2, 2), p.clone(), p.clone(), p.clone(), step=1, lr=1e-3)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="adam_: param must be float32, bfloat16 or float16"):
         _cuda.adam_(p.double(), p.clone(), p.clone(), p.clone(), step=1, lr=1e-3)
 
 
@@ -181,8 +181,15 @@ def test_runs_on_torchs_current_stream(gen):
 
 @gpu
 def test_empty_partition_is_a_no_op():
-    e = torch.empty(0, device="cuda")
-    zc_cuda.adam_(e, e, e, e, step=1, lr=1e-3)
+    # Empty slices in the middle of buffers: the call succeeds (no launch of zero blocks, an
+    # error in CUDA) and writes nothing, neither at the slices' address nor around it.
+    bufs = [torch.full((8,), float(i + 1), device="cuda") for i in range(4)]
+    copy = torch.full((8,), 5.0, device="cuda", dtype=torch.bfloat16)
+    before = [b.clone() for b in (*bufs, copy)]
+    zc_cuda.adam_(*(b[4:4] for b in bufs), param_copy=copy[4:4], step=1, lr=1e-3, weight_decay=0.1)
+    torch.cuda.synchronize()
+    for b, was in zip((*bufs, copy), before):
+        assert torch.equal(b, was), (b, was)
 
 
 @gpu
@@ -206,7 +213,7 @@ def test_bad_arguments():
         zc_cuda.adam_(p, g, m.bfloat16(), v, **kw)
     with pytest.raises(TypeError, match="param_copy"):
         zc_cuda.adam_(p, g, m, v, param_copy=torch.zeros(8, device=dev), **kw)  # float32 copy
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="adam_: grad must be float32, bfloat16 or float16"):
         zc_cuda.adam_(p, g.double(), m, v, **kw)  # no float64 gradients
     with pytest.raises(TypeError, match="grad"):
         zc_cuda.adam_(p, g.cpu(), m, v, **kw)  # on the host
@@ -216,7 +223,7 @@ def test_bad_arguments():
         zc_cuda.adam_(p, g, m, v, param_copy=torch.zeros(9, dtype=torch.bfloat16, device=dev), **kw)
     with pytest.raises(ValueError, match="1-D"):
         zc_cuda.adam_(p.view(2, 4), g, m, v, **kw)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="adam_: param must be contiguous"):
         zc_cuda.adam_(torch.zeros(8, 2, device=dev)[:, 0], g, m, v, **kw)  # not contiguous
     with pytest.raises(ValueError, match="step"):
         zc_cuda.adam_(p, g, m, v, step=0, lr=1e-3)

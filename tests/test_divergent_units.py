@@ -184,10 +184,16 @@ def _fail(rank, world):
     model.forward = functools.partial(DataRouted.forward, model)
     engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
     engine.step()
-    return first
+    return first, engine.full_state_dict()
 
 
 def test_a_forward_failing_on_one_rank_raises_on_every_rank():
-    first = run_ranks(_fail, 2, timeout=60)
+    results = run_ranks(_fail, 2, timeout=60)
+    first = [r[0] for r in results]
     assert first[1] == "ValueError: rank 1's forward failed"
     assert first[0].startswith("RuntimeError: zerocore: 1 other rank(s) failed during this forward"), first[0]
+    # The step after the failure is the first step of single-process torch on the same batch.
+    model = make(DataRouted)
+    ref = reference_train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 1, 1, 2, batch=routed(random_codes))
+    for rank, (_, state) in enumerate(results):
+        assert_state_close(state, ref, rtol=1e-5, atol=1e-6, what=f"rank {rank} after the failed forward")

@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the problem, on every rank, with
 nothing a user had lost and no rank hung; fp16 overflow skips the step."""
 import math
+import re
 
 import pytest
 import torch
@@ -204,6 +205,11 @@ def test_a_rank_that_raises_mid_backward_fails_the_others_without_a_hang(stage):
     assert all(isinstance(r, RankError) for r in results)
     assert results[1].message == "rank 1 fails"
     assert results[0].exc_type == "RuntimeError"
+    if stage == 3:  # the unit schedule's rounds tell rank 0 that its peer failed
+        assert results[0].message.startswith("zerocore: 1 other rank(s) failed during this backward"), results[0]
+    else:  # stage 2's next control-plane collective finds the peer gone
+        assert re.match(r"control-plane all_gather .*: the transport's all_gather raised RuntimeError: "
+                        r".*Connection (closed|reset) by peer", results[0].message), results[0]
 
 
 def _released_param(rank, world):

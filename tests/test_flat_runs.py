@@ -101,6 +101,6 @@ def test_bad_runs_raise_before_writing(gen):
     runs[3]["state1"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"adam_ \(run 3\)"):
         native(runs).adam_(ADAM_GROUPS, step=1, grad_scale=1.0, adamw=True)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="sum_of_squares: tensor must be float32, bfloat16 or float16"):
         ops.sum_of_squares([torch.zeros(4, dtype=torch.int32)])
     assert torch.equal(runs[0]["param"], before)

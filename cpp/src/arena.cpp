@@ -13,6 +13,7 @@ namespace zerocore {
 
 namespace {
 std::atomic<size_t> g_live_bytes{0};
+std::atomic<uint64_t> g_created{0};
 constexpr size_t kSmallAlign = 64;  // a cache line; enough for any SIMD load
 
 size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
@@ -48,6 +49,7 @@ HostArena::HostArena(size_t bytes, bool zeroed) : bytes_(bytes) {
     if (zeroed) std::memset(data_, 0, rounded);
   }
   g_live_bytes += bytes_;
+  ++g_created;
 }
 
 HostArena::~HostArena() {
@@ -77,5 +79,7 @@ Tensor HostArena::view(size_t byte_offset, DType dtype, std::vector<int64_t> sha
 }
 
 size_t HostArena::live_bytes() { return g_live_bytes.load(); }
+
+uint64_t HostArena::created() { return g_created.load(); }
 
 }  // namespace zerocore

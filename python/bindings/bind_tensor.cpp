@@ -71,6 +71,8 @@ void bind_tensor(nb::module_& m) {
       "from_dlpack", [](nb::handle obj) { return tensor_from_dlpack(obj, "tensor"); }, nb::arg("tensor"),
       "Wraps any DLPack tensor's memory (zero-copy); the source stays alive while the result does.");
   m.def("host_arena_bytes", &HostArena::live_bytes, "Bytes held by all live host arenas.");
+  m.def("host_arena_allocations", &HostArena::created,
+        "Host arenas allocated by this process so far (every native buffer is one; the count only grows).");
 }
 
 }  // namespace zerocore::bindings

@@ -40,6 +40,9 @@ class HostArena : public std::enable_shared_from_this<HostArena> {
   // Bytes held by all live arenas of this process (for leak tests and
   // memory reports).
   static size_t live_bytes();
+  // Arenas this process has created so far (a count that only grows): what
+  // shows that a loop, such as a training step, allocates nothing.
+  static uint64_t created();
 
  private:
   HostArena(size_t bytes, bool zeroed);

@@ -36,6 +36,7 @@ the rendezvous have a timeout (``--timeout``), so no rank waits forever.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import pickle
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
                    help="how --ranks processes start (default: fork on Linux, spawn elsewhere)")
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--losses-out", default=None, metavar="FILE",
+                   help="also write every step's loss (mean over ranks, full precision) to FILE as a JSON list "
+                        "(default: not written)")
     return p
 
 
@@ -498,6 +502,9 @@ def _run_rank(args, rank: int, world: int, local_world: int, init_method: str) -
         results = _gather_summaries(train(args, rank, world), world)
         if rank == 0:
             print(report(args, results), flush=True)
+            if args.losses_out:
+                with open(args.losses_out, "w") as f:
+                    json.dump(results[0]["losses"], f)
     finally:
         dist.destroy_process_group()
 
