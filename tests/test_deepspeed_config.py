@@ -6,13 +6,14 @@ schedulers' learning rates) zerocore is compared with DeepSpeed itself, on
 its CPU accelerator."""
 import math
 import os
+import warnings
 
 import pytest
 import torch
 
 import zerocore
 from zerocore import DeepSpeedConfig, DeepSpeedConfigError, DynamicLossScale
-from zerocore.deepspeed_schedules import WarmupCosineLR, WarmupDecayLR
+from zerocore.deepspeed_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerocore.loss_scale import LossScaler, NonFiniteGradientError
 from dist_harness import run_ranks
 from models import assert_state_close, engine_train, lm_batch, local, make
@@ -126,31 +127,73 @@ RUN = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "g
        "zero_optimization": {"stage": 2, "reduce_bucket_size": 300}}
 
 
-def _from_json_and_by_hand(rank, world):
-    ds = DeepSpeedConfig(RUN)
-    model = make()
-    opt = ds.optimizer(model.parameters())
-    scheduler = ds.scheduler(opt)
-    engine = zerocore.wrap(model, opt, ds.config)
-    from_json = engine_train(engine, rank, world, 8, ds.gradient_accumulation_steps, scheduler=scheduler)
-    scales = [engine.loss_scale, engine.step_count]
-
-    model = make()
+def _fp16_by_hand(model):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-    scheduler = WarmupCosineLR(opt, total_num_steps=6, warmup_num_steps=2)
-    engine = zerocore.wrap(model, opt, zerocore.Config(
+    return opt, WarmupCosineLR(opt, total_num_steps=6, warmup_num_steps=2), zerocore.Config(
         stage=2, dtype="fp16", bucket_bytes=600, max_grad_norm=0.05,
-        loss_scale=DynamicLossScale(initial=2.0**POWER, window=2, hysteresis=2, deepspeed_growth=True)))
-    by_hand = engine_train(engine, rank, world, 8, 2, scheduler=scheduler)
-    return from_json, by_hand, ds.micro_batch_size, scales + [engine.loss_scale, engine.step_count]
+        loss_scale=DynamicLossScale(initial=2.0**POWER, window=2, hysteresis=2, deepspeed_growth=True))
 
 
-def test_a_run_from_json_equals_the_run_configured_by_hand():
-    for from_json, by_hand, micro, (scale, steps, hand_scale, hand_steps) in run_ranks(_from_json_and_by_hand, 2):
+OFFLOADED = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+             "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "nesterov": True}},
+             "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 8, "warmup_num_steps": 3,
+                                                               "warmup_max_lr": 0.05, "warmup_type": "linear"}},
+             "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 100,
+                                   "stage3_param_persistence_threshold": 40,
+                                   "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+
+
+def _offloaded_by_hand(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    return opt, WarmupDecayLR(opt, total_num_steps=8, warmup_num_steps=3, warmup_max_lr=0.05,
+                              warmup_type="linear"), zerocore.Config(
+        stage=3, dtype="bf16", prefetch_bytes=200, persist_threshold=40, offload_optimizer="cpu",
+        offload_params="cpu")
+
+
+PLAIN = {"train_micro_batch_size_per_gpu": 2, "communication_data_type": "fp32",
+         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False, "weight_decay": 0.01}},
+         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+         "zero_optimization": {"stage": 1, "reduce_bucket_size": 100, "overlap_comm": True}}
+
+
+def _plain_by_hand(model):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return opt, WarmupLR(opt, warmup_num_steps=4), zerocore.Config(stage=1, reduce_dtype="fp32", bucket_bytes=400)
+
+
+RUNS = {"stage 2, fp16": (RUN, _fp16_by_hand), "stage 3 offloaded, bf16": (OFFLOADED, _offloaded_by_hand),
+        "stage 1, fp32": (PLAIN, _plain_by_hand)}
+
+
+def _from_json_and_by_hand(rank, world, case):
+    source, by_hand = RUNS[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the keys that change nothing
+        ds = DeepSpeedConfig(source)
+    def from_json(model):
+        opt = ds.optimizer(model.parameters())
+        return opt, ds.scheduler(opt), ds.config
+
+    out = []
+    for build in (from_json, by_hand):
+        model = make()
+        opt, scheduler, config = build(model)
+        engine = zerocore.wrap(model, opt, config)
+        state = engine_train(engine, rank, world, 8, ds.gradient_accumulation_steps, scheduler=scheduler)
+        out.append((state, engine.loss_scale, engine.step_count))
+    return out, ds.micro_batch_size
+
+
+@pytest.mark.parametrize("case", RUNS)
+def test_a_run_from_json_equals_the_run_configured_by_hand(case):
+    for ((from_json, scale, steps), (by_hand, hand_scale, hand_steps)), micro in \
+            run_ranks(_from_json_and_by_hand, 2, case):
         assert micro == 2
         assert (scale, steps) == (hand_scale, hand_steps)
-        assert 0 < steps < 8, "some steps overflowed and some were applied"
-        assert_state_close(from_json, by_hand, rtol=0, atol=0, what="from JSON")
+        if case == "stage 2, fp16":
+            assert 0 < steps < 8, "some steps overflowed and some were applied"
+        assert_state_close(from_json, by_hand, rtol=0, atol=0, what=f"{case}: from JSON")
 
 
 # Against DeepSpeed itself --------------------------------------------------------
