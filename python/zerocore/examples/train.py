@@ -11,7 +11,9 @@ or its mixture-of-experts variant (``--model moe``, zerocore.examples.moe,
 where each rank runs only the experts its tokens are routed to) on the
 corpus bundled with the package (``zerocore/examples/data/tiny_corpus.txt``,
 a short story), so it needs no download. With ``--ranks N`` the job starts
-N local processes itself (gloo over 127.0.0.1, a free port); under torchrun
+N local processes itself (gloo over 127.0.0.1, meeting through a file in a
+fresh temporary folder, so no port can be taken by another job between
+choosing and binding it); under torchrun
 (RANK/WORLD_SIZE set) it uses the launcher's environment instead. Rank 0
 prints the loss, tokens/s and time of every step (tokens of the global
 batch, all ranks together), and after the last the run's throughput in one
@@ -36,12 +38,13 @@ the rendezvous have a timeout (``--timeout``), so no rank waits forever.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import pickle
-import socket
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -171,10 +174,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------ helpers
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _rendezvous():
+    """An init_method for ranks on this machine: a file in a fresh
+    temporary folder, removed when the job ends."""
+    with tempfile.TemporaryDirectory(prefix="zerocore-train-") as folder:
+        yield f"file://{os.path.join(folder, 'rendezvous')}"
 
 
 def _fmt(x) -> str:
@@ -509,10 +514,10 @@ def _run_rank(args, rank: int, world: int, local_world: int, init_method: str) -
         dist.destroy_process_group()
 
 
-def _spawned(local_rank: int, args, world: int, port: int) -> None:
+def _spawned(local_rank: int, args, world: int, init_method: str) -> None:
     """Entry point of a process started by --ranks."""
     try:
-        _run_rank(args, local_rank, world, world, f"tcp://127.0.0.1:{port}")
+        _run_rank(args, local_rank, world, world, init_method)
     except JobError as e:
         print(f"error (rank {local_rank}): {e}", file=sys.stderr, flush=True)
         raise SystemExit(1)
@@ -532,9 +537,15 @@ def main(argv=None) -> int:
         return 0
 
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # everything is local
+    with _rendezvous() as init_method:
+        return _run_local(args, init_method)
+
+
+def _run_local(args, init_method: str) -> int:
+    """Runs the job on --ranks processes of this machine (1: this one)."""
     if args.ranks == 1:
         try:
-            _run_rank(args, 0, 1, 1, f"tcp://127.0.0.1:{_free_port()}")
+            _run_rank(args, 0, 1, 1, init_method)
         except JobError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 1
@@ -543,8 +554,7 @@ def main(argv=None) -> int:
     import torch.multiprocessing as mp
 
     method = args.start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
-    port = _free_port()
-    ctx = mp.start_processes(_spawned, args=(args, args.ranks, port), nprocs=args.ranks,
+    ctx = mp.start_processes(_spawned, args=(args, args.ranks, init_method), nprocs=args.ranks,
                              join=False, start_method=method)
     # The collectives time out after --timeout; this is a backstop for a rank stuck elsewhere.
     deadline = time.monotonic() + args.timeout + 30.0 * args.steps * args.accum + 60.0
