@@ -58,15 +58,19 @@ def local(t, rank, world):
 
 
 def reference_train(model, opt, steps, accum, world, batch=lm_batch, loss_fn=lm_loss, forward=None,
-                    zero_unused=True, scheduler=None):
+                    zero_unused=True, scheduler=None, losses=None):
     """Single-process training on the global batch: the reference every
     engine run is compared with. Params that got no grad are given a zero
-    grad, as the flat-buffer optimizers treat them."""
+    grad, as the flat-buffer optimizers treat them. Each micro-batch's loss
+    is appended to `losses` when given."""
     forward = forward or (lambda m, x, step: m(x))
     for step in range(steps):
         for micro in range(accum):
             x, y = batch(step, micro, world)
-            loss_fn(forward(model, x, step), y).backward()
+            loss = loss_fn(forward(model, x, step), y)
+            loss.backward()
+            if losses is not None:
+                losses.append(loss.item())
         if zero_unused:
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:
@@ -79,12 +83,16 @@ def reference_train(model, opt, steps, accum, world, batch=lm_batch, loss_fn=lm_
 
 
 def engine_train(engine, rank, world, steps, accum, batch=lm_batch, loss_fn=lm_loss, forward=None,
-                 scheduler=None):
+                 scheduler=None, losses=None):
+    """reference_train's steps on this rank's part of each batch."""
     forward = forward or (lambda e, x, step: e(x))
     for step in range(steps):
         for micro in range(accum):
             x, y = batch(step, micro, world)
-            engine.backward(loss_fn(forward(engine, local(x, rank, world), step), local(y, rank, world)))
+            loss = loss_fn(forward(engine, local(x, rank, world), step), local(y, rank, world))
+            engine.backward(loss)
+            if losses is not None:
+                losses.append(loss.item())
         engine.step()
         engine.zero_grad()
         if scheduler is not None:
