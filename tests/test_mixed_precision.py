@@ -61,7 +61,8 @@ VARIANTS = {
     "bf16-adamw-large-buckets": dict(dtype="bf16", opt=adamw, config={"bucket_bytes": 1 << 20}, bound=0.06),
     "bf16-sgd-fp32-reduce": dict(dtype="bf16", opt=sgd, config={"reduce_dtype": "fp32"}, bound=1e-4),
     "fp16-static-scale": dict(dtype="fp16", opt=sgd, config={"loss_scale": 1024.0}, bound=5e-3),
-    "fp16-dynamic-scale": dict(dtype="fp16", opt=sgd_momentum, config={}, bound=5e-3, dynamic=True),
+    "fp16-dynamic-scale": dict(dtype="fp16", opt=sgd_momentum, bound=5e-3, dynamic=True, config={
+        "loss_scale": zerocore.DynamicLossScale(initial=DYNAMIC["init_scale"], window=DYNAMIC["growth_interval"])}),
 }
 
 
@@ -89,8 +90,6 @@ def _train(rank, world, variant, steps, accum):
         model = make()
         engine = zerocore.wrap(model, v["opt"](model.parameters()),
                                dict({"bucket_bytes": TINY}, **v["config"], stage=stage, dtype=v["dtype"]))
-        if v.get("dynamic"):  # internals: Config has no knob for these
-            engine.scaler.scale, engine.scaler.growth_interval = DYNAMIC["init_scale"], DYNAMIC["growth_interval"]
         log, rounded = [], []
         for step in range(steps):
             scale = engine.loss_scale
@@ -112,7 +111,7 @@ def _reference(variant, world, steps, accum):
     initial = {k: t.clone() for k, t in model.state_dict().items()}
     scaler = torch.amp.GradScaler("cpu", **DYNAMIC) if v.get("dynamic") else None
     ref, log = mp_reference_train(model, v["opt"](model.parameters()), DTYPES[v["dtype"]], steps, accum, world,
-                                  loss_scale=v["config"].get("loss_scale"), scaler=scaler,
+                                  loss_scale=None if v.get("dynamic") else v["config"].get("loss_scale"), scaler=scaler,
                                   loss_factor=overflow_on_last_rank(world) if v.get("dynamic") else None)
     return ref, log, initial
 
