@@ -73,8 +73,9 @@ MUTATIONS = [
              "before the update, so the units it prefetches are a step stale",
              ((ENGINE, "        self.step_count += 1\n",
                "        self.step_count += 1\n        if self.scheduler:\n            self.scheduler.end_step()\n"),
-              (ENGINE, "    def _end_step(self):\n        self._backward_calls = 0\n        if self.scheduler:\n",
-               "    def _end_step(self):\n        self._backward_calls = 0\n        if self.scheduler and False:\n"))),
+              (ENGINE, "        self._forget_reduction()\n        if self.scheduler:\n            self.scheduler.end_step()\n",
+               "        self._forget_reduction()\n        if self.scheduler and False:\n"
+               "            self.scheduler.end_step()\n"))),
     Mutation("swap-buckets", "stages 2-3: the reduced grads of a group's first two buckets land in each "
              "other's place in the grad partition",
              (("cpp/src/schedule/bucket_reducer.cpp",
@@ -82,7 +83,7 @@ MUTATIONS = [
                "  const int into = b.bucket < 2 && group.plan.buckets().size() > 2 ? 1 - b.bucket : b.bucket;\n"
                "  accumulate(group.grad_part.slice(group.plan.partition_offset(into), shard),"),)),
     Mutation("skip-clipping", "max_grad_norm is ignored",
-             ((ENGINE, "            grad_scale *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))",
+             ((ENGINE, "            grad_scale *= min(1.0, min(bounds) / (norm + 1e-6))",
                "            pass"),),
              # With the older clipping test (AdamW, every step clipped), which a lost clip coefficient passes.
              FAST + ("tests/test_engine_models.py::test_gradient_clipping_by_global_norm",)),
