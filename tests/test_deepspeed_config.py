@@ -339,3 +339,17 @@ def _readme_example(rank, world, folder):
 def test_the_readme_example_runs_as_written(tmp_path):
     for steps, micro in run_ranks(_readme_example, 2, str(tmp_path)):
         assert (steps, micro) == (2, 2)
+
+
+def test_auto_is_resolved_where_it_changes_no_result():
+    """"auto" (which the Hugging Face integration fills in) counts as not
+    given for the batch keys, resolved as DeepSpeed resolves them, and as
+    zerocore's own default for the sizes that change no result."""
+    with pytest.warns(UserWarning, match="overlap_comm"):
+        ds = DeepSpeedConfig({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 3,
+                              "gradient_accumulation_steps": "auto",
+                              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "overlap_comm": "auto",
+                                                    "stage3_prefetch_bucket_size": "auto",
+                                                    "stage3_param_persistence_threshold": "auto"}}, world_size=2)
+    assert (ds.train_batch_size, ds.micro_batch_size, ds.gradient_accumulation_steps) == (6, 3, 1)
+    assert ds.config == zerocore.Config(stage=3)
