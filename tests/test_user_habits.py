@@ -310,3 +310,35 @@ def test_a_change_of_requires_grad_after_wrap_raises_on_every_rank(change):
                     assert "another rank changed requires_grad" in error
                 assert "Nothing was updated" in error and "engine.close()" in error
                 assert_state_close(after, before, rtol=0, atol=0, what=f"stage {stage}: nothing updated")
+
+
+# loss.backward() in place of engine.backward(loss) -------------------------------
+
+def _loss_backward(rank, world, stage):
+    model = make()
+    opt = sgd(model.parameters())
+    engine = zerocore.wrap(model, opt, zerocore.Config(stage=stage, bucket_bytes=512))
+    before = engine.full_state_dict()
+    x, y = lm_batch(0, 0, world)
+    error = None
+    try:
+        lm_loss(engine(local(x, rank, world)), local(y, rank, world)).backward()
+        opt.step()
+    except RuntimeError as e:
+        error = str(e)
+    opt.zero_grad()
+    unchanged = engine.full_state_dict()
+    # engine.backward trains on as if nothing had happened.
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    opt.step()
+    return error, before, unchanged, engine.full_state_dict()
+
+
+def test_loss_backward_in_place_of_engine_backward_raises_naming_it():
+    model = make()
+    ref = reference_train(model, sgd(model.parameters()), 1, 1, 2)
+    for stage in STAGES:
+        for error, before, unchanged, after in run_ranks(_loss_backward, 2, stage):
+            assert error is not None and "engine.backward(loss)" in error, (stage, error)
+            assert_state_close(unchanged, before, rtol=0, atol=0, what=f"stage {stage}: nothing changed")
+            assert_state_close(after, ref, rtol=1e-5, atol=1e-5, what=f"stage {stage}: the step after")

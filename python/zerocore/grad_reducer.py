@@ -26,6 +26,14 @@ from zerocore.comm import KINDS, Communicator
 from zerocore.flat_group import NATIVE_NAMES
 
 
+def outside_engine_backward() -> RuntimeError:
+    """The error of a backward pass the engine did not start, raised from
+    the first hook of the engine's it reaches, before anything is reduced."""
+    return RuntimeError("zerocore: a backward ran outside engine.backward (loss.backward() or torch.autograd on a "
+                        "wrapped model's output): call engine.backward(loss), which reduces the grads across ranks "
+                        "as autograd produces them")
+
+
 def _hook_each(params, method):
     """Registers method as every param's post-accumulate-grad hook. The hooks
     live on the params, where the garbage collector cannot see them, so they
@@ -44,11 +52,13 @@ class FullGradReducer:
         self.converted = {id(p): (g, i) for g in self.groups if g.reduce_dtype != g.dtype
                           for i, p in enumerate(g.params)}
         self.hooks = _hook_each([g.params[i] for g, i in self.converted.values()], self._on_grad)
+        self.running = False  # inside engine.backward
         kind = "reduce_scatter" if placement.partitions_optimizer else "all_reduce"
         self.collectives = BucketCollectives(comm.queue, KINDS.index(kind),
                                              [(g.tag, g.plan, g.grad_full) for g in self.groups])
 
     def before_backward(self):
+        self.running = True
         for g in self.groups:
             if g.reduce_dtype == g.dtype:
                 g.attach_grad_views()
@@ -56,13 +66,15 @@ class FullGradReducer:
                 g.drop_hidden_grads()
 
     def _on_grad(self, p):
+        if not self.running:
+            raise outside_engine_backward()
         g, i = self.converted[id(p)]
         slot = g.slots[i]
         g.grad_full[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
         p.grad = None
 
     def after_backward(self):
-        pass
+        self.running = False
 
     def reduce(self):
         self.collectives.run()
@@ -78,6 +90,7 @@ class StagedReducer:
         self.on_request = on_request
         self.order([g for g in groups if g.trainable])
         self.hooks = _hook_each([p for g in self.groups for p in g.params], self._on_grad)
+        self.running = False  # inside engine.backward
         self.viewed = []  # params whose .grad is a view into a staging buffer
 
     def order(self, groups):
@@ -99,6 +112,7 @@ class StagedReducer:
         """Reduction adds into each group's grad_part as it is now: a
         delayed offload update swaps it with the buffer it reads. The
         params' .grad are None, for autograd to fill."""
+        self.running = True
         for g in self.groups:
             g.drop_hidden_grads()
         if any(t is not g.grad_part for t, g in zip(self.targets, self.groups)):
@@ -130,6 +144,8 @@ class StagedReducer:
             self.native.skip_groups(indices)
 
     def _on_grad(self, p):
+        if not self.running:
+            raise outside_engine_backward()
         i, j = self.where[id(p)]
         self.native.grad_ready(i, j, p.grad.reshape(-1))
         p.grad = None
@@ -137,6 +153,7 @@ class StagedReducer:
     def after_backward(self):
         """Reduces what is left (params that got no grad count as zero) and
         waits until every reduction is in the partitions."""
+        self.running = False
         for p in self.viewed:  # views of params that got no grad must not outlive the backward
             p.grad = None
         self.viewed = []

@@ -62,6 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import zerocore
 from zerocore.flat_group import NATIVE_NAMES
+from zerocore.grad_reducer import outside_engine_backward
 
 
 # Why a graph breaks at a unit's hooks: dynamo's error under fullgraph=True.
@@ -246,6 +247,8 @@ class UnitScheduler:
 
     def _pre_backward(self, unit):
         def hook(_grad):
+            if not self.in_backward:
+                raise outside_engine_backward()
             buffer = self.native.pre_backward(unit.index)
             self._unbind_released()
             self._bind(unit, buffer)
