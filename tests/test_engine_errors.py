@@ -5,7 +5,6 @@ import re
 
 import pytest
 import torch
-from torch import nn
 
 import zerocore
 from dist_harness import RankError, run_ranks
