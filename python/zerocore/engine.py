@@ -33,23 +33,16 @@ from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
-from zerocore.grouping import build_groups
+from zerocore.grouping import build_groups, param_names
 from zerocore.loss_scale import LossScaler, NonFiniteGradientError
 from zerocore.materialize import IncompatibleKeys, Initializer, Loader
 from zerocore.offload import OffloadUpdate, host_memory_problem
-from zerocore.optim import drive_engine, read_optimizer
+from zerocore.optim import drive_engine, read_optimizer, state_names
 from zerocore.optim import release as release_optimizer
 from zerocore.partition_update import InPlaceUpdate
 from zerocore.placement import Placement
 from zerocore.process_group import private_group
 from zerocore.stage3 import UnitScheduler
-
-
-def _state_names(spec) -> tuple:
-    """The fp32 optimizer-state arrays each partition needs."""
-    if spec.kind == "sgd":
-        return ("momentum_buffer",) if any(g["momentum"] for g in spec.param_groups) else ()
-    return ("exp_avg", "exp_avg_sq")
 
 
 def _own_group(group, timeout):
@@ -77,19 +70,6 @@ def _default_group(group, placement):
     if problem is not None:
         raise ValueError(problem)
     return group
-
-
-def _param_names(module):
-    """id(param) -> every name under which the module holds it (tied weights
-    have several), in registration order."""
-    names = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for p_name, p in mod.named_parameters(recurse=False):
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            lst = names.setdefault(id(p), [])
-            if full not in lst:
-                lst.append(full)
-    return names
 
 
 def _model_problem(module, params, names, spec):
@@ -144,11 +124,11 @@ class Engine:
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
         self.kind = spec.kind
-        self.state_names = _state_names(spec)
+        self.state_names = state_names(spec)
         self.step_count = 0
 
         params = list(module.parameters())
-        names = _param_names(module)
+        names = param_names(module)
         initializer = Initializer(module, params, names, init)
         problem = _model_problem(module, params, names, spec) or initializer.problem
         self._check_same_model(spec, params, names, initializer, failed=problem is not None)
@@ -636,7 +616,7 @@ class Engine:
         not fit (a missing or unexpected key, with strict; a shape that
         differs), every rank raises and nothing is changed.
         Returns the missing and unexpected keys, as Module.load_state_dict."""
-        loader = Loader(source, self.module, list(self.module.parameters()), _param_names(self.module),
+        loader = Loader(source, self.module, list(self.module.parameters()), param_names(self.module),
                         where="engine.load_state_dict", what="the source", strict=strict)
         self.comm.raise_together(loader.problem, "engine.load_state_dict: the source does not fit the model on "
                                  "rank(s) {ranks} (their error says why); no rank loaded it. Give every rank the "

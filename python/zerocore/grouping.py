@@ -8,6 +8,19 @@ from zerocore.flat_group import FlatGroup
 from zerocore.stage3 import Unit, find_units
 
 
+def param_names(module):
+    """id(param) -> every name under which the module holds it (tied weights
+    have several), in registration order."""
+    names = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            lst = names.setdefault(id(p), [])
+            if full not in lst:
+                lst.append(full)
+    return names
+
+
 def owning_unit(unit_modules, users) -> int:
     """The unit every use of a param runs inside: the user that contains
     all the others (a weight of a unit, or tied between a unit and a unit

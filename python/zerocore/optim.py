@@ -112,6 +112,13 @@ def _kind_of(optimizer) -> str:
                     "AdamW or SGD (or zerocore.Adam/AdamW/SGD)")
 
 
+def state_names(spec) -> tuple:
+    """The fp32 optimizer-state arrays each partition needs."""
+    if spec.kind == "sgd":
+        return ("momentum_buffer",) if any(g["momentum"] for g in spec.param_groups) else ()
+    return ("exp_avg", "exp_avg_sq")
+
+
 def read_optimizer(optimizer) -> OptimizerSpec:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zerocore.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

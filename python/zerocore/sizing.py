@@ -376,12 +376,11 @@ def _engine_layout(module, config, world_size: int, state_names, units) -> dict:
     groups zerocore.wrap would build hold on each rank: wrap's own plan
     (grouping.build_groups) and each group's buffer_plan, with no process
     group and no memory."""
-    from zerocore.engine import _param_names
     from zerocore.flat_group import TORCH_DTYPES
-    from zerocore.grouping import build_groups
+    from zerocore.grouping import build_groups, param_names
     from zerocore.placement import Placement
 
-    groups, _ = build_groups(module, list(module.parameters()), _param_names(module), {}, config=config,
+    groups, _ = build_groups(module, list(module.parameters()), param_names(module), {}, config=config,
                              placement=Placement.of(config), dtype=TORCH_DTYPES[config.dtype],
                              reduce_dtype=TORCH_DTYPES[config.reduce_dtype],
                              comm=SimpleNamespace(world_size=world_size, rank=0), state_names=state_names,
@@ -424,12 +423,12 @@ def estimate(model, world_size=1, dtype: str = "bf16", optimizer: str = "adamw",
     (reduce_dtype, bucket_bytes, persist_threshold, delayed_update) apply,
     its stage, dtype and offload come from the arguments. str() of the
     result is a table; .row(world_size, stage, offload) one row."""
-    from zerocore.engine import _state_names
+    from zerocore.optim import state_names as optimizer_state_names
 
     dtype = _check(dtype, optimizer, stages, offload)
     m = as_model(model)
     worlds = [world_size] if isinstance(world_size, int) else list(world_size)
-    state_names = _state_names(SimpleNamespace(kind=optimizer, param_groups=[{"momentum": momentum}]))
+    state_names = optimizer_state_names(SimpleNamespace(kind=optimizer, param_groups=[{"momentum": momentum}]))
     rows = []
     for n, s, o in _combinations(worlds, stages, offload):
         off_opt, off_params = OFFLOADS[o]
