@@ -51,8 +51,6 @@ CollectiveKey to_key(nb::handle key) {
   return make_key(fields[0], fields[1], fields[2], fields[3]);
 }
 
-nb::tuple key_tuple(const CollectiveKey& k) { return nb::make_tuple(int(k.kind), k.group, k.bucket, k.numel); }
-
 // CollectiveTimeout as Python sees it: a RuntimeError, as torch's own
 // collective errors, and a TimeoutError. The module holds the type.
 void bind_collective_timeout(nb::module_& m) {

@@ -92,7 +92,7 @@ class PythonTransport final : public Transport {
   void call(const CollectiveKey& key, const char* method, const Args&... args) {
     nb::gil_scoped_acquire gil;
     try {
-      impl_.attr(method)(nb::make_tuple(int(key.kind), key.group, key.bucket, key.numel), to_python(args)...);
+      impl_.attr(method)(key_tuple(key), to_python(args)...);
     } catch (const nb::python_error& e) {
       if (e.matches(PyExc_TimeoutError)) throw CollectiveTimeout(nb::str(e.value()).c_str());
       throw TransportFailed(describe(key) + ": the transport's " + method + " raised " +
@@ -110,6 +110,10 @@ class PythonTransport final : public Transport {
 };
 
 }  // namespace
+
+nb::tuple key_tuple(const CollectiveKey& key) {
+  return nb::make_tuple(int(key.kind), key.group, key.bucket, key.numel);
+}
 
 std::unique_ptr<Transport> python_transport(nb::object impl) {
   return std::make_unique<PythonTransport>(std::move(impl));

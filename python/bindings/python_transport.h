@@ -24,4 +24,7 @@ namespace zerocore::bindings {
 // collective), raised as zerocore.CollectiveTimeoutError.
 std::unique_ptr<Transport> python_transport(nanobind::object impl);
 
+// A collective's key as Python sees it: (kind, group, bucket, numel).
+nanobind::tuple key_tuple(const CollectiveKey& key);
+
 }  // namespace zerocore::bindings
