@@ -49,6 +49,20 @@ def run_adam(p0, grads, *, adamw, lr, wd, betas, eps, grad_scale, copy_dtype):
     return p, m, v, copy
 
 
+def assert_close_as_fp32_allows(name, got, ref, ref32, *, rtol, atol):
+    """`got` within rtol/atol of the float64 `ref`, or, where torch.optim's
+    own fp32 run `ref32` is further off, within twice its error. Adam's L2
+    term can cancel a gradient (grad + wd * p near 0) so that no fp32 Adam
+    hits the float64 result there; a fixed tolerance would then fail on a
+    correct optimizer for one seed in a few hundred."""
+    error = (got.double() - ref).abs()
+    bound = atol + rtol * ref.abs() + 2 * (ref32.double() - ref).abs()
+    worst = int((error - bound).argmax())
+    assert error[worst] <= bound[worst], (
+        f"{name}[{worst}] = {got[worst].item()}, float64 reference {ref[worst].item()}, "
+        f"torch.optim fp32 {ref32[worst].item()}")
+
+
 @pytest.mark.parametrize("path", ISAS)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("adamw", [True, False])
@@ -59,10 +73,11 @@ def test_adam_matches_torch(path, grad_dtype, adamw, gen):
     hp = dict(adamw=adamw, lr=1e-2, wd=0.1, betas=(0.9, 0.99), eps=1e-8, grad_scale=0.5)
     with isa(path):
         p, m, v, copy = run_adam(p0, grads, copy_dtype=torch.bfloat16, **hp)
-    rp, rm, rv = reference_adam(p0, grads, **hp)
-    torch.testing.assert_close(p.double(), rp, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(m.double(), rm, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(v.double(), rv, rtol=1e-5, atol=1e-9)
+    expected = reference_adam(p0, grads, **hp)
+    fp32 = reference_adam(p0, grads, dtype=torch.float32, **hp)
+    for name, got, ref, ref32, atol in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v), expected, fp32,
+                                           (1e-6, 1e-7, 1e-9)):
+        assert_close_as_fp32_allows(name, got, ref, ref32, rtol=1e-5, atol=atol)
     assert torch.equal(copy, p.to(torch.bfloat16)), "param copy must be the rounded new param"
 
 
