@@ -1,11 +1,15 @@
 // The public C++ API of zerocore, for trainers that embed the runtime.
 #pragma once
 #include "zerocore/arena.h"
+#include "zerocore/backend/backend.h"
+#include "zerocore/backend/checking_backend.h"
+#include "zerocore/backend/cpu_backend.h"
 #include "zerocore/bucket_collectives.h"
 #include "zerocore/bucket_reducer.h"
 #include "zerocore/comm.h"
 #include "zerocore/cpu_accumulate.h"
 #include "zerocore/cpu_features.h"
+#include "zerocore/cpu_fill.h"
 #include "zerocore/cpu_optim.h"
 #include "zerocore/cpu_reduce.h"
 #include "zerocore/dtype.h"

@@ -1,0 +1,90 @@
+// The backend seam: everything the runtime does to memory goes through a
+// Backend, so the same store, schedules and pipelines run on the CPU and on
+// CUDA. A backend gives buffers of a memory kind, streams, events between
+// them, async copies, the runtime's kernels enqueued on a stream, and host
+// work enqueued in stream order (a CPU transport's collectives). Nothing it
+// enqueues has happened when the call returns: a stream reads the result
+// after waiting for an event recorded behind it, the host after host_wait.
+//
+// The mapping to CUDA: allocate is cudaMalloc / cudaHostAlloc / malloc;
+// a Stream a cudaStream_t (the compute stream torch's current one); record
+// cudaEventRecord; wait cudaStreamWaitEvent; host_wait
+// cudaEventSynchronize; query cudaEventQuery; copy cudaMemcpyAsync; each
+// kernel a launch on the stream; enqueue issues device work (an NCCL
+// collective) on the stream from the host.
+//
+// A backend is driven by one host thread (a rank's). Errors of work on a
+// non-compute stream surface where an event behind it is waited for, as
+// CUDA's asynchronous errors do.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zerocore/backend/mailbox.h"
+#include "zerocore/backend/memory.h"
+#include "zerocore/backend/stream.h"
+#include "zerocore/cpu_optim.h"
+#include "zerocore/tensor.h"
+
+namespace zerocore {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // Memory. `zeroed`: the buffer reads as zeros; otherwise its contents are
+  // undefined (NaN under the checking backend).
+  virtual std::shared_ptr<Buffer> allocate(MemoryKind kind, size_t bytes, const std::string& name,
+                                           bool zeroed = false) = 0;
+
+  // Streams. The compute stream is the caller's; the others are the
+  // backend's own, alive as long as it is.
+  virtual Stream& compute_stream() = 0;
+  virtual Stream& create_stream(const std::string& name) = 0;
+
+  // Events. record marks everything enqueued on `stream` so far; `stream`
+  // waits (without blocking the host) or the host waits (blocking) for all
+  // of it; query says, without blocking, whether it has all happened.
+  virtual std::shared_ptr<StreamEvent> record(Stream& stream) = 0;
+  virtual void wait(Stream& stream, const StreamEvent& event) = 0;
+  virtual void host_wait(const StreamEvent& event) = 0;
+  virtual bool query(const StreamEvent& event) = 0;
+
+  // Work on `stream`, named in the checker's reports by what it is.
+  // dst = src, byte for byte (same dtype and size), between any memory kinds.
+  virtual void copy(Stream& stream, const Tensor& dst, const Tensor& src) = 0;
+  // Every element of dst = value (rounded to dst's dtype).
+  virtual void fill(Stream& stream, const Tensor& dst, float value) = 0;
+  // dst += src, computed in fp32 and rounded once to dst's dtype.
+  virtual void accumulate(Stream& stream, const Tensor& dst, const Tensor& src) = 0;
+  // box[sum_slot] = the sum of squares of every element of xs (fp64);
+  // box[finite_slot] = 1 when every element is finite, else 0.
+  virtual void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
+                              int finite_slot) = 0;
+  // One optimizer step over every run of a partition (cpu_optim.h).
+  virtual void adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
+                                double grad_scale, const std::vector<FlatRun>& runs) = 0;
+  virtual void sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,
+                               double grad_scale, const std::vector<FlatRun>& runs) = 0;
+  // `body` in stream order, touching exactly `accesses` (a collective),
+  // reported as `op`.
+  virtual void enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
+                       std::function<void()> body) = 0;
+
+  // What only the checking backend acts on; the others do nothing.
+  // `stream` (the host: the compute stream) uses `access` directly, for
+  // example autograd reading a gathered unit's params.
+  virtual void declare_access(Stream& stream, const Access& access, const std::string& op) = 0;
+  // A released slot or staging buffer: overwritten with NaN in `stream`'s
+  // order (the stream of its last use), so a stale read shows.
+  virtual void poison(Stream& stream, const Tensor& range) = 0;
+};
+
+// The accesses of one optimizer step over `runs` (params, state and copies
+// written, grads read): what every backend's update declares.
+std::vector<Access> update_accesses(const std::vector<FlatRun>& runs);
+
+}  // namespace zerocore

@@ -1,0 +1,88 @@
+// The checking CPU backend: the plain CPU backend made to prove the
+// runtime's ordering without a GPU (../docs/design.md, "The backend seam").
+// - Every stream is its own thread (the compute stream: the caller) with a
+//   vector clock; recording an event captures the clock, waiting for one
+//   (a stream or the host) joins it.
+// - Every access to a backend buffer (kernels, copies, enqueued work such
+//   as collectives, and what the host declares with declare_access) is
+//   checked against the buffer's last conflicting accesses from other
+//   streams; a pair no chain of events orders is a violation that names
+//   both accesses and the buffer (StreamOrderError).
+// - Work on a non-compute stream starts after a seeded random delay, so a
+//   missing wait also reads stale data; buffers allocated without `zeroed`
+//   and poisoned ranges read as NaN.
+// - Blocking host waits are counted (the target is one a step).
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "zerocore/backend/cpu_backend.h"
+
+namespace zerocore {
+
+class OrderChecker;
+
+// Two conflicting accesses from different streams with no wait ordering them.
+class StreamOrderError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct CheckingOptions {
+  uint64_t seed = 0;  // of the delays
+  // Each piece of work on a non-compute stream starts after a delay drawn
+  // uniformly from [min_delay_us, max_delay_us] microseconds.
+  int64_t min_delay_us = 0;
+  int64_t max_delay_us = 200;
+  // Raise at the violating call; otherwise only count it (see check()).
+  bool throw_on_violation = true;
+};
+
+class CheckingCpuBackend : public CpuBackend {
+ public:
+  explicit CheckingCpuBackend(CheckingOptions options = {});
+  ~CheckingCpuBackend() override;
+
+  std::shared_ptr<Buffer> allocate(MemoryKind kind, size_t bytes, const std::string& name,
+                                   bool zeroed = false) override;
+  Stream& create_stream(const std::string& name) override;
+
+  std::shared_ptr<StreamEvent> record(Stream& stream) override;
+  void wait(Stream& stream, const StreamEvent& event) override;
+  void host_wait(const StreamEvent& event) override;
+  bool query(const StreamEvent& event) override;
+
+  void enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
+               std::function<void()> body) override;
+  void declare_access(Stream& stream, const Access& access, const std::string& op) override;
+  void poison(Stream& stream, const Tensor& range) override;
+
+  // The violations found so far, each naming both accesses and the buffer.
+  std::vector<std::string> violations() const;
+  // Throws StreamOrderError with the first violation (and the count) if any.
+  void check() const;
+
+  // Blocking host waits (host_wait) since the last take_host_waits(), which
+  // resets the count: call it once a step. Stream waits do not block the
+  // host on CUDA and are not counted.
+  int64_t host_waits() const { return host_waits_.load(); }
+  int64_t take_host_waits() { return host_waits_.exchange(0); }
+
+ private:
+  void checked(Stream& stream, const std::string& op, const std::vector<Access>& accesses);
+
+  const CheckingOptions options_;
+  const std::shared_ptr<OrderChecker> checker_;
+  mutable std::mutex mutex_;  // violations_ and delays_
+  std::vector<std::string> violations_;
+  std::vector<std::mt19937_64> delays_;  // one generator per stream, so each stream's delays are reproducible
+  std::atomic<int64_t> host_waits_{0};
+};
+
+}  // namespace zerocore

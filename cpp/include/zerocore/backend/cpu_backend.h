@@ -1,0 +1,79 @@
+// The plain CPU backend: what CPU training runs on, with as little overhead
+// as the seam allows. Every memory kind is a host arena; the compute stream
+// is the calling thread, so work enqueued on it runs inline, before the call
+// returns; every other stream is a WorkQueue thread. A non-compute stream is
+// a thread rather than inline work because it exists to overlap with
+// compute: gloo collectives on the comm stream, the offload pipeline's
+// update and copies, while the caller goes on with the next unit. Events
+// are the queues' completion flags; an event of the compute stream is
+// complete when recorded.
+#pragma once
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "zerocore/backend/backend.h"
+#include "zerocore/event.h"
+
+namespace zerocore {
+
+// What the CPU backends record: the completion of a stream's work so far,
+// and (checking backend only) the stream's vector clock at that point.
+class CpuEvent : public StreamEvent {
+ public:
+  CpuEvent(std::shared_ptr<Event> done, std::vector<uint64_t> clock)
+      : done_(std::move(done)), clock_(std::move(clock)) {}
+  const std::shared_ptr<Event>& done() const { return done_; }
+  const std::vector<uint64_t>& clock() const { return clock_; }
+
+ private:
+  std::shared_ptr<Event> done_;
+  std::vector<uint64_t> clock_;
+};
+
+class CpuBackend : public Backend {
+ public:
+  CpuBackend();
+  ~CpuBackend() override;  // finishes what every stream was given
+
+  std::shared_ptr<Buffer> allocate(MemoryKind kind, size_t bytes, const std::string& name,
+                                   bool zeroed = false) override;
+  Stream& compute_stream() override;
+  Stream& create_stream(const std::string& name) override;
+
+  std::shared_ptr<StreamEvent> record(Stream& stream) override;
+  void wait(Stream& stream, const StreamEvent& event) override;
+  void host_wait(const StreamEvent& event) override;
+  bool query(const StreamEvent& event) override;
+
+  void copy(Stream& stream, const Tensor& dst, const Tensor& src) override;
+  void fill(Stream& stream, const Tensor& dst, float value) override;
+  void accumulate(Stream& stream, const Tensor& dst, const Tensor& src) override;
+  void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
+                      int finite_slot) override;
+  void adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step, double grad_scale,
+                        const std::vector<FlatRun>& runs) override;
+  void sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
+                       const std::vector<FlatRun>& runs) override;
+  void enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
+               std::function<void()> body) override;
+
+  void declare_access(Stream& stream, const Access& access, const std::string& op) override;
+  void poison(Stream& stream, const Tensor& range) override;
+
+ protected:
+  // Streams are numbered in creation order; the compute stream is 0.
+  static constexpr int kCompute = 0;
+  int index_of(const Stream& stream) const;
+  // The backend's own record, with `clock` attached.
+  std::shared_ptr<CpuEvent> record_with(Stream& stream, std::vector<uint64_t> clock);
+
+ private:
+  struct CpuStream;
+  CpuStream& cpu_stream(const Stream& stream) const;
+  mutable std::mutex mutex_;  // the stream list
+  std::vector<std::unique_ptr<CpuStream>> streams_;
+};
+
+}  // namespace zerocore

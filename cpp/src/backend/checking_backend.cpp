@@ -1,0 +1,121 @@
+#include "zerocore/backend/checking_backend.h"
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "order_checker.h"
+#include "zerocore/arena.h"
+#include "zerocore/error.h"
+
+namespace zerocore {
+
+namespace {
+// All-ones bytes are a NaN in every float type the runtime uses (fp32,
+// bf16, fp16, and the mailbox's fp64).
+constexpr int kNanByte = 0xFF;
+}  // namespace
+
+CheckingCpuBackend::CheckingCpuBackend(CheckingOptions options)
+    : options_(options), checker_(std::make_shared<OrderChecker>()) {
+  if (options.min_delay_us < 0 || options.max_delay_us < options.min_delay_us) {
+    throw InvalidArgument("CheckingOptions: delays must satisfy 0 <= min_delay_us <= max_delay_us, got [" +
+                          std::to_string(options.min_delay_us) + ", " + std::to_string(options.max_delay_us) + "]");
+  }
+  delays_.emplace_back(options.seed);  // the compute stream runs inline: never delayed
+}
+
+CheckingCpuBackend::~CheckingCpuBackend() = default;
+
+std::shared_ptr<Buffer> CheckingCpuBackend::allocate(MemoryKind kind, size_t bytes, const std::string& name,
+                                                     bool zeroed) {
+  auto arena = HostArena::create(bytes, zeroed);
+  if (!zeroed) std::memset(arena->data(), kNanByte, bytes);
+  // The buffer leaves the checker's registry when its memory is freed.
+  std::shared_ptr<void> storage(arena->data(),
+                                [arena, checker = checker_](void* data) { checker->remove_buffer(data); });
+  auto buffer = std::make_shared<Buffer>(kind, Device{}, name, arena->data(), bytes, std::move(storage));
+  checker_->add_buffer(*buffer);
+  return buffer;
+}
+
+Stream& CheckingCpuBackend::create_stream(const std::string& name) {
+  Stream& stream = CpuBackend::create_stream(name);
+  std::lock_guard<std::mutex> lock(mutex_);
+  delays_.emplace_back(options_.seed + uint64_t(index_of(stream)));
+  return stream;
+}
+
+void CheckingCpuBackend::checked(Stream& stream, const std::string& op, const std::vector<Access>& accesses) {
+  std::vector<std::string> found = checker_->access(index_of(stream), stream.name(), op, accesses);
+  if (found.empty()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  violations_.insert(violations_.end(), found.begin(), found.end());
+  if (options_.throw_on_violation) throw StreamOrderError(found.front());
+}
+
+std::shared_ptr<StreamEvent> CheckingCpuBackend::record(Stream& stream) {
+  return record_with(stream, checker_->clock(index_of(stream)));
+}
+
+void CheckingCpuBackend::wait(Stream& stream, const StreamEvent& event) {
+  CpuBackend::wait(stream, event);
+  checker_->join(index_of(stream), static_cast<const CpuEvent&>(event).clock());
+}
+
+void CheckingCpuBackend::host_wait(const StreamEvent& event) {
+  ++host_waits_;
+  CpuBackend::host_wait(event);
+  checker_->join(kCompute, static_cast<const CpuEvent&>(event).clock());
+}
+
+bool CheckingCpuBackend::query(const StreamEvent& event) {
+  if (!CpuBackend::query(event)) return false;
+  // Seeing the event complete orders the host after it, as a wait does.
+  checker_->join(kCompute, static_cast<const CpuEvent&>(event).clock());
+  return true;
+}
+
+void CheckingCpuBackend::enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
+                                 std::function<void()> body) {
+  checked(stream, op, accesses);
+  const int index = index_of(stream);
+  if (index == kCompute) {
+    CpuBackend::enqueue(stream, op, accesses, std::move(body));
+    return;
+  }
+  int64_t delay_us;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    delay_us = std::uniform_int_distribution<int64_t>(options_.min_delay_us,
+                                                      options_.max_delay_us)(delays_[size_t(index)]);
+  }
+  CpuBackend::enqueue(stream, op, accesses, [delay_us, body = std::move(body)] {
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    body();
+  });
+}
+
+void CheckingCpuBackend::declare_access(Stream& stream, const Access& access, const std::string& op) {
+  checked(stream, op, {access});
+}
+
+void CheckingCpuBackend::poison(Stream& stream, const Tensor& range) {
+  enqueue(stream, "poison", {Access::write(range)},
+          [range] { std::memset(range.data(), kNanByte, range.nbytes()); });
+}
+
+std::vector<std::string> CheckingCpuBackend::violations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return violations_;
+}
+
+void CheckingCpuBackend::check() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (violations_.empty()) return;
+  throw StreamOrderError(std::to_string(violations_.size()) + " stream-order violation(s); the first: " +
+                         violations_.front());
+}
+
+}  // namespace zerocore

@@ -1,0 +1,149 @@
+#include "zerocore/backend/cpu_backend.h"
+
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "zerocore/arena.h"
+#include "zerocore/cpu_accumulate.h"
+#include "zerocore/cpu_fill.h"
+#include "zerocore/cpu_reduce.h"
+#include "zerocore/error.h"
+#include "zerocore/work_queue.h"
+
+namespace zerocore {
+
+struct CpuBackend::CpuStream : Stream {
+  CpuStream(std::string name, int index, bool own_thread)
+      : Stream(std::move(name)), index(index), queue(own_thread ? std::make_unique<WorkQueue>() : nullptr) {}
+  const int index;
+  const std::unique_ptr<WorkQueue> queue;  // none for the compute stream: its work runs inline
+  std::shared_ptr<Event> last;             // completes after everything queued so far
+};
+
+namespace {
+// What every compute-stream record returns: its work ran before the record.
+const std::shared_ptr<Event>& completed() {
+  static const std::shared_ptr<Event> done = [] {
+    auto e = std::make_shared<Event>();
+    e->set();
+    return e;
+  }();
+  return done;
+}
+
+const CpuEvent& cpu_event(const StreamEvent& event) {
+  const auto* e = dynamic_cast<const CpuEvent*>(&event);
+  if (!e) throw InvalidArgument("an event recorded by another kind of backend was given to a CPU backend");
+  return *e;
+}
+}  // namespace
+
+CpuBackend::CpuBackend() { streams_.push_back(std::make_unique<CpuStream>("compute", kCompute, false)); }
+
+CpuBackend::~CpuBackend() = default;  // each WorkQueue runs what it was given, then joins
+
+std::shared_ptr<Buffer> CpuBackend::allocate(MemoryKind kind, size_t bytes, const std::string& name, bool zeroed) {
+  auto arena = HostArena::create(bytes, zeroed);
+  return std::make_shared<Buffer>(kind, Device{}, name, arena->data(), bytes, arena);
+}
+
+Stream& CpuBackend::compute_stream() { return *streams_[kCompute]; }
+
+Stream& CpuBackend::create_stream(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  streams_.push_back(std::make_unique<CpuStream>(name, int(streams_.size()), true));
+  return *streams_.back();
+}
+
+CpuBackend::CpuStream& CpuBackend::cpu_stream(const Stream& stream) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto* s = dynamic_cast<const CpuStream*>(&stream);
+  if (!s || size_t(s->index) >= streams_.size() || streams_[size_t(s->index)].get() != s) {
+    throw InvalidArgument("stream '" + stream.name() + "' belongs to another backend");
+  }
+  return *streams_[size_t(s->index)];
+}
+
+int CpuBackend::index_of(const Stream& stream) const { return cpu_stream(stream).index; }
+
+std::shared_ptr<CpuEvent> CpuBackend::record_with(Stream& stream, std::vector<uint64_t> clock) {
+  CpuStream& s = cpu_stream(stream);
+  return std::make_shared<CpuEvent>(s.queue && s.last ? s.last : completed(), std::move(clock));
+}
+
+std::shared_ptr<StreamEvent> CpuBackend::record(Stream& stream) { return record_with(stream, {}); }
+
+void CpuBackend::wait(Stream& stream, const StreamEvent& event) {
+  const std::shared_ptr<Event>& done = cpu_event(event).done();
+  if (done->ready()) return;
+  CpuStream& s = cpu_stream(stream);
+  if (!s.queue) {
+    done->wait();  // the compute stream is the caller: it waits where it stands
+    return;
+  }
+  s.last = s.queue->enqueue([done] { done->wait(); });
+}
+
+void CpuBackend::host_wait(const StreamEvent& event) { cpu_event(event).done()->wait(); }
+
+bool CpuBackend::query(const StreamEvent& event) { return cpu_event(event).done()->ready(); }
+
+void CpuBackend::enqueue(Stream& stream, const std::string&, const std::vector<Access>&, std::function<void()> body) {
+  CpuStream& s = cpu_stream(stream);
+  if (!s.queue) {
+    body();
+    return;
+  }
+  s.last = s.queue->enqueue(std::move(body));
+}
+
+void CpuBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {
+  if (dst.dtype() != src.dtype() || dst.numel() != src.numel()) {
+    throw InvalidArgument(std::string("copy: ") + std::to_string(src.numel()) + " " + dtype_name(src.dtype()) +
+                          " elements into " + std::to_string(dst.numel()) + " " + dtype_name(dst.dtype()) +
+                          " (a copy does not convert; use accumulate into zeros to cast)");
+  }
+  enqueue(stream, "copy", {Access::write(dst), Access::read(src)},
+          [dst, src] { std::memcpy(dst.data(), src.data(), dst.nbytes()); });
+}
+
+void CpuBackend::fill(Stream& stream, const Tensor& dst, float value) {
+  enqueue(stream, "fill", {Access::write(dst)}, [dst, value] { zerocore::fill(dst, value); });
+}
+
+void CpuBackend::accumulate(Stream& stream, const Tensor& dst, const Tensor& src) {
+  enqueue(stream, "accumulate", {Access::write(dst), Access::read(src)},
+          [dst, src] { zerocore::accumulate(dst, src); });
+}
+
+void CpuBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
+                                int finite_slot) {
+  std::vector<Access> accesses{box.write_access(sum_slot), box.write_access(finite_slot)};
+  for (const Tensor& x : xs) accesses.push_back(Access::read(x));
+  double* sum = box.slot(sum_slot);
+  double* finite = box.slot(finite_slot);
+  enqueue(stream, "sum_of_squares", accesses, [xs, memory = box.buffer(), sum, finite] {
+    *sum = zerocore::sum_of_squares(xs);
+    // The fp64 sum is finite exactly when every element is (cpu_reduce.h).
+    *finite = std::isfinite(*sum) ? 1.0 : 0.0;
+  });
+}
+
+void CpuBackend::adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
+                                  double grad_scale, const std::vector<FlatRun>& runs) {
+  enqueue(stream, "adam_update", update_accesses(runs),
+          [groups, step, grad_scale, runs] { zerocore::adam_update_runs(groups, step, grad_scale, runs); });
+}
+
+void CpuBackend::sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,
+                                 double grad_scale, const std::vector<FlatRun>& runs) {
+  enqueue(stream, "sgd_update", update_accesses(runs),
+          [groups, step, grad_scale, runs] { zerocore::sgd_update_runs(groups, step, grad_scale, runs); });
+}
+
+void CpuBackend::declare_access(Stream&, const Access&, const std::string&) {}
+
+void CpuBackend::poison(Stream&, const Tensor&) {}
+
+}  // namespace zerocore
