@@ -8,6 +8,7 @@
 
 namespace zerocore::bindings {
 void bind_tensor(nanobind::module_& m);
+void bind_backend(nanobind::module_& m);
 void bind_layout(nanobind::module_& m);
 void bind_cpu(nanobind::module_& m);
 void bind_optim(nanobind::module_& m);

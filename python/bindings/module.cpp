@@ -10,6 +10,7 @@ NB_MODULE(_native, m) {
   nanobind::set_leak_warnings(false);
   register_error_translators();
   bind_tensor(m);
+  bind_backend(m);
   bind_layout(m);
   bind_cpu(m);
   bind_optim(m);
