@@ -3,6 +3,7 @@
 #include <string>
 
 #include "zerocore/arena.h"
+#include "zerocore/backend/backend.h"
 #include "zerocore/error.h"
 
 namespace zerocore {
@@ -43,6 +44,12 @@ Tensor in_arena(std::vector<int64_t> shape, DType dtype, bool zeroed) {
 }  // namespace
 
 Tensor Tensor::empty(std::vector<int64_t> shape, DType dtype) { return in_arena(std::move(shape), dtype, false); }
+
+Tensor Tensor::empty(std::vector<int64_t> shape, DType dtype, Backend& backend, MemoryKind kind,
+                     const std::string& name) {
+  const size_t bytes = size_t(checked_numel(shape)) * dtype_size(dtype);
+  return backend.allocate(kind, bytes, name)->view(0, dtype, std::move(shape));
+}
 
 Tensor Tensor::zeros(std::vector<int64_t> shape, DType dtype) { return in_arena(std::move(shape), dtype, true); }
 

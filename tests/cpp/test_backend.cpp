@@ -343,6 +343,36 @@ void test_what_needs_no_wait() {
   CHECK(r.backend.violations().empty());
 }
 
+// A slot pool allocating through the checking backend: its slots, planned
+// or beyond the plan, are checked buffers, and a released slot is poisoned
+// in the order of its last use.
+void test_slot_pool_on_checking_backend() {
+  Checked r(CheckingOptions{uint64_t(rng()), 0, 300, false});
+  SlotPool pool(DType::kFloat32, kN, 1, r.backend, MemoryKind::kDevice, "gather pool");
+  const int planned = pool.acquire(), extra = pool.acquire();
+  auto slot_of = [&](int slot) { return pool.slot(slot).slice(0, kN); };  // slots are rounded up to cache lines
+  Tensor values = uniform(kN), seen = Tensor::empty({kN}, DType::kFloat32);
+  for (int slot : {planned, extra}) {
+    r.backend.copy(r.comm, slot_of(slot), values);
+    r.backend.declare_access(r.compute, Access::read(slot_of(slot)), "forward");  // no wait
+  }
+  const std::vector<std::string> found = r.backend.violations();
+  CHECK(found.size() == 2);
+  CHECK(contains(found[0], "buffer 'gather pool' (device)"));
+  CHECK(contains(found[1], "buffer 'gather pool (beyond plan)' (device)"));
+
+  r.order(r.compute, r.comm);
+  r.backend.copy(r.compute, seen, slot_of(planned));
+  CHECK(equal(seen, values));
+  r.order(r.comm, r.compute);
+  pool.release(planned, r.comm);
+  r.order(r.compute, r.comm);
+  r.backend.copy(r.compute, seen, slot_of(planned));
+  CHECK(std::isnan(seen.data_as<float>()[0]) && std::isnan(seen.data_as<float>()[kN - 1]));
+  CHECK(r.backend.violations().size() == 2);
+  CHECK(pool.free_slots() == 1);
+}
+
 }  // namespace
 
 int main() {
@@ -354,5 +384,6 @@ int main() {
   test_host_waits_are_counted();
   test_clocks_are_transitive();
   test_what_needs_no_wait();
+  test_slot_pool_on_checking_backend();
   return finish("test_backend");
 }

@@ -5,13 +5,17 @@
 // plan whatever the system allocator does. A slot beyond the plan (units
 // nested deeper than planned, grads arriving far out of plan order) is an
 // arena of its own, made when first needed and kept, so it too is allocated
-// once; bytes() reports every slot.
+// once; bytes() reports every slot. Slots are allocated through a Backend
+// (the plain CPU one unless given), so under the checking backend every
+// access to them is checked and a released slot can be poisoned.
 #pragma once
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "zerocore/backend/cpu_backend.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {
@@ -20,8 +24,10 @@ class SlotPool {
  public:
   SlotPool() = default;
   // `planned` slots of `slot_elems` elements each (rounded up so every slot
-  // starts on a cache line).
-  SlotPool(DType dtype, int64_t slot_elems, int planned);
+  // starts on a cache line), memory of `kind` from `backend` (which must
+  // outlive the pool), named `name` in the checker's reports.
+  SlotPool(DType dtype, int64_t slot_elems, int planned, Backend& backend = default_cpu_backend(),
+           MemoryKind kind = MemoryKind::kDevice, std::string name = "slot pool");
 
   // A free slot, or -1 when all are taken.
   int try_acquire();
@@ -29,6 +35,10 @@ class SlotPool {
   int acquire();
   // Gives a slot back; its contents are left as they are.
   void release(int slot);
+  // Gives a slot back after its last use, on `last_use`: the backend
+  // poisons it in that stream's order (the checking backend fills it with
+  // NaN, so a read of a released slot shows; the plain one does nothing).
+  void release(int slot, Stream& last_use);
 
   int free_slots() const { return int(std::count(free_.begin(), free_.end(), true)); }
   const Tensor& slot(int index) const { return slots_[size_t(index)]; }
@@ -38,6 +48,9 @@ class SlotPool {
   size_t bytes() const { return slots_.size() * size_t(slot_elems_) * dtype_size(dtype_); }
 
  private:
+  Backend* backend_ = &default_cpu_backend();
+  MemoryKind kind_ = MemoryKind::kDevice;
+  std::string name_;
   DType dtype_ = DType::kFloat32;
   int64_t slot_elems_ = 0;
   int planned_ = 0;

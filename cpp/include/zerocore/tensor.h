@@ -5,11 +5,15 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "zerocore/dtype.h"
 
 namespace zerocore {
+
+class Backend;
+enum class MemoryKind : uint8_t;
 
 class Tensor {
  public:
@@ -19,6 +23,10 @@ class Tensor {
 
   // A new host tensor with its own memory (from a HostArena).
   static Tensor empty(std::vector<int64_t> shape, DType dtype);
+  // The same in a buffer of its own from `backend`, memory of `kind`, named
+  // `name` in the checker's reports (backend/backend.h).
+  static Tensor empty(std::vector<int64_t> shape, DType dtype, Backend& backend, MemoryKind kind,
+                      const std::string& name);
   // The same, reading as zeros; large ones hold no resident memory until
   // written (HostArena::create).
   static Tensor zeros(std::vector<int64_t> shape, DType dtype);

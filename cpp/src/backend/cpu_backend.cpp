@@ -142,6 +142,11 @@ void CpuBackend::sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& 
           [groups, step, grad_scale, runs] { zerocore::sgd_update_runs(groups, step, grad_scale, runs); });
 }
 
+CpuBackend& default_cpu_backend() {
+  static CpuBackend backend;
+  return backend;
+}
+
 void CpuBackend::declare_access(Stream&, const Access&, const std::string&) {}
 
 void CpuBackend::poison(Stream&, const Tensor&) {}

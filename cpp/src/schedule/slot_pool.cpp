@@ -2,7 +2,6 @@
 
 #include <string>
 
-#include "zerocore/arena.h"
 #include "zerocore/error.h"
 
 namespace zerocore {
@@ -11,7 +10,8 @@ namespace {
 constexpr size_t kLineBytes = 64;
 }
 
-SlotPool::SlotPool(DType dtype, int64_t slot_elems, int planned) : dtype_(dtype), planned_(planned) {
+SlotPool::SlotPool(DType dtype, int64_t slot_elems, int planned, Backend& backend, MemoryKind kind, std::string name)
+    : backend_(&backend), kind_(kind), name_(std::move(name)), dtype_(dtype), planned_(planned) {
   if (slot_elems < 0 || planned < 0) {
     throw InvalidArgument("SlotPool: " + std::to_string(planned) + " slots of " + std::to_string(slot_elems) +
                           " elements");
@@ -19,9 +19,9 @@ SlotPool::SlotPool(DType dtype, int64_t slot_elems, int planned) : dtype_(dtype)
   const int64_t line = int64_t(kLineBytes / dtype_size(dtype));
   slot_elems_ = (slot_elems + line - 1) / line * line;
   if (planned == 0) return;
-  auto arena = HostArena::create(size_t(planned) * size_t(slot_elems_) * dtype_size(dtype));
+  auto buffer = backend.allocate(kind, size_t(planned) * size_t(slot_elems_) * dtype_size(dtype), name_);
   for (int i = 0; i < planned; ++i) {
-    slots_.push_back(arena->view(size_t(i) * size_t(slot_elems_) * dtype_size(dtype), dtype, {slot_elems_}));
+    slots_.push_back(buffer->view(size_t(i) * size_t(slot_elems_) * dtype_size(dtype), dtype, {slot_elems_}));
     free_.push_back(true);
   }
 }
@@ -39,7 +39,7 @@ int SlotPool::try_acquire() {
 int SlotPool::acquire() {
   const int slot = try_acquire();
   if (slot >= 0) return slot;
-  slots_.push_back(Tensor::empty({slot_elems_}, dtype_));
+  slots_.push_back(Tensor::empty({slot_elems_}, dtype_, *backend_, kind_, name_ + " (beyond plan)"));
   free_.push_back(false);
   return int(slots_.size()) - 1;
 }
@@ -49,6 +49,11 @@ void SlotPool::release(int slot) {
     throw InvalidArgument("SlotPool: slot " + std::to_string(slot) + " is not taken");
   }
   free_[size_t(slot)] = true;
+}
+
+void SlotPool::release(int slot, Stream& last_use) {
+  release(slot);
+  backend_->poison(last_use, slots_[size_t(slot)]);
 }
 
 }  // namespace zerocore

@@ -76,4 +76,9 @@ class CpuBackend : public Backend {
   std::vector<std::unique_ptr<CpuStream>> streams_;
 };
 
+// The process's plain CPU backend: what the runtime allocates through when
+// it is given no backend. It has only the compute stream until a caller
+// creates another.
+CpuBackend& default_cpu_backend();
+
 }  // namespace zerocore
