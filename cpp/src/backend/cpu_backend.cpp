@@ -99,6 +99,9 @@ void CpuBackend::enqueue(Stream& stream, const std::string&, const std::vector<A
 }
 
 void CpuBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {
+  if (dst.device().type != DeviceType::kCPU || src.device().type != DeviceType::kCPU) {
+    throw TypeMismatch("copy: a CPU backend copies host tensors only; this one was given a CUDA tensor");
+  }
   if (dst.dtype() != src.dtype() || dst.numel() != src.numel()) {
     throw InvalidArgument(std::string("copy: ") + std::to_string(src.numel()) + " " + dtype_name(src.dtype()) +
                           " elements into " + std::to_string(dst.numel()) + " " + dtype_name(dst.dtype()) +
