@@ -1,9 +1,11 @@
 // The in-process transport and the per-group queue: collectives against
 // values computed directly, in place as the runtime uses them; a mismatched
-// key or a bad argument on one rank fails on every rank, and nothing hangs.
+// key or a bad argument on one rank fails on every rank, and nothing hangs;
+// late completion (as NCCL's) really leaves the buffers alone until the wait.
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -200,6 +202,38 @@ void test_forked_child_drops_an_inherited_queue() {
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
+// The late mode bites: a call returns before the collective has read its
+// input or written its output. Rank 1 issues its side only after rank 0 has
+// read its output early and overwritten its shard, so the collective cannot
+// have run yet, whatever the timing: the early read sees the old output and
+// the gather takes the overwritten shard, until the completion is waited for.
+void test_late_completion_reads_and_writes_late() {
+  InProcessGroup group(2, LateCompletion{3, 100});
+  std::unique_ptr<Transport> t0 = group.transport(0), t1 = group.transport(1);
+  const int64_t n = 4;
+  Tensor shard0 = filled(n, 0, DType::kFloat32), shard1 = filled(n, 1, DType::kFloat32);
+  Tensor out0 = Tensor::empty({2 * n}, DType::kFloat32), out1 = Tensor::empty({2 * n}, DType::kFloat32);
+  std::fill(out0.data_as<float>(), out0.data_as<float>() + 2 * n, -1.0f);
+  const CollectiveKey k = key(CollectiveKind::kAllGather, 0, 2 * n);
+  Completion done0 = t0->all_gather(k, shard0, out0);
+  CHECK(done0);  // not done on return
+  bool stale = true;
+  for (int64_t i = 0; i < 2 * n; ++i) stale = stale && out0.data_as<float>()[i] == -1.0f;
+  CHECK(stale);
+  for (int64_t i = 0; i < n; ++i) shard0.data_as<float>()[i] = value(5, i);  // reused before the wait
+  std::thread rank1([&] { t1->all_gather(k, shard1, out1)(); });
+  done0();
+  rank1.join();
+  for (int64_t i = 0; i < n; ++i) {
+    CHECK(out0.data_as<float>()[i] == value(5, i) && out1.data_as<float>()[i] == value(5, i));
+    CHECK(out0.data_as<float>()[n + i] == value(1, i) && out1.data_as<float>()[n + i] == value(1, i));
+  }
+  // The synchronous group's call is done when it returns.
+  InProcessGroup sync(1);
+  Tensor solo = filled(n, 0, DType::kFloat32);
+  CHECK(!sync.transport(0)->all_reduce(key(CollectiveKind::kAllReduce, 0, n), solo));
+}
+
 }  // namespace
 
 int main() {
@@ -212,6 +246,7 @@ int main() {
   test_trace_is_bounded_but_fingerprint_covers_all();
   test_stats_count_counted_data_plane_only();
   test_forked_child_drops_an_inherited_queue();
+  test_late_completion_reads_and_writes_late();
   CHECK(describe(CollectiveKey{CollectiveKind::kReduceScatter, 2, 1, 1234567}) ==
         "reduce_scatter of group 2, bucket 1 (1,234,567 elements)");
   CHECK(describe(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 16}) == "control-plane all_gather (16 elements)");

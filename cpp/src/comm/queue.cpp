@@ -1,6 +1,9 @@
-// The per-group queue: one native thread runs the group's collectives in the
-// order they were issued, so every rank's transport sees the same sequence
-// whatever thread issued them, and callers wait on events, not on the queue.
+// The per-group queue, a comm stream: one native thread issues the group's
+// collectives in the order they were issued, so every rank's transport sees
+// the same sequence whatever thread issued them; a second thread waits for
+// each one's completion, in the same order, and sets its event. Callers wait
+// on events, not on the queue: a call into the transport returning means
+// only that the collective is queued (NCCL), never that its data moved.
 // Issuing also keeps the order contract's books, under the same lock as the
 // queue, so the trace lists collectives in the order they run.
 #include <utility>
@@ -19,9 +22,12 @@ struct CommQueue::State {
   std::vector<CollectiveKey> trace;
   size_t trace_limit = kDefaultTraceLimit;
   std::array<int64_t, 4> stats{};
-  // A failed collective leaves the ranks out of step: the queue fails every
+  // A failed collective leaves the ranks out of step: the queues fail every
   // later one with the same error rather than pairing it with the wrong peer.
-  WorkQueue queue;
+  // Declared in reverse order of going: issuing stops (all issued) before
+  // completing does (all complete).
+  WorkQueue completing;
+  WorkQueue issuing;
 };
 
 CommQueue::CommQueue(std::unique_ptr<Transport> transport)
@@ -34,7 +40,7 @@ CommQueue::CommQueue(std::unique_ptr<Transport> transport)
 CommQueue::~CommQueue() = default;
 
 std::shared_ptr<Event> CommQueue::enqueue(const CollectiveKey& key, bool counted,
-                                          std::function<void(Transport&)> work) {
+                                          std::function<Completion(Transport&)> work) {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   if (key.group >= 0) {
@@ -45,29 +51,35 @@ std::shared_ptr<Event> CommQueue::enqueue(const CollectiveKey& key, bool counted
     if (s.trace.size() < s.trace_limit) s.trace.push_back(key);
     if (counted) s.stats[size_t(key.kind)] += key.numel;
   }
-  // The work lets go of its tensors before its event fires: a waiter that
-  // then drops them frees them, and the last reference to a caller's Python
-  // tensor (released under the GIL) goes while the caller waits rather than
-  // while it runs.
-  return s.queue.enqueue([work = std::move(work), transport = transport_.get()] { work(*transport); });
+  // Both jobs let go of the tensors before the event fires (the completion
+  // goes with the second job): a waiter that then drops them frees them,
+  // and the last reference to a caller's Python tensor (released under the
+  // GIL) goes while the caller waits rather than while it runs.
+  auto completion = std::make_shared<Completion>();
+  std::shared_ptr<Event> issued = s.issuing.enqueue(
+      [work = std::move(work), transport = transport_.get(), completion] { *completion = work(*transport); });
+  return s.completing.enqueue([issued = std::move(issued), completion = std::move(completion)] {
+    issued->wait();
+    if (*completion) (*completion)();
+  });
 }
 
 std::shared_ptr<Event> CommQueue::all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output,
                                              bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { t.all_gather(key, shard, output); });
+  return enqueue(key, counted, [=](Transport& t) { return t.all_gather(key, shard, output); });
 }
 
 std::shared_ptr<Event> CommQueue::reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard,
                                                  bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { t.reduce_scatter(key, input, shard); });
+  return enqueue(key, counted, [=](Transport& t) { return t.reduce_scatter(key, input, shard); });
 }
 
 std::shared_ptr<Event> CommQueue::all_reduce(const CollectiveKey& key, const Tensor& tensor, bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { t.all_reduce(key, tensor); });
+  return enqueue(key, counted, [=](Transport& t) { return t.all_reduce(key, tensor); });
 }
 
 std::shared_ptr<Event> CommQueue::broadcast(const CollectiveKey& key, const Tensor& tensor, int root, bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { t.broadcast(key, tensor, root); });
+  return enqueue(key, counted, [=](Transport& t) { return t.broadcast(key, tensor, root); });
 }
 
 uint64_t CommQueue::fingerprint() const {
