@@ -61,11 +61,12 @@ def group_timeout(group) -> Optional[datetime.timedelta]:
     return None
 
 
-def private_group(group, timeout: Optional[datetime.timedelta] = None):
+def private_group(group, timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None):
     """A new process group of `group`'s ranks (a collective call of those
-    ranks only), with `timeout`, or else `group`'s own."""
+    ranks only), with `timeout`, or else `group`'s own, and `backend` (None:
+    the default's)."""
     return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout or group_timeout(group),
-                          use_local_synchronization=True)
+                          backend=backend, use_local_synchronization=True)
 
 
 class Failure:

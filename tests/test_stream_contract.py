@@ -1,0 +1,120 @@
+"""The stream contract of communication: a collective completes through its
+event, never when its call returned (NCCL returns once a collective is
+queued). With ZEROCORE_LATE_COMPLETION every queue's collectives complete
+late, reading their inputs and writing their outputs only after a random
+delay, so a reader that does not wait for the event gets stale data: the
+engine trains the same under it. The control plane (agreements, the step's
+exchange with the order fingerprint, stage 3's rounds) runs on host groups
+beside the data group."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocore
+from dist_harness import run_ranks
+from models import assert_state_close, engine_train, make, reference_train
+from zerocore import comm as zcomm
+from zerocore.process_group import ProcessGroupTransport
+
+STEPS, ACCUM = 3, 2
+HP = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99))
+CONFIGS = [dict(stage=0), dict(stage=1, bucket_bytes=256), dict(stage=2, bucket_bytes=256),
+           dict(stage=2, bucket_bytes=256, offload_optimizer="cpu"), dict(stage=3, bucket_bytes=256),
+           dict(stage=3, bucket_bytes=256, prefetch_bytes=0)]
+
+
+def _train(rank, world, config):
+    model = make()
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), **HP), zerocore.Config(**config))
+    state = engine_train(engine, rank, world, STEPS, ACCUM)
+    engine.close()
+    return state
+
+
+def _train_both_ways(rank, world, seed):
+    """Every config trained with collectives that complete on return (gloo
+    waited for) and again with late ones."""
+    out = {}
+    for i, config in enumerate(CONFIGS):
+        os.environ.pop("ZEROCORE_LATE_COMPLETION", None)
+        on_return = _train(rank, world, config)
+        os.environ["ZEROCORE_LATE_COMPLETION"] = str(seed + i)
+        out[i] = (on_return, _train(rank, world, config))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_late_completion_trains_the_same(world, gen):
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+    results = run_ranks(_train_both_ways, world, seed, timeout=300)
+    model = make()
+    ref = reference_train(model, torch.optim.AdamW(model.parameters(), **HP), STEPS, ACCUM, world)
+    for i, config in enumerate(CONFIGS):
+        for rank in range(world):
+            on_return, late = results[rank][i]
+            assert_state_close(late, ref, rtol=1e-5, atol=1e-6, what=f"late, rank {rank} {config}")
+            for name in on_return:  # the same collectives in the same order: the same bits
+                assert torch.equal(late[name], on_return[name]), f"rank {rank} {config} {name}"
+
+
+def _record_keys(rank, world, stage):
+    """The engine's collectives, by the process group they ran on."""
+    calls = []
+    methods = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+    originals = {m: getattr(ProcessGroupTransport, m) for m in methods}
+
+    def recording(method):
+        def call(self, key, *args):
+            calls.append((self.group, tuple(key)))
+            return originals[method](self, key, *args)
+        return call
+
+    for m in methods:
+        setattr(ProcessGroupTransport, m, recording(m))
+    model = make()
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), **HP),
+                           zerocore.Config(stage=stage, bucket_bytes=256))
+    engine_train(engine, rank, world, 2, 1)
+    groups = {"data": engine.comm.group, "control": engine.control.group,
+              "rounds": engine.rounds_comm.group if stage == 3 else None}
+    backends = {name: dist.get_backend(g) for name, g in groups.items() if g is not None}
+    engine.close()
+    by_group = {name: [key for g, key in calls if g is groups[name]] for name in groups}
+    elsewhere = [key for g, key in calls if all(g is not mine for mine in groups.values())]
+    return backends, by_group, elsewhere
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_control_traffic_goes_on_the_control_group(stage):
+    for backends, by_group, elsewhere in run_ranks(_record_keys, 2, stage, timeout=120):
+        assert backends["control"] == "gloo" and backends.get("rounds", "gloo") == "gloo"
+        assert elsewhere == []
+        agreements = {zcomm._NORMS, zcomm._AGREEMENT}
+        control = by_group["control"]
+        # Start-up checks and both steps' exchanges (with the order fingerprint).
+        assert {bucket for _, _, bucket, _ in control} == agreements
+        assert sum(bucket == zcomm._NORMS for _, _, bucket, _ in control) == 2
+        assert all(kind == zcomm._ALL_GATHER and group == zcomm._CONTROL for kind, group, _, _ in control)
+        # The data group: data collectives, the model's broadcasts and the
+        # reducer's agreement on late grads, never an agreement.
+        for kind, group, bucket, _ in by_group["data"]:
+            assert group >= 0 or (kind, bucket) in {(zcomm._BROADCAST, zcomm._BROADCASTS), (2, 0)}, (kind, bucket)
+        if stage == 3:
+            assert by_group["rounds"] and all(group == zcomm._CONTROL for _, group, _, _ in by_group["rounds"])
+
+
+def _transport_completion(rank, world):
+    transport = ProcessGroupTransport(dist.group.WORLD)
+    t = torch.full((4,), float(rank + 1))
+    completion = transport.all_reduce((2, 0, 0, 4), t)
+    assert callable(completion)  # issued with async_op: done only once completed
+    completion()
+    completion()  # idempotent: the queue's completing thread and the next issue may both call it
+    return t.tolist()
+
+
+def test_torch_transport_completes_through_its_works():
+    for summed in run_ranks(_transport_completion, 2, timeout=60):
+        assert summed == [3.0] * 4
