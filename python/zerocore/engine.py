@@ -124,8 +124,7 @@ class Engine:
         # rounds) runs on host groups beside the data group, so agreeing
         # never waits behind data collectives nor, with NCCL for data, makes
         # the GPU synchronise.
-        self.control = Communicator(_own_group(user_group, cfg.timeout, "gloo"), "a control collective") \
-            if user_group is not None else None
+        self.control = Communicator(_own_group(user_group, cfg.timeout, "gloo")) if user_group is not None else None
         self.comm = Communicator(_own_group(user_group, cfg.timeout), fails_with=self.control, control=self.control)
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
