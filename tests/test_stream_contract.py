@@ -7,6 +7,7 @@ engine trains the same under it. The control plane (agreements, the step's
 exchange with the order fingerprint, stage 3's rounds) runs on host groups
 beside the data group."""
 import os
+import threading
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import zerocore
 from dist_harness import run_ranks
 from models import assert_state_close, engine_train, make, reference_train
+from zerocore import _native
 from zerocore import comm as zcomm
 from zerocore.process_group import ProcessGroupTransport
 
@@ -119,3 +121,44 @@ def _transport_completion(rank, world):
 def test_torch_transport_completes_through_its_works():
     for summed in run_ranks(_transport_completion, 2, timeout=60):
         assert summed == [3.0] * 4
+
+
+class _CompletesOnRelease:
+    """A Python transport whose all-reduce (doubling) moves its data in its
+    completion, once released; its second collective fails there."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self):
+        self.issued, self.release = threading.Event(), threading.Event()
+
+    def all_reduce(self, key, tensor):
+        t = torch.from_dlpack(tensor)
+        self.issued.set()
+
+        def complete():
+            self.release.wait()
+            if key[2] == 1:
+                raise ValueError("the peer went away")
+            t.mul_(2)
+        return complete
+
+
+def _event_is_the_completion():
+    transport = _CompletesOnRelease()
+    q = _native.CommQueue(transport)
+    t = torch.ones(4)
+    event = q.all_reduce((2, 0, 0, 4), t)
+    failing = q.all_reduce((2, 0, 1, 4), torch.ones(4))
+    assert transport.issued.wait(30)
+    assert not event.ready() and t.tolist() == [1.0] * 4  # the call returned; the data has not moved
+    transport.release.set()
+    event.wait()
+    assert t.tolist() == [2.0] * 4
+    with pytest.raises(RuntimeError, match=r"all_reduce of group 0, bucket 1 .*ValueError: the peer went away"):
+        failing.wait()
+    q.close()
+
+
+def test_an_event_is_set_by_the_completion_not_by_the_call_returning():
+    run_ranks(lambda rank, world: _event_is_the_completion(), 1, timeout=30)

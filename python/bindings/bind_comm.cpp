@@ -3,10 +3,11 @@
 // comm.h), over a Python transport or the single-process group, so native
 // code can issue on the same queue.
 //
-// The GIL: the queue's thread takes it to run a Python transport and to let
-// go of the torch tensors a collective held. So no thread that holds the GIL
-// may wait for the queue: Event.wait() releases it while waiting, and a
-// queue is closed (drained, its thread joined) with the GIL released.
+// The GIL: the queue's threads take it to run a Python transport (issue a
+// collective, wait for its completion) and to let go of the torch tensors a
+// collective held. So no thread that holds the GIL may wait for the queue:
+// Event.wait() releases it while waiting, and a queue is closed (drained,
+// its threads joined) with the GIL released.
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>

@@ -20,7 +20,7 @@ namespace zerocore::bindings {
 // that blocks until it is (the completion: called, once, on the queue's
 // completing thread). The queue's threads take the GIL for each call;
 // a Python exception fails the collective with a C++ error carrying its
-// type and message (the queue's thread keeps no Python object once it lets
+// type and message (the queue's threads keep no Python exception once they let
 // go of the GIL), which Event.wait() raises as RuntimeError; a TimeoutError
 // with CollectiveTimeout, its message as is (the transport names the
 // collective), raised as zerocore.CollectiveTimeoutError.

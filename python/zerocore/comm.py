@@ -1,8 +1,11 @@
 """Collectives of the engine, on one native ordered queue per process group.
 
 Every collective goes through `Communicator.queue`, a
-zerocore._native.CommQueue: one native thread that runs the group's
-collectives in the order they were issued, over a ProcessGroupTransport
+zerocore._native.CommQueue, the group's comm stream: native threads that
+issue the group's collectives in the order they were issued and complete
+them in that order, each through its event (never "the call returned":
+nothing reads an output or reuses an input before waiting for it), over a
+ProcessGroupTransport
 (torch.distributed) or, without a process group (stage 0 on one process),
 over the single-process group, where every collective is the identity.
 Native code issues on the same queue, in the same order.

@@ -135,27 +135,32 @@ class ProcessGroupTransport:
 
     def all_gather(self, key, shard, output):
         """output (world_size x shard) <- every rank's shard."""
-        return self._issue(key, lambda: self._all_gather(torch.from_dlpack(shard), torch.from_dlpack(output)))
+        shard, output = torch.from_dlpack(shard), torch.from_dlpack(output)
+        return self._issue(key, output.device, lambda: self._all_gather(shard, output))
 
     def reduce_scatter(self, key, input, shard):
         """shard <- this rank's block of the sum of every rank's input (the
         rest of input is scratch)."""
-        return self._issue(key, lambda: self._reduce_scatter(torch.from_dlpack(input), torch.from_dlpack(shard)))
+        input, shard = torch.from_dlpack(input), torch.from_dlpack(shard)
+        return self._issue(key, shard.device, lambda: self._reduce_scatter(input, shard))
 
     def all_reduce(self, key, tensor):
-        return self._issue(key, lambda: ([dist.all_reduce(torch.from_dlpack(tensor), group=self.group,
-                                                          async_op=True)], None))
+        tensor = torch.from_dlpack(tensor)
+        return self._issue(key, tensor.device,
+                           lambda: ([dist.all_reduce(tensor, group=self.group, async_op=True)], None))
 
     def broadcast(self, key, tensor, root):
         """tensor <- the tensor of rank `root` of the group."""
-        return self._issue(key, lambda: ([dist.broadcast(torch.from_dlpack(tensor), self.global_ranks[root],
-                                                         group=self.group, async_op=True)], None))
+        tensor = torch.from_dlpack(tensor)
+        return self._issue(key, tensor.device, lambda: (
+            [dist.broadcast(tensor, self.global_ranks[root], group=self.group, async_op=True)], None))
 
-    def _issue(self, key, start):
-        """Issues one collective: start() issues its works (async_op) and
-        returns them and what runs once they are done (or None). Returns its
-        completion, which the queue calls on its completing thread: the call
-        returning says nothing of the data (NCCL's return once queued)."""
+    def _issue(self, key, device, start):
+        """Issues one collective on tensors on `device`: start() issues its
+        works (async_op) and returns them and what runs once they are done
+        (or None). Returns its completion, which the queue calls on its
+        completing thread: the call returning says nothing of the data
+        (NCCL's return once queued)."""
         if self._last is not None:
             # gloo runs a group's works on several threads at once: finishing
             # each collective before issuing the next keeps them a stream.
@@ -163,7 +168,7 @@ class ProcessGroupTransport:
         issued = time.monotonic()
         with self._running(key, issued):
             works, then = start()
-        completion = _Completion(self, key, issued, works, then)
+        completion = _Completion(self, key, issued, works, then, device)
         self._last = completion if self.in_place else None
         return completion
 
@@ -190,19 +195,25 @@ class _Completion:
     thread and, on gloo, by the issuing one before the next collective; the
     first call does the work, a later one returns (or raises the failure)."""
 
-    def __init__(self, transport, key, issued, works, then):
-        self.transport, self.key, self.issued = transport, key, issued
-        self.works, self.then = works, then
+    def __init__(self, transport, key, issued, works, then, device):
+        self.failure, self.running, self.key, self.issued = transport.failure, transport._running, key, issued
+        self.works, self.then, self.device = works, then, device
         self.lock = threading.Lock()
 
     def __call__(self):
         with self.lock:
             if self.works is None:
-                self.transport.failure.check()
+                self.failure.check()
                 return
-            works, then, self.works, self.then = self.works, self.then, None, None  # the tensors go when done
-            with self.transport._running(self.key, self.issued):
+            # The tensors go once done, and the transport (which holds the last completion) is let go.
+            running, works, then = self.running, self.works, self.then
+            self.running = self.works = self.then = None
+            with running(self.key, self.issued):
                 for w in works:
                     w.wait()
                 if then is not None:
                     then()
+                if self.device.type == "cuda":
+                    # On NCCL wait() only orders this thread's current stream
+                    # after the works: the event means done once it ran.
+                    torch.cuda.current_stream(self.device).synchronize()
