@@ -110,17 +110,23 @@ def test_control_traffic_goes_on_the_control_group(stage):
 
 def _transport_completion(rank, world):
     transport = ProcessGroupTransport(dist.group.WORLD)
-    t = torch.full((4,), float(rank + 1))
-    completion = transport.all_reduce((2, 0, 0, 4), t)
-    assert callable(completion)  # issued with async_op: done only once completed
+    out = {"gloo": transport.all_reduce((2, 0, 0, 4), torch.full((4,), float(rank + 1)))}
+    # The other backends' path (NCCL's: tensor collectives that complete
+    # through the completion the call returns), run over gloo.
+    transport.in_place = False
+    t = torch.arange(4.0) + 10 * rank
+    shard = torch.empty(2)
+    completion = transport.reduce_scatter((1, 0, 1, 4), t, shard)
+    assert callable(completion)
     completion()
-    completion()  # idempotent: the queue's completing thread and the next issue may both call it
-    return t.tolist()
+    out["reduced"] = shard.tolist()
+    return out
 
 
 def test_torch_transport_completes_through_its_works():
-    for summed in run_ranks(_transport_completion, 2, timeout=60):
-        assert summed == [3.0] * 4
+    for rank, out in enumerate(run_ranks(_transport_completion, 2, timeout=60)):
+        assert out["gloo"] is None  # gloo: completed in the call, on the queue's issuing thread
+        assert out["reduced"] == [[10.0, 12.0], [14.0, 16.0]][rank]
 
 
 class _CompletesOnRelease:

@@ -11,8 +11,8 @@ work handles (and then does what follows them, as keeping this rank's block
 of a reduce-scatter): the queue's completing thread calls it, and only then
 is the queue's event set. "The call returned" is never taken for done,
 since NCCL returns once a collective is queued. On gloo, which runs a
-group's works on several threads, each collective is also finished before
-the next is issued, so they stay a stream.
+group's works on several threads, the call itself waits for the works (on
+the queue's issuing thread) and returns None, so collectives stay a stream.
 
 On gloo (host tensors) the tensor collectives all_gather_into_tensor and
 reduce_scatter_tensor allocate full-size temporaries on every call, so peak
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import threading
 import time
 from typing import Optional
 
@@ -105,7 +104,6 @@ class ProcessGroupTransport:
         self.timeout = group_timeout(group)
         self.describe = describe  # key -> what the collective is, for errors
         self.failure = failure or Failure()
-        self._last = None  # gloo: the completion of the collective issued last
 
     @contextlib.contextmanager
     def _running(self, key, start=None):
@@ -160,17 +158,18 @@ class ProcessGroupTransport:
         works (async_op) and returns them and what runs once they are done
         (or None). Returns its completion, which the queue calls on its
         completing thread: the call returning says nothing of the data
-        (NCCL's return once queued)."""
-        if self._last is not None:
-            # gloo runs a group's works on several threads at once: finishing
-            # each collective before issuing the next keeps them a stream.
-            self._last()
+        (NCCL's return once queued). On gloo, which runs a group's works on
+        several threads at once, the collective completes here instead, on
+        the queue's issuing thread, before the next is issued: so they stay
+        a stream, and the GIL changes hands once a collective."""
         issued = time.monotonic()
         with self._running(key, issued):
             works, then = start()
         completion = _Completion(self, key, issued, works, then, device)
-        self._last = completion if self.in_place else None
-        return completion
+        if not self.in_place:
+            return completion
+        completion()
+        return None
 
     def _all_gather(self, shard, output):
         if not self.in_place:
@@ -190,30 +189,21 @@ class ProcessGroupTransport:
 
 
 class _Completion:
-    """The completion of one issued collective: calling it waits for its
-    works and runs what follows them. Called by the queue's completing
-    thread and, on gloo, by the issuing one before the next collective; the
-    first call does the work, a later one returns (or raises the failure)."""
+    """The completion of one issued collective: calling it (once) waits for
+    its works and runs what follows them; the tensors go with them."""
 
     def __init__(self, transport, key, issued, works, then, device):
-        self.failure, self.running, self.key, self.issued = transport.failure, transport._running, key, issued
+        self.transport, self.key, self.issued = transport, key, issued
         self.works, self.then, self.device = works, then, device
-        self.lock = threading.Lock()
 
     def __call__(self):
-        with self.lock:
-            if self.works is None:
-                self.failure.check()
-                return
-            # The tensors go once done, and the transport (which holds the last completion) is let go.
-            running, works, then = self.running, self.works, self.then
-            self.running = self.works = self.then = None
-            with running(self.key, self.issued):
-                for w in works:
-                    w.wait()
-                if then is not None:
-                    then()
-                if self.device.type == "cuda":
-                    # On NCCL wait() only orders this thread's current stream
-                    # after the works: the event means done once it ran.
-                    torch.cuda.current_stream(self.device).synchronize()
+        works, then, self.works, self.then = self.works, self.then, None, None
+        with self.transport._running(self.key, self.issued):
+            for w in works:
+                w.wait()
+            if then is not None:
+                then()
+            if self.device.type == "cuda":
+                # On NCCL wait() only orders this thread's current stream
+                # after the works: the event means done once it ran.
+                torch.cuda.current_stream(self.device).synchronize()
