@@ -7,8 +7,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -234,6 +238,81 @@ void test_late_completion_reads_and_writes_late() {
   CHECK(!sync.transport(0)->all_reduce(key(CollectiveKind::kAllReduce, 0, n), solo));
 }
 
+// One rank; odd buckets complete late, behind a gate (and fail, if told),
+// even ones when the call returns.
+class GatedTransport : public Transport {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  Completion all_reduce(const CollectiveKey& key, const Tensor&) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++issued_;
+    }
+    cv_.notify_all();
+    if (key.bucket % 2 == 0) return {};
+    return [this] {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return open_; });
+      if (fail_) throw std::runtime_error("the peer went away");
+    };
+  }
+  Completion all_gather(const CollectiveKey&, const Tensor&, const Tensor&) override { return {}; }
+  Completion reduce_scatter(const CollectiveKey&, const Tensor&, const Tensor&) override { return {}; }
+  Completion broadcast(const CollectiveKey&, const Tensor&, int) override { return {}; }
+
+  void wait_issued(int n) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return issued_ >= n; });
+  }
+  void open(bool fail) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      open_ = true;
+      fail_ = fail;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int issued_ = 0;
+  bool open_ = false, fail_ = false;
+};
+
+bool fails_with(const std::shared_ptr<Event>& e, const char* message) {
+  try {
+    e->wait();
+  } catch (const std::runtime_error& error) {
+    return std::string(error.what()) == message;
+  }
+  return false;
+}
+
+// Events complete in issue order whether a collective completes on return
+// or late; a late failure fails every later collective with it.
+void test_events_complete_in_order(bool fail) {
+  auto owned = std::make_unique<GatedTransport>();
+  GatedTransport& transport = *owned;
+  CommQueue q(std::move(owned));
+  const Tensor t = filled(4, 0, DType::kFloat32);
+  auto late = q.all_reduce(key(CollectiveKind::kAllReduce, 1, 4), t);
+  auto on_return = q.all_reduce(key(CollectiveKind::kAllReduce, 2, 4), t);
+  transport.wait_issued(2);  // both calls returned, the first not complete
+  CHECK(!late->ready() && !on_return->ready());
+  transport.open(fail);
+  auto after = q.all_reduce(key(CollectiveKind::kAllReduce, 4, 4), t);
+  if (!fail) {
+    on_return->wait();
+    after->wait();
+    CHECK(late->ready());
+    return;
+  }
+  CHECK(fails_with(late, "the peer went away") && fails_with(on_return, "the peer went away") &&
+        fails_with(after, "the peer went away"));
+}
+
 }  // namespace
 
 int main() {
@@ -247,6 +326,8 @@ int main() {
   test_stats_count_counted_data_plane_only();
   test_forked_child_drops_an_inherited_queue();
   test_late_completion_reads_and_writes_late();
+  test_events_complete_in_order(false);
+  test_events_complete_in_order(true);
   CHECK(describe(CollectiveKey{CollectiveKind::kReduceScatter, 2, 1, 1234567}) ==
         "reduce_scatter of group 2, bucket 1 (1,234,567 elements)");
   CHECK(describe(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 16}) == "control-plane all_gather (16 elements)");
