@@ -67,7 +67,8 @@ struct CommQueue::State {
     work = nullptr;
     if (completing_tail && completing_tail->ready()) completing_tail.reset();
     if (!completing_tail && !completion) {
-      done->set(error);
+      // Those before it are complete, a failure among them recorded by now.
+      done->set(error ? error : failure());
       return;
     }
     completing_tail = completing.enqueue([this, completion = std::move(completion), error, done]() mutable {
