@@ -149,7 +149,7 @@ def _group_timeouts(rank, world):
     def timeouts(config, group=None):
         model = make()
         engine = zerocore.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), config, group=group)
-        return [group_timeout(c.group).total_seconds() for c in (engine.comm, engine.rounds_comm)]
+        return [group_timeout(c.group).total_seconds() for c in (engine.comm, engine.control, engine.rounds_comm)]
 
     seven = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=7))
     return (timeouts({"stage": 3}), timeouts({"stage": 3}, seven),
@@ -158,7 +158,7 @@ def _group_timeouts(rank, world):
 
 def test_the_engines_groups_take_the_given_groups_timeout_or_the_configs():
     for result in run_ranks(_group_timeouts, 2):
-        assert result == ([60, 60], [7, 7], [5, 5])  # run_ranks' default group has 60 s
+        assert result == ([60] * 3, [7] * 3, [5] * 3)  # run_ranks' default group has 60 s
 
 
 @pytest.mark.parametrize("value", [0, -1.5, "2", True, float("nan"), datetime.timedelta(0)])

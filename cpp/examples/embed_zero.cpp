@@ -255,7 +255,9 @@ std::vector<float> initial_params() {
 // step's loss averaged over ranks.
 std::vector<float> train(int stage, int world, std::vector<float>* losses) {
   const std::vector<float> init = initial_params();
-  InProcessGroup group(world), rounds_group(world);
+  // ZEROCORE_LATE_COMPLETION=<seed> makes the collectives complete late, as
+  // NCCL's do: the training must not change (ctest runs it both ways).
+  InProcessGroup group(world, late_completion_from_env()), rounds_group(world, late_completion_from_env());
   std::vector<std::vector<float>> params(static_cast<size_t>(world));
   std::vector<std::vector<float>> rank_losses(static_cast<size_t>(world));
   std::vector<std::thread> threads;

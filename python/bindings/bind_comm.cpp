@@ -3,10 +3,11 @@
 // comm.h), over a Python transport or the single-process group, so native
 // code can issue on the same queue.
 //
-// The GIL: the queue's thread takes it to run a Python transport and to let
-// go of the torch tensors a collective held. So no thread that holds the GIL
-// may wait for the queue: Event.wait() releases it while waiting, and a
-// queue is closed (drained, its thread joined) with the GIL released.
+// The GIL: the queue's threads take it to run a Python transport (issue a
+// collective, wait for its completion) and to let go of the torch tensors a
+// collective held. So no thread that holds the GIL may wait for the queue:
+// Event.wait() releases it while waiting, and a queue is closed (drained,
+// its threads joined) with the GIL released.
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -15,6 +16,7 @@
 
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -71,6 +73,13 @@ void bind_collective_timeout(nb::module_& m) {
   });
 }
 
+// `transport`, completing late where the environment asks
+// (ZEROCORE_LATE_COMPLETION: a test switch, see comm.h).
+std::unique_ptr<Transport> late_if_asked(std::unique_ptr<Transport> transport) {
+  const std::optional<LateCompletion> late = late_completion_from_env();
+  return late ? completing_late(std::move(transport), *late) : std::move(transport);
+}
+
 }  // namespace
 
 void bind_comm(nb::module_& m) {
@@ -91,23 +100,28 @@ void bind_comm(nb::module_& m) {
 
   nb::class_<Event>(m, "Event", "Completion of one queued collective.")
       .def("wait", &Event::wait, nb::call_guard<nb::gil_scoped_release>(),
-           "Blocks (without the GIL) until the collective ran; raises its error if it failed.")
-      .def("ready", &Event::ready, "True once the collective ran (or failed).");
+           "Blocks (without the GIL) until the collective completed (its data moved); raises its error if it "
+           "failed.")
+      .def("ready", &Event::ready, "True once the collective completed (or failed).");
 
   nb::class_<BoundQueue>(m, "CommQueue",
-                         "One native thread running a group's collectives in issue order (comm.h). Tensors are "
-                         "DLPack objects (torch tensors), kept alive until their collective ran; each issue returns "
-                         "an Event.")
+                         "A group's comm stream: native threads issuing and completing its collectives in issue order "
+                         "(comm.h). Tensors are DLPack objects (torch tensors), kept alive until their collective "
+                         "completed; each issue returns the Event of its completion, which must be waited for before "
+                         "the output is read or the input reused.")
       .def("__init__",
-           [](BoundQueue* self, nb::object transport) { new (self) BoundQueue(python_transport(std::move(transport))); },
+           [](BoundQueue* self, nb::object transport) {
+             new (self) BoundQueue(late_if_asked(python_transport(std::move(transport))));
+           },
            "transport"_a,
-           "A queue over a Python transport: an object with rank, world_size and the blocking methods "
+           "A queue over a Python transport: an object with rank, world_size and the methods "
            "all_gather(key, shard, output), reduce_scatter(key, input, shard), all_reduce(key, tensor), "
            "broadcast(key, tensor, root), called on the queue's thread with the key (kind, group, bucket, numel) and "
-           "DLPack tensors. A TimeoutError they raise comes out of Event.wait() as CollectiveTimeoutError, with its "
+           "DLPack tensors; each issues its collective and returns None once it is done, or else a callable that "
+           "blocks until it is, which the queue's completing thread calls. A TimeoutError they raise comes out of Event.wait() as CollectiveTimeoutError, with its "
            "message as is; any other error as RuntimeError naming the collective.")
       .def_static(
-          "single_process", [] { return std::make_unique<BoundQueue>(InProcessGroup(1).transport(0)); },
+          "single_process", [] { return std::make_unique<BoundQueue>(late_if_asked(InProcessGroup(1).transport(0))); },
           "A queue over a group of this process alone (no torch.distributed).")
       .def_prop_ro("rank", [](const BoundQueue& q) { return q.get().rank(); })
       .def_prop_ro("world_size", [](const BoundQueue& q) { return q.get().world_size(); })
@@ -158,7 +172,7 @@ void bind_comm(nb::module_& m) {
            "Elements of the counted data-plane collectives since the last reset_stats(), indexed by kind.")
       .def("reset_stats", [](const BoundQueue& q) { q.get().reset_stats(); })
       .def("close", &BoundQueue::close,
-           "Runs the collectives already issued and stops the queue's thread (the GIL released meanwhile); "
+           "Completes the collectives already issued and stops the queue's threads (the GIL released meanwhile); "
            "dropping the queue does the same.");
 }
 

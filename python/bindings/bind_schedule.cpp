@@ -101,14 +101,16 @@ void bind_schedule(nb::module_& m) {
       .def(
           "__init__",
           [](BucketReducer* self, const BoundQueue& queue, const nb::list& groups, const std::string& reduce_dtype,
-             int staging_buffers, bool on_request) {
+             int staging_buffers, bool on_request, const BoundQueue* control) {
             new (self) BucketReducer(queue.get(), specs<ReduceGroup>(groups, "BucketReducer: grad_part"),
-                                     parse_dtype(reduce_dtype), staging_buffers, on_request);
+                                     parse_dtype(reduce_dtype), staging_buffers, on_request,
+                                     control ? &control->get() : nullptr);
           },
           "queue"_a, "groups"_a, "reduce_dtype"_a, "staging_buffers"_a, "on_request"_a = false,
-          nb::keep_alive<1, 2>(),
+          "control"_a.none() = nb::none(), nb::keep_alive<1, 2>(), nb::keep_alive<1, 7>(),
           "groups: [(tag, LayoutPlan, grad partition tensor)] in reduction order. on_request: issue only on "
-          "reduce_groups() and end_backward() (stage 3).")
+          "reduce_groups() and end_backward() (stage 3). control: the queue of the agreement on late grads (a "
+          "host group's; None: queue's).")
       .def(
           "grad_ready",
           [](BucketReducer& self, int group, int param, nb::handle grad) {

@@ -1,6 +1,6 @@
 // The CommQueue as Python holds it (zerocore._native.CommQueue), shared by
-// the bindings that issue on it (the schedule's). Its thread takes the GIL
-// to run a Python transport, so the queue is closed (drained, its thread
+// the bindings that issue on it (the schedule's). Its threads take the GIL
+// to run a Python transport, so the queue is closed (drained, its threads
 // joined) with the GIL released. Native objects issuing on it hold a
 // reference to the CommQueue and keep the Python object alive (keep_alive);
 // the engine drops them, or leaves them idle, before the queue is closed.

@@ -20,8 +20,8 @@ class TransportFailed : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The views of the queue's tensors that Python holds. A collective returns
-// once it is done, but the backend may drop its last view a moment later, on
+// The views of the queue's tensors that Python holds. A collective completes,
+// but the backend may drop its last view a moment later, on
 // its own thread (gloo's worker lets go of a finished work after waking its
 // waiter). The transport waits for every view before it goes, so closing the
 // queue means its tensors' memory is free (or back with its other holders).
@@ -76,23 +76,47 @@ class PythonTransport final : public Transport {
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
 
-  void all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) override {
-    call(key, "all_gather", shard, output);
+  Completion all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) override {
+    return issue(key, "all_gather", shard, output);
   }
-  void reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) override {
-    call(key, "reduce_scatter", input, shard);
+  Completion reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) override {
+    return issue(key, "reduce_scatter", input, shard);
   }
-  void all_reduce(const CollectiveKey& key, const Tensor& tensor) override { call(key, "all_reduce", tensor); }
-  void broadcast(const CollectiveKey& key, const Tensor& tensor, int root) override {
-    call(key, "broadcast", tensor, root);
+  Completion all_reduce(const CollectiveKey& key, const Tensor& tensor) override {
+    return issue(key, "all_reduce", tensor);
+  }
+  Completion broadcast(const CollectiveKey& key, const Tensor& tensor, int root) override {
+    return issue(key, "broadcast", tensor, root);
   }
 
  private:
+  // Calls the method; what it returns (None, or a callable that blocks until
+  // the collective is done) becomes the completion, called on the queue's
+  // completing thread.
   template <class... Args>
-  void call(const CollectiveKey& key, const char* method, const Args&... args) {
+  Completion issue(const CollectiveKey& key, const char* method, const Args&... args) {
     nb::gil_scoped_acquire gil;
+    nb::object finish = raising_as_cpp(key, method, [&] { return impl_.attr(method)(key_tuple(key), to_python(args)...); });
+    if (finish.is_none()) return {};
+    // The callable holds the tensors' views: it goes, under the GIL, once called.
+    auto held = std::shared_ptr<nb::object>(new nb::object(std::move(finish)), [](nb::object* f) {
+      if (!Py_IsInitialized()) return;  // after interpreter shutdown the object is left to the OS
+      nb::gil_scoped_acquire gil;
+      delete f;
+    });
+    return [key, method, held = std::move(held)] {
+      nb::gil_scoped_acquire gil;
+      raising_as_cpp(key, method, [&] { return (*held)(); });
+      *held = nb::none();
+    };
+  }
+
+  // Runs `call` (with the GIL); a Python exception becomes the C++ error
+  // the queue carries to Event.wait().
+  template <class Call>
+  static nb::object raising_as_cpp(const CollectiveKey& key, const char* method, Call&& call) {
     try {
-      impl_.attr(method)(key_tuple(key), to_python(args)...);
+      return call();
     } catch (const nb::python_error& e) {
       if (e.matches(PyExc_TimeoutError)) throw CollectiveTimeout(nb::str(e.value()).c_str());
       throw TransportFailed(describe(key) + ": the transport's " + method + " raised " +

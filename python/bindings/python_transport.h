@@ -12,13 +12,15 @@
 namespace zerocore::bindings {
 
 // `impl` has `rank` and `world_size` (read once, here, with the GIL held)
-// and the blocking methods all_gather(key, shard, output),
-// reduce_scatter(key, input, shard), all_reduce(key, tensor) and
-// broadcast(key, tensor, root), where key is the collective's (kind, group,
-// bucket, numel) and the tensors are DLPack objects (torch.from_dlpack views
-// them) worked on in place. The queue's thread takes the GIL for each call;
+// and the methods all_gather(key, shard, output), reduce_scatter(key, input,
+// shard), all_reduce(key, tensor) and broadcast(key, tensor, root), where
+// key is the collective's (kind, group, bucket, numel) and the tensors are
+// DLPack objects (torch.from_dlpack views them) worked on in place. Each
+// issues its collective and returns None if it is done, or else a callable
+// that blocks until it is (the completion: called, once, on the queue's
+// completing thread). The queue's threads take the GIL for each call;
 // a Python exception fails the collective with a C++ error carrying its
-// type and message (the queue's thread keeps no Python object once it lets
+// type and message (the queue's threads keep no Python exception once they let
 // go of the GIL), which Event.wait() raises as RuntimeError; a TimeoutError
 // with CollectiveTimeout, its message as is (the transport names the
 // collective), raised as zerocore.CollectiveTimeoutError.

@@ -1,8 +1,11 @@
 """Collectives of the engine, on one native ordered queue per process group.
 
 Every collective goes through `Communicator.queue`, a
-zerocore._native.CommQueue: one native thread that runs the group's
-collectives in the order they were issued, over a ProcessGroupTransport
+zerocore._native.CommQueue, the group's comm stream: native threads that
+issue the group's collectives in the order they were issued and complete
+them in that order, each through its event (never "the call returned":
+nothing reads an output or reuses an input before waiting for it), over a
+ProcessGroupTransport
 (torch.distributed) or, without a process group (stage 0 on one process),
 over the single-process group, where every collective is the identity.
 Native code issues on the same queue, in the same order.
@@ -14,7 +17,10 @@ all-gather by its output, a reduce-scatter by its input, an all-reduce by
 its tensor. Control plane (layout checks, overflow flags, norms, buffer
 broadcasts): keyed with group -1 and, in the bucket, what they are for (an
 error names it), neither counted nor in the order contract, always waited
-on. Their payloads (int64 hashes, float64 sums, buffers of any
+on. Agreements and sums travel on the control queue, over a host (gloo)
+group beside the data group (the engine's `control`), so they never wait
+behind data collectives and, with NCCL for data, never make the GPU
+synchronise. Their payloads (int64 hashes, float64 sums, buffers of any
 dtype) cross the queue as raw bytes, since it moves float tensors only, so
 they are only ever gathered or broadcast; sums are taken here, in rank
 order, so every rank gets the same bits.
@@ -85,9 +91,13 @@ class Communicator:
     """The collectives of one process group (None: this process alone).
     native_control: what the control collectives native code issues on it
     are for. fails_with: a Communicator of the same engine; after a failed
-    collective on either, every collective of both fails at once."""
+    collective on either, every collective of both fails at once. control:
+    the Communicator whose queue carries this one's agreements and sums (a
+    host group beside this data group; None: this one's queue), so that they
+    never wait behind data collectives nor need the data group to move host
+    tensors."""
 
-    def __init__(self, group, native_control="backward's agreement on late grads", fails_with=None):
+    def __init__(self, group, native_control="backward's agreement on late grads", fails_with=None, control=None):
         self.group = group
         self.distributed = group is not None
         self.names = CollectiveNames(native_control)
@@ -98,6 +108,7 @@ class Communicator:
         # interpreter exit, while the queue's thread can still take the GIL
         # to finish a collective that is in flight.
         self._drain = weakref.finalize(self, self.queue.close)
+        self.control_queue = control.queue if control is not None else self.queue
         self.rank = self.queue.rank
         self.world_size = self.queue.world_size
 
@@ -141,6 +152,9 @@ class Communicator:
         self.queue.all_gather((_ALL_GATHER, *key, output.numel()), shard, output, count).wait()
 
     # Control plane (uncounted, waited on) ----------------------------------
+    # Broadcasts move the model's own tensors (params, buffers: on the data
+    # group's device), so they go on the data queue; everything else here is
+    # host numbers, on the control queue.
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0):
         """tensor <- rank src_rank's tensor, whatever its dtype and layout."""
         t = tensor.detach()
@@ -195,7 +209,7 @@ class Communicator:
         same data-plane collectives since the last call; raises
         CollectiveOrderError on every rank if not, naming the first
         collective where they parted (self.names)."""
-        fingerprint = float(self.queue.fingerprint >> 12)  # 52 bits: exact in float64
+        fingerprint = float(self.queue.fingerprint >> 12)  # 52 bits: exact in float64; of the data queue
         rows = self._gather_rows([*values, fingerprint], torch.float64, _NORMS)
         diverged = len({row[-1] for row in rows}) > 1
         trace = self.trace if diverged else None
@@ -232,5 +246,5 @@ class Communicator:
         t = torch.tensor(values, dtype=dtype)
         out = torch.empty(self.world_size * t.numel(), dtype=dtype)
         rows = _as_halves(out)
-        self.queue.all_gather((_ALL_GATHER, _CONTROL, purpose, rows.numel()), _as_halves(t), rows).wait()
+        self.control_queue.all_gather((_ALL_GATHER, _CONTROL, purpose, rows.numel()), _as_halves(t), rows).wait()
         return out.view(self.world_size, -1).tolist()

@@ -45,13 +45,14 @@ from zerocore.process_group import private_group
 from zerocore.stage3 import UnitScheduler
 
 
-def _own_group(group, timeout):
+def _own_group(group, timeout, backend=None):
     """A process group of the same ranks for the engine alone: its
     collectives run on native threads and may still be in flight when
     control returns to the user (a prefetch, a round), so they must never
     share a group with the user's own collectives. Its timeout: `timeout`
-    (Config.timeout), or else `group`'s."""
-    return None if group is None else private_group(group, timeout)
+    (Config.timeout), or else `group`'s. Its backend: `backend`, or else
+    the default's."""
+    return None if group is None else private_group(group, timeout, backend)
 
 
 def _default_group(group, placement):
@@ -119,7 +120,12 @@ class Engine:
         spec = read_optimizer(optimizer)
         self.module = module
         user_group = _default_group(group, placement)
-        self.comm = Communicator(_own_group(user_group, cfg.timeout))
+        # The control plane (agreements, the step's exchange, stage 3's
+        # rounds) runs on host groups beside the data group, so agreeing
+        # never waits behind data collectives nor, with NCCL for data, makes
+        # the GPU synchronise.
+        self.control = Communicator(_own_group(user_group, cfg.timeout, "gloo")) if user_group is not None else None
+        self.comm = Communicator(_own_group(user_group, cfg.timeout), fails_with=self.control, control=self.control)
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
@@ -176,9 +182,10 @@ class Engine:
             self._unit_reduce_groups = [[self.reducer.index[id(g)] for g in u.groups if g.trainable]
                                         for u in self.units]
             ref = weakref.WeakMethod(self._unit_grads_final)  # the native schedule must not keep the engine alive
-            # The rounds run on a group of their own too, so that none waits
-            # behind the data collectives queued before it.
-            self.rounds_comm = Communicator(_own_group(user_group, cfg.timeout), "stage 3's round",
+            # The rounds run on a host group of their own, so that none waits
+            # behind the data collectives queued before it, nor the step's
+            # agreements behind a round in flight.
+            self.rounds_comm = Communicator(_own_group(user_group, cfg.timeout, "gloo"), "stage 3's round",
                                             fails_with=self.comm)
             schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes,
@@ -647,8 +654,8 @@ class Engine:
         self._cast_buffers(lambda name, _: self._buffer_dtypes[name])  # rank 0's values since full_state_dict
         del module._zerocore_engine
         release_optimizer(self.optimizer)
-        comms = [self.comm] + ([self.rounds_comm] if self.scheduler else [])
-        for comm in comms:  # what is in flight (stage 3's prefetch for the next forward) lands first
+        comms = [self.comm, self.rounds_comm if self.scheduler else None, self.control]
+        for comm in filter(None, comms):  # what is in flight (stage 3's prefetch for the next forward) lands first
             comm.close()
         self.__dict__.clear()  # the native objects and buffers go
         self.__class__ = _ClosedEngine

@@ -101,7 +101,7 @@ class StagedReducer:
         self.where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g.params)}
         reduce_dtype = NATIVE_NAMES[groups[0].reduce_dtype] if groups else "float32"
         self.native = BucketReducer(self.comm.queue, [(g.tag, g.plan, g.grad_part) for g in groups], reduce_dtype,
-                                    self.staging_buffers, self.on_request)
+                                    self.staging_buffers, self.on_request, self.comm.control_queue)
         self.targets = [g.grad_part for g in groups]
 
     @property

@@ -5,8 +5,14 @@ The queue (zerocore._native.CommQueue) runs every collective of the engine
 in issue order on its own thread; for a torch.distributed group it calls
 these methods there, with the GIL held, one collective at a time. Tensors
 arrive as DLPack views of the caller's tensors, so each collective works in
-place on the engine's buffers; each call returns once its collective is
-done.
+place on the engine's buffers. Each call issues its collective with
+async_op=True and returns its completion, a callable that waits for the
+work handles (and then does what follows them, as keeping this rank's block
+of a reduce-scatter): the queue's completing thread calls it, and only then
+is the queue's event set. "The call returned" is never taken for done,
+since NCCL returns once a collective is queued. On gloo, which runs a
+group's works on several threads, the call itself waits for the works (on
+the queue's issuing thread) and returns None, so collectives stay a stream.
 
 On gloo (host tensors) the tensor collectives all_gather_into_tensor and
 reduce_scatter_tensor allocate full-size temporaries on every call, so peak
@@ -20,8 +26,8 @@ get the tensor collectives.
 Timeouts: the engine's groups (private_group) take the timeout of the
 group they were made from, or Config.timeout; torch would give them its
 30-minute default. A collective whose peer does not join in time raises
-zerocore.CollectiveTimeoutError naming it (`describe` names a key); on NCCL,
-whose collectives return once queued, torch's watchdog acts instead. After
+zerocore.CollectiveTimeoutError naming it (`describe` names a key), from
+its issue or from waiting for its works; on NCCL torch's watchdog acts too. After
 any failed collective the ranks are out of step, so the transports of one
 engine share a Failure: every later collective, on any of its groups, fails
 at once with the first error instead of waiting for a peer.
@@ -54,11 +60,12 @@ def group_timeout(group) -> Optional[datetime.timedelta]:
     return None
 
 
-def private_group(group, timeout: Optional[datetime.timedelta] = None):
+def private_group(group, timeout: Optional[datetime.timedelta] = None, backend: Optional[str] = None):
     """A new process group of `group`'s ranks (a collective call of those
-    ranks only), with `timeout`, or else `group`'s own."""
+    ranks only), with `timeout`, or else `group`'s own, and `backend` (None:
+    the default's)."""
     return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout or group_timeout(group),
-                          use_local_synchronization=True)
+                          backend=backend, use_local_synchronization=True)
 
 
 class Failure:
@@ -99,11 +106,12 @@ class ProcessGroupTransport:
         self.failure = failure or Failure()
 
     @contextlib.contextmanager
-    def _running(self, key):
-        """Runs one collective: at once into the first failure, if there
-        was one; a timeout raised as CollectiveTimeoutError naming it."""
+    def _running(self, key, start=None):
+        """Runs (a part of) one collective issued at `start` (now if None):
+        at once into the first failure, if there was one; a timeout raised as
+        CollectiveTimeoutError naming it."""
         self.failure.check()
-        start = time.monotonic()
+        start = time.monotonic() if start is None else start
         try:
             yield
         except Exception as e:
@@ -125,42 +133,77 @@ class ProcessGroupTransport:
 
     def all_gather(self, key, shard, output):
         """output (world_size x shard) <- every rank's shard."""
-        with self._running(key):
-            self._all_gather(torch.from_dlpack(shard), torch.from_dlpack(output))
+        shard, output = torch.from_dlpack(shard), torch.from_dlpack(output)
+        return self._issue(key, output.device, lambda: self._all_gather(shard, output))
 
     def reduce_scatter(self, key, input, shard):
         """shard <- this rank's block of the sum of every rank's input (the
         rest of input is scratch)."""
-        with self._running(key):
-            self._reduce_scatter(torch.from_dlpack(input), torch.from_dlpack(shard))
+        input, shard = torch.from_dlpack(input), torch.from_dlpack(shard)
+        return self._issue(key, shard.device, lambda: self._reduce_scatter(input, shard))
 
     def all_reduce(self, key, tensor):
-        with self._running(key):
-            dist.all_reduce(torch.from_dlpack(tensor), group=self.group)
+        tensor = torch.from_dlpack(tensor)
+        return self._issue(key, tensor.device,
+                           lambda: ([dist.all_reduce(tensor, group=self.group, async_op=True)], None))
 
     def broadcast(self, key, tensor, root):
         """tensor <- the tensor of rank `root` of the group."""
-        with self._running(key):
-            dist.broadcast(torch.from_dlpack(tensor), self.global_ranks[root], group=self.group)
+        tensor = torch.from_dlpack(tensor)
+        return self._issue(key, tensor.device, lambda: (
+            [dist.broadcast(tensor, self.global_ranks[root], group=self.group, async_op=True)], None))
+
+    def _issue(self, key, device, start):
+        """Issues one collective on tensors on `device`: start() issues its
+        works (async_op) and returns them and what runs once they are done
+        (or None). Returns its completion, which the queue calls on its
+        completing thread: the call returning says nothing of the data
+        (NCCL's return once queued). On gloo, which runs a group's works on
+        several threads at once, the collective completes here instead, on
+        the queue's issuing thread, before the next is issued: so they stay
+        a stream, and the GIL changes hands once a collective."""
+        issued = time.monotonic()
+        with self._running(key, issued):
+            works, then = start()
+        completion = _Completion(self, key, issued, works, then, device)
+        if not self.in_place:
+            return completion
+        completion()
+        return None
 
     def _all_gather(self, shard, output):
         if not self.in_place:
-            _all_gather_single(output, shard, group=self.group)
-            return
+            return [_all_gather_single(output, shard, group=self.group, async_op=True)], None
         blocks = output.view(self.world_size, -1)
         if blocks[self.rank].data_ptr() != shard.data_ptr():
             blocks[self.rank].copy_(shard)
-        works = [dist.broadcast(blocks[r], self.global_ranks[r], group=self.group, async_op=True)
-                 for r in range(self.world_size)]
-        for w in works:
-            w.wait()
+        return [dist.broadcast(blocks[r], self.global_ranks[r], group=self.group, async_op=True)
+                for r in range(self.world_size)], None
 
     def _reduce_scatter(self, input, shard):
         if not self.in_place:
-            _reduce_scatter_single(shard, input, group=self.group)
-            return
-        dist.all_reduce(input, group=self.group)
+            return [_reduce_scatter_single(shard, input, group=self.group, async_op=True)], None
         mine = input.view(self.world_size, -1)[self.rank]
-        if mine.data_ptr() != shard.data_ptr():
-            shard.copy_(mine)
+        keep = None if mine.data_ptr() == shard.data_ptr() else lambda: shard.copy_(mine)
+        return [dist.all_reduce(input, group=self.group, async_op=True)], keep
 
+
+class _Completion:
+    """The completion of one issued collective: calling it (once) waits for
+    its works and runs what follows them; the tensors go with them."""
+
+    def __init__(self, transport, key, issued, works, then, device):
+        self.transport, self.key, self.issued = transport, key, issued
+        self.works, self.then, self.device = works, then, device
+
+    def __call__(self):
+        works, then, self.works, self.then = self.works, self.then, None, None
+        with self.transport._running(self.key, self.issued):
+            for w in works:
+                w.wait()
+            if then is not None:
+                then()
+            if self.device.type == "cuda":
+                # On NCCL wait() only orders this thread's current stream
+                # after the works: the event means done once it ran.
+                torch.cuda.current_stream(self.device).synchronize()

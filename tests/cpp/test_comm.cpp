@@ -1,12 +1,18 @@
 // The in-process transport and the per-group queue: collectives against
 // values computed directly, in place as the runtime uses them; a mismatched
-// key or a bad argument on one rank fails on every rank, and nothing hangs.
+// key or a bad argument on one rank fails on every rank, and nothing hangs;
+// late completion (as NCCL's) really leaves the buffers alone until the wait.
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -200,6 +206,113 @@ void test_forked_child_drops_an_inherited_queue() {
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
+// The late mode bites: a call returns before the collective has read its
+// input or written its output. Rank 1 issues its side only after rank 0 has
+// read its output early and overwritten its shard, so the collective cannot
+// have run yet, whatever the timing: the early read sees the old output and
+// the gather takes the overwritten shard, until the completion is waited for.
+void test_late_completion_reads_and_writes_late() {
+  InProcessGroup group(2, LateCompletion{3, 100});
+  std::unique_ptr<Transport> t0 = group.transport(0), t1 = group.transport(1);
+  const int64_t n = 4;
+  Tensor shard0 = filled(n, 0, DType::kFloat32), shard1 = filled(n, 1, DType::kFloat32);
+  Tensor out0 = Tensor::empty({2 * n}, DType::kFloat32), out1 = Tensor::empty({2 * n}, DType::kFloat32);
+  std::fill(out0.data_as<float>(), out0.data_as<float>() + 2 * n, -1.0f);
+  const CollectiveKey k = key(CollectiveKind::kAllGather, 0, 2 * n);
+  Completion done0 = t0->all_gather(k, shard0, out0);
+  CHECK(done0);  // not done on return
+  bool stale = true;
+  for (int64_t i = 0; i < 2 * n; ++i) stale = stale && out0.data_as<float>()[i] == -1.0f;
+  CHECK(stale);
+  for (int64_t i = 0; i < n; ++i) shard0.data_as<float>()[i] = value(5, i);  // reused before the wait
+  std::thread rank1([&] { t1->all_gather(k, shard1, out1)(); });
+  done0();
+  rank1.join();
+  for (int64_t i = 0; i < n; ++i) {
+    CHECK(out0.data_as<float>()[i] == value(5, i) && out1.data_as<float>()[i] == value(5, i));
+    CHECK(out0.data_as<float>()[n + i] == value(1, i) && out1.data_as<float>()[n + i] == value(1, i));
+  }
+  // The synchronous group's call is done when it returns.
+  InProcessGroup sync(1);
+  Tensor solo = filled(n, 0, DType::kFloat32);
+  CHECK(!sync.transport(0)->all_reduce(key(CollectiveKind::kAllReduce, 0, n), solo));
+}
+
+// One rank; odd buckets complete late, behind a gate (and fail, if told),
+// even ones when the call returns.
+class GatedTransport : public Transport {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  Completion all_reduce(const CollectiveKey& key, const Tensor&) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++issued_;
+    }
+    cv_.notify_all();
+    if (key.bucket % 2 == 0) return {};
+    return [this] {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return open_; });
+      if (fail_) throw std::runtime_error("the peer went away");
+    };
+  }
+  Completion all_gather(const CollectiveKey&, const Tensor&, const Tensor&) override { return {}; }
+  Completion reduce_scatter(const CollectiveKey&, const Tensor&, const Tensor&) override { return {}; }
+  Completion broadcast(const CollectiveKey&, const Tensor&, int) override { return {}; }
+
+  void wait_issued(int n) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return issued_ >= n; });
+  }
+  void open(bool fail) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      open_ = true;
+      fail_ = fail;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int issued_ = 0;
+  bool open_ = false, fail_ = false;
+};
+
+bool fails_with(const std::shared_ptr<Event>& e, const char* message) {
+  try {
+    e->wait();
+  } catch (const std::runtime_error& error) {
+    return std::string(error.what()) == message;
+  }
+  return false;
+}
+
+// Events complete in issue order whether a collective completes on return
+// or late; a late failure fails every later collective with it.
+void test_events_complete_in_order(bool fail) {
+  auto owned = std::make_unique<GatedTransport>();
+  GatedTransport& transport = *owned;
+  CommQueue q(std::move(owned));
+  const Tensor t = filled(4, 0, DType::kFloat32);
+  auto late = q.all_reduce(key(CollectiveKind::kAllReduce, 1, 4), t);
+  auto on_return = q.all_reduce(key(CollectiveKind::kAllReduce, 2, 4), t);
+  transport.wait_issued(2);  // both calls returned, the first not complete
+  CHECK(!late->ready() && !on_return->ready());
+  transport.open(fail);
+  auto after = q.all_reduce(key(CollectiveKind::kAllReduce, 4, 4), t);
+  if (!fail) {
+    on_return->wait();
+    after->wait();
+    CHECK(late->ready());
+    return;
+  }
+  CHECK(fails_with(late, "the peer went away") && fails_with(on_return, "the peer went away") &&
+        fails_with(after, "the peer went away"));
+}
+
 }  // namespace
 
 int main() {
@@ -212,6 +325,9 @@ int main() {
   test_trace_is_bounded_but_fingerprint_covers_all();
   test_stats_count_counted_data_plane_only();
   test_forked_child_drops_an_inherited_queue();
+  test_late_completion_reads_and_writes_late();
+  test_events_complete_in_order(false);
+  test_events_complete_in_order(true);
   CHECK(describe(CollectiveKey{CollectiveKind::kReduceScatter, 2, 1, 1234567}) ==
         "reduce_scatter of group 2, bucket 1 (1,234,567 elements)");
   CHECK(describe(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 16}) == "control-plane all_gather (16 elements)");

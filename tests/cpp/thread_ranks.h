@@ -1,5 +1,8 @@
 // Ranks as threads for the C++ tests: fn(rank, queue) on `world` threads of
 // this process, each with its own comm queue over one in-process group.
+// ZEROCORE_LATE_COMPLETION=<seed> (ctest runs the comm and schedule tests
+// both ways) makes the groups complete late, as NCCL does: the tests' own
+// references then check that every reader waits for its collective.
 #pragma once
 #include <functional>
 #include <thread>
@@ -9,7 +12,7 @@
 
 namespace zerocore::test {
 inline void on_ranks(int world, const std::function<void(int, CommQueue&)>& fn) {
-  InProcessGroup group(world);
+  InProcessGroup group(world, late_completion_from_env());
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
@@ -23,7 +26,7 @@ inline void on_ranks(int world, const std::function<void(int, CommQueue&)>& fn) 
 // The same with a second queue per rank, over a group of its own: the unit
 // schedule's rounds.
 inline void on_ranks_with_rounds(int world, const std::function<void(int, CommQueue&, CommQueue&)>& fn) {
-  InProcessGroup rounds(world);
+  InProcessGroup rounds(world, late_completion_from_env());
   on_ranks(world, [&](int r, CommQueue& q) {
     CommQueue rq(rounds.transport(r));
     fn(r, q, rq);

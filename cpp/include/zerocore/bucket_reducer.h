@@ -47,8 +47,10 @@ class BucketReducer {
   // staging_buffers: staging slots allocated up front (the pool grows past
   // them only when more buckets are open at once). on_request: buckets are
   // issued only by reduce_groups() and end_backward(), never as they fill.
+  // control: the queue of the ranks' agreement on late grads, a host group
+  // beside the data group (nullptr: comm).
   BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype, int staging_buffers,
-                bool on_request = false);
+                bool on_request = false, CommQueue* control = nullptr);
   ~BucketReducer();  // waits for reductions in flight
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
@@ -106,6 +108,7 @@ class BucketReducer {
   std::pair<int, int> bucket_range(int group) const;
 
   CommQueue& comm_;
+  CommQueue& control_;
   std::vector<ReduceGroup> groups_;
   DType reduce_dtype_;
   std::vector<BucketState> buckets_;

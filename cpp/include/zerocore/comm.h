@@ -2,17 +2,21 @@
 // issues them. Three pieces:
 // - CollectiveKey: what a collective moves (kind, flat group, bucket, size),
 //   the same on every rank for the same collective: the order contract.
-// - Transport: blocking collectives on host tensors, in place where a shard
-//   is this rank's block of the full tensor. An implementation either checks
-//   the keys itself (InProcessGroup, ranks as threads) or leaves the check to
-//   its caller (a transport over torch.distributed or NCCL, where the
-//   queue's fingerprint of the keys travels in the engine's step control
-//   collective).
-// - CommQueue: one native thread per group that runs collectives in issue
-//   order; each returns an Event, so a caller overlaps communication with
-//   compute and reuses a buffer only after the event of the collective that
-//   read it. The queue also keeps the order contract's books: a fingerprint
-//   and a bounded trace of the data-plane keys issued, and their volume.
+// - Transport: collectives on host tensors, in place where a shard is this
+//   rank's block of the full tensor. A call issues one; it may return before
+//   the data has moved (NCCL returns once a collective is queued), so it
+//   hands back a Completion. An implementation either checks the keys itself
+//   (InProcessGroup, ranks as threads) or leaves the check to its caller (a
+//   transport over torch.distributed or NCCL, where the queue's fingerprint
+//   of the keys travels in the engine's step control collective).
+// - CommQueue: the group's comm stream. One native thread issues collectives
+//   in issue order, a second completes them in the same order; each issue
+//   returns the Event of the collective's completion. The stream contract:
+//   nothing reads a collective's output, or reuses its input, before waiting
+//   for its event (or for a later one of the same queue, which completes
+//   after it); "the call returned" means nothing. The queue also keeps the
+//   order contract's books: a fingerprint and a bounded trace of the
+//   data-plane keys issued, and their volume.
 #pragma once
 #include <array>
 #include <condition_variable>
@@ -22,6 +26,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -67,29 +72,57 @@ class CollectiveTimeout : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Blocks until the collective it completes has moved its data (written its
+// output, done reading its input) and throws its error. Empty: the data had
+// moved when the call returned.
+using Completion = std::function<void()>;
+
+// A transport's collectives run in the order they are issued, each seeing
+// the data of those before it (as on one CUDA stream), whenever each call
+// returns.
 class Transport {
  public:
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   // output (world_size x shard) <- every rank's shard.
-  virtual void all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) = 0;
+  virtual Completion all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) = 0;
   // shard <- this rank's block of the elementwise sum of every rank's input.
-  virtual void reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) = 0;
+  virtual Completion reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) = 0;
   // tensor <- the elementwise sum of every rank's tensor.
-  virtual void all_reduce(const CollectiveKey& key, const Tensor& tensor) = 0;
+  virtual Completion all_reduce(const CollectiveKey& key, const Tensor& tensor) = 0;
   // tensor <- root's tensor.
-  virtual void broadcast(const CollectiveKey& key, const Tensor& tensor, int root) = 0;
+  virtual Completion broadcast(const CollectiveKey& key, const Tensor& tensor, int root) = 0;
 };
+
+// Collectives that complete late, as NCCL's do: a call returns before any
+// data moves; one worker per transport then runs the collectives in issue
+// order, each after a random delay of up to max_delay_us (drawn from
+// `seed`), reading its input and writing its output only then. So a caller
+// that reads an output, or reuses an input, before the collective's event
+// gets (or leaves) the wrong data: a missing wait shows as a wrong result.
+struct LateCompletion {
+  uint64_t seed = 0;
+  int max_delay_us = 1000;
+};
+
+// `inner`'s collectives, completing late.
+std::unique_ptr<Transport> completing_late(std::unique_ptr<Transport> inner, const LateCompletion& late);
+
+// The late completion the environment asks for: ZEROCORE_LATE_COMPLETION=<seed>
+// (a test switch: the C++ tests' ranks and every CommQueue Python makes
+// complete late then); none when it is unset or empty.
+std::optional<LateCompletion> late_completion_from_env();
 
 // Ranks as threads of one process, sharing memory: a test bed for the
 // runtime's scheduling, and what an embedding trainer uses to run several
 // ranks in one process. Every collective checks that all ranks passed the
 // same key (CollectiveMismatch on every rank otherwise). Sums accumulate in
-// fp32 in rank order, so every rank gets the same bits.
+// fp32 in rank order, so every rank gets the same bits. Collectives complete
+// when the call returns, or with `late`, late (completing_late).
 class InProcessGroup {
  public:
-  explicit InProcessGroup(int world_size);
+  explicit InProcessGroup(int world_size, std::optional<LateCompletion> late = std::nullopt);
   ~InProcessGroup();
   int world_size() const;
   // The transport of `rank`; each rank's thread uses its own.
@@ -99,6 +132,7 @@ class InProcessGroup {
 
  private:
   std::shared_ptr<State> state_;
+  std::optional<LateCompletion> late_;
 };
 
 class CommQueue {
@@ -106,7 +140,7 @@ class CommQueue {
   static constexpr size_t kDefaultTraceLimit = 100000;
 
   explicit CommQueue(std::unique_ptr<Transport> transport);
-  ~CommQueue();  // finishes the queued collectives first
+  ~CommQueue();  // issues and completes the queued collectives first
   CommQueue(const CommQueue&) = delete;
   CommQueue& operator=(const CommQueue&) = delete;
 
@@ -114,8 +148,9 @@ class CommQueue {
   int world_size() const { return world_size_; }
 
   // Each queues one collective behind those issued before it and returns
-  // its event. The tensors must stay alive and untouched until then. After
-  // a collective fails, every later one fails with the same error.
+  // the event of its completion. The tensors must stay alive, the output
+  // unread and the input unchanged until then. After a collective fails,
+  // every later one fails with the same error.
   // A data-plane key (group >= 0) is folded into the fingerprint and trace
   // as it is issued, on the issuing thread, in queue order; its elements
   // are added to stats() unless `counted` is false (gathers that are not
@@ -143,9 +178,9 @@ class CommQueue {
   void reset_stats();
 
  private:
-  struct State;  // the thread, its work and the books
+  struct State;  // the threads, their work and the books
 
-  std::shared_ptr<Event> enqueue(const CollectiveKey& key, bool counted, std::function<void(Transport&)> work);
+  std::shared_ptr<Event> enqueue(const CollectiveKey& key, bool counted, std::function<Completion(Transport&)> work);
 
   std::unique_ptr<Transport> transport_;
   int rank_ = 0;

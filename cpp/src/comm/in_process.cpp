@@ -77,15 +77,15 @@ class InProcessTransport : public Transport {
   int rank() const override { return rank_; }
   int world_size() const override { return s_->world; }
 
-  void all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) override {
-    run(key, shard, output, blocks_error("output", output, shard), [&] {
+  Completion all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) override {
+    return run(key, shard, output, blocks_error("output", output, shard), [&] {
       const int64_t n = shard.numel();
       for (int q = 0; q < s_->world; ++q) copy_elems(s_->a[size_t(q)], 0, output, q * n, n);
     });
   }
 
-  void reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) override {
-    run(key, input, shard, blocks_error("input", input, shard), [&] {
+  Completion reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) override {
+    return run(key, input, shard, blocks_error("input", input, shard), [&] {
       // Other ranks read only their own blocks of this rank's input, so the
       // sum may land in place.
       const int64_t n = shard.numel(), lo = rank_ * n;
@@ -97,7 +97,7 @@ class InProcessTransport : public Transport {
     });
   }
 
-  void all_reduce(const CollectiveKey& key, const Tensor& tensor) override {
+  Completion all_reduce(const CollectiveKey& key, const Tensor& tensor) override {
     std::vector<float> sum(size_t(tensor.numel()));
     run(key, tensor, tensor, std::string(), [&] {
       for (int q = 0; q < s_->world; ++q) {
@@ -106,11 +106,12 @@ class InProcessTransport : public Transport {
     });
     // Every rank has read every tensor (run's second barrier): write ours.
     for (size_t i = 0; i < sum.size(); ++i) store(tensor, int64_t(i), sum[i]);
+    return {};
   }
 
-  void broadcast(const CollectiveKey& key, const Tensor& tensor, int root) override {
+  Completion broadcast(const CollectiveKey& key, const Tensor& tensor, int root) override {
     std::string error = root < 0 || root >= s_->world ? "root " + std::to_string(root) + " is not a rank" : "";
-    run(key, tensor, tensor, std::move(error), [&] {
+    return run(key, tensor, tensor, std::move(error), [&] {
       if (rank_ != root) copy_elems(s_->a[size_t(root)], 0, tensor, 0, tensor.numel());
     }, root);
   }
@@ -124,9 +125,10 @@ class InProcessTransport : public Transport {
   }
 
   // Publishes, checks everyone's key, dtype and arguments, runs `move`
-  // between the two barriers. Throws on every rank if any check fails.
+  // between the two barriers: done when it returns. Throws on every rank if
+  // any check fails.
   template <class Move>
-  void run(const CollectiveKey& key, const Tensor& a, const Tensor& b, std::string error, Move&& move,
+  Completion run(const CollectiveKey& key, const Tensor& a, const Tensor& b, std::string error, Move&& move,
            int root = 0) {
     State& s = *s_;
     s.keys[size_t(rank_)] = key;
@@ -158,6 +160,7 @@ class InProcessTransport : public Transport {
     }
     move();
     s.barrier();
+    return {};
   }
 
   using State = InProcessGroup::State;
@@ -167,7 +170,7 @@ class InProcessTransport : public Transport {
 
 }  // namespace
 
-InProcessGroup::InProcessGroup(int world_size) {
+InProcessGroup::InProcessGroup(int world_size, std::optional<LateCompletion> late) : late_(late) {
   if (world_size < 1) throw InvalidArgument("InProcessGroup: world_size must be >= 1");
   state_ = std::make_shared<State>(world_size);
 }
@@ -181,7 +184,10 @@ std::unique_ptr<Transport> InProcessGroup::transport(int rank) {
     throw InvalidArgument("InProcessGroup: rank " + std::to_string(rank) + " is not in a group of " +
                           std::to_string(state_->world));
   }
-  return std::make_unique<InProcessTransport>(state_, rank);
+  std::unique_ptr<Transport> transport = std::make_unique<InProcessTransport>(state_, rank);
+  if (!late_) return transport;
+  // Each rank's delays drawn apart, so that ranks arrive at a collective at different times.
+  return completing_late(std::move(transport), LateCompletion{late_->seed + uint64_t(rank), late_->max_delay_us});
 }
 
 }  // namespace zerocore

@@ -1,6 +1,11 @@
-// The per-group queue: one native thread runs the group's collectives in the
-// order they were issued, so every rank's transport sees the same sequence
-// whatever thread issued them, and callers wait on events, not on the queue.
+// The per-group queue, a comm stream: one native thread issues the group's
+// collectives in the order they were issued, so every rank's transport sees
+// the same sequence whatever thread issued them; a second thread waits for
+// each one's completion, in the same order, and sets its event (the first
+// sets it itself when the collective was done on return and none before it
+// still completes: gloo's case, without a hand-off). Callers wait on events,
+// not on the queue: a call into the transport returning means only that the
+// collective is queued (NCCL), never that its data moved.
 // Issuing also keeps the order contract's books, under the same lock as the
 // queue, so the trace lists collectives in the order they run.
 #include <utility>
@@ -19,9 +24,66 @@ struct CommQueue::State {
   std::vector<CollectiveKey> trace;
   size_t trace_limit = kDefaultTraceLimit;
   std::array<int64_t, 4> stats{};
-  // A failed collective leaves the ranks out of step: the queue fails every
-  // later one with the same error rather than pairing it with the wrong peer.
-  WorkQueue queue;
+
+  // A failed collective leaves the ranks out of step: every later one fails
+  // with the first error, issuing's or completing's, rather than pairing
+  // with the wrong peer.
+  std::mutex failure_mutex;
+  std::exception_ptr failed;
+  std::exception_ptr failure() {
+    std::lock_guard<std::mutex> lock(failure_mutex);
+    return failed;
+  }
+  std::exception_ptr fail(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(failure_mutex);
+    if (!failed) failed = std::move(error);
+    return failed;
+  }
+
+  // The issuing thread's alone: the completing thread's latest job, while it
+  // may still run. A collective done when its call returned is completed on
+  // the issuing thread (no hand-off) unless one before it still completes.
+  std::shared_ptr<Event> completing_tail;
+  // Declared in reverse order of going: issuing stops (all issued) before
+  // completing does (all complete).
+  WorkQueue completing;
+  WorkQueue issuing;
+
+  // On the issuing thread: issues one collective and sets `done` once it
+  // completes, in issue order. Each job lets go of the tensors before the
+  // event fires: a waiter that then drops them frees them, and the last
+  // reference to a caller's Python tensor (released under the GIL) goes
+  // while the caller waits rather than while it runs.
+  void issue(Transport& transport, std::function<Completion(Transport&)>& work, const std::shared_ptr<Event>& done) {
+    std::exception_ptr error = failure();
+    Completion completion;
+    if (!error) {
+      try {
+        completion = work(transport);
+      } catch (...) {
+        error = fail(std::current_exception());
+      }
+    }
+    work = nullptr;
+    if (completing_tail && completing_tail->ready()) completing_tail.reset();
+    if (!completing_tail && !completion) {
+      // Those before it are complete, a failure among them recorded by now.
+      done->set(error ? error : failure());
+      return;
+    }
+    completing_tail = completing.enqueue([this, completion = std::move(completion), error, done]() mutable {
+      std::exception_ptr e = error ? error : failure();
+      if (!e && completion) {
+        try {
+          completion();
+        } catch (...) {
+          e = fail(std::current_exception());
+        }
+      }
+      completion = nullptr;
+      done->set(e);
+    });
+  }
 };
 
 CommQueue::CommQueue(std::unique_ptr<Transport> transport)
@@ -30,11 +92,11 @@ CommQueue::CommQueue(std::unique_ptr<Transport> transport)
       world_size_(transport_->world_size()),
       state_(std::make_unique<State>()) {}
 
-// The state (its queue first) goes before the transport its work uses.
+// The state (its queues first) goes before the transport its work uses.
 CommQueue::~CommQueue() = default;
 
 std::shared_ptr<Event> CommQueue::enqueue(const CollectiveKey& key, bool counted,
-                                          std::function<void(Transport&)> work) {
+                                          std::function<Completion(Transport&)> work) {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   if (key.group >= 0) {
@@ -45,29 +107,29 @@ std::shared_ptr<Event> CommQueue::enqueue(const CollectiveKey& key, bool counted
     if (s.trace.size() < s.trace_limit) s.trace.push_back(key);
     if (counted) s.stats[size_t(key.kind)] += key.numel;
   }
-  // The work lets go of its tensors before its event fires: a waiter that
-  // then drops them frees them, and the last reference to a caller's Python
-  // tensor (released under the GIL) goes while the caller waits rather than
-  // while it runs.
-  return s.queue.enqueue([work = std::move(work), transport = transport_.get()] { work(*transport); });
+  auto done = std::make_shared<Event>();
+  s.issuing.enqueue([&s, work = std::move(work), transport = transport_.get(), done]() mutable {
+    s.issue(*transport, work, done);
+  });
+  return done;
 }
 
 std::shared_ptr<Event> CommQueue::all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output,
                                              bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { t.all_gather(key, shard, output); });
+  return enqueue(key, counted, [=](Transport& t) { return t.all_gather(key, shard, output); });
 }
 
 std::shared_ptr<Event> CommQueue::reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard,
                                                  bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { t.reduce_scatter(key, input, shard); });
+  return enqueue(key, counted, [=](Transport& t) { return t.reduce_scatter(key, input, shard); });
 }
 
 std::shared_ptr<Event> CommQueue::all_reduce(const CollectiveKey& key, const Tensor& tensor, bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { t.all_reduce(key, tensor); });
+  return enqueue(key, counted, [=](Transport& t) { return t.all_reduce(key, tensor); });
 }
 
 std::shared_ptr<Event> CommQueue::broadcast(const CollectiveKey& key, const Tensor& tensor, int root, bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { t.broadcast(key, tensor, root); });
+  return enqueue(key, counted, [=](Transport& t) { return t.broadcast(key, tensor, root); });
 }
 
 uint64_t CommQueue::fingerprint() const {

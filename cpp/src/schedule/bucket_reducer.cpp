@@ -18,8 +18,8 @@ constexpr size_t kMaxInFlight = 1;
 }  // namespace
 
 BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype,
-                             int staging_buffers, bool on_request)
-    : comm_(comm), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
+                             int staging_buffers, bool on_request, CommQueue* control)
+    : comm_(comm), control_(control ? *control : comm), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
   int64_t largest = 0;
   for (int g = 0; g < int(groups_.size()); ++g) {
     const ReduceGroup& group = groups_[size_t(g)];
@@ -216,7 +216,7 @@ void BucketReducer::end_backward() {
     // buckets that got one anywhere, so all issue the same collectives.
     float* flags = late_flags_.data_as<float>();
     for (size_t i = 0; i < buckets_.size(); ++i) flags[i] = buckets_[i].dirty ? 1.0f : 0.0f;
-    comm_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, late_flags_.numel()}, late_flags_)->wait();
+    control_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, late_flags_.numel()}, late_flags_)->wait();
     for (size_t i = 0; i < buckets_.size(); ++i) {
       if (flags[i] > 0.0f) issue(int(i));
     }
