@@ -1,0 +1,151 @@
+// The partition store of one flat group: every buffer a rank keeps for the
+// params of one LayoutPlan, sized and placed from the plan and the stage's
+// placement, and every view into them. Callers (the Python engine, a C++
+// embedder) ask for a view by (param, kind), (bucket, kind) or (run, kind)
+// and never compute an offset themselves.
+//
+// A buffer is either whole (the plan's total_elems: the flat buffer, laid
+// out param after param) or a partition (partition_elems: this rank's block
+// of every bucket, end to end). What is kept, per stage:
+//
+//   kind          elems      dtype         kept when
+//   full          whole      dtype         params not sharded (stages 0-2)
+//   shard         partition  dtype         params sharded (stage 3)
+//   master        partition  fp32          trainable, dtype != fp32 or optimizer on the host
+//   state.<name>  partition  fp32          trainable, one per optimizer state
+//   grad_part     partition  reduce dtype  trainable, grads partitioned (stages 2-3)
+//   grad_full     whole      reduce dtype  trainable, grads not partitioned (stages 0-1)
+//   host_grad     partition  reduce dtype  optimizer on the host and (stage 1 or a delayed update)
+//   host_param    partition  dtype         optimizer on the host and dtype != fp32
+//
+// An offloaded group that keeps no host_grad of its own reads its grads
+// where reduction leaves them: "host_grad" names grad_part there.
+//
+// Views are also handed out into buffers the store does not own (a gather
+// pool slot, a temporary): anything of whole or partition size.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "zerocore/dtype.h"
+#include "zerocore/layout.h"
+#include "zerocore/tensor.h"
+
+namespace zerocore {
+
+// Where a group's training runs (device) or the host, which is where an
+// offloaded optimizer keeps its buffers. On a CPU-only run both are host memory.
+enum class Where { kDevice, kHost };
+// The memory report's categories.
+enum class Category { kParam, kGrad, kOptim };
+
+struct StorePlacement {
+  int rank = 0;  // this rank's index among the plan's world_size partitions
+  DType dtype = DType::kFloat32;         // params
+  DType reduce_dtype = DType::kFloat32;  // grads
+  bool trainable = true;
+  bool sharded = false;           // params kept as a shard (stage 3)
+  bool partitions_grads = false;  // stages 2-3
+  bool params_on_host = false;    // offloaded params (stage 3)
+  bool optimizer_on_host = false;
+  bool delayed = false;  // offloaded update overlapping the next backward
+  std::vector<std::string> state_names;  // optimizer states, in order
+};
+
+struct BufferSpec {
+  std::string kind;
+  Category category;
+  Where where;
+  bool whole;  // total_elems elements; else partition_elems
+  int64_t elems;
+  DType dtype;
+  size_t bytes() const { return size_t(elems) * dtype_size(dtype); }
+};
+
+// A stretch of this rank's partition inside one bucket whose params all
+// belong to one optimizer group: the unit of an optimizer call. It spans
+// the alignment gaps between its params.
+struct PartitionRun {
+  int bucket = 0;
+  int group = 0;
+  int64_t partition_offset = 0;
+  int64_t flat_offset = 0;
+  int64_t numel = 0;
+};
+
+// Elements param_offset.. of a param, in `view`.
+struct Stretch {
+  int64_t param_offset = 0;
+  Tensor view;
+};
+
+class PartitionStore {
+ public:
+  // Throws InvalidArgument when rank is outside the plan's world size.
+  PartitionStore(LayoutPlan plan, StorePlacement placement);
+
+  const LayoutPlan& plan() const { return plan_; }
+  const StorePlacement& placement() const { return placement_; }
+  // The buffers this rank keeps, known before anything is allocated.
+  const std::vector<BufferSpec>& buffers() const { return buffers_; }
+  size_t planned_bytes(Where where) const;
+  // This rank's pieces of params (LayoutPlan::segments) and their runs
+  // (empty for a frozen group, which has no optimizer).
+  const std::vector<Segment>& segments() const { return segments_; }
+  const std::vector<PartitionRun>& runs() const { return runs_; }
+  // Indices into segments() of param's pieces, in partition order.
+  const std::vector<int>& segments_of(int param) const;
+
+  // Allocates every planned buffer, zeroed, each in its own arena. Once.
+  void allocate();
+  bool allocated() const { return !tensors_.empty(); }
+  bool has(const std::string& kind) const;
+  // The buffer of `kind`; throws InvalidArgument naming the planned kinds
+  // when it is not kept, or before allocate().
+  Tensor buffer(const std::string& kind) const;
+  // Offloaded with a host_grad of its own: reduction fills grad_part while
+  // the update reads host_grad; at each step they trade places.
+  bool swaps_grads() const;
+  void swap_grads();
+
+  // Views into `buf`, a whole or partition-sized buffer of this plan
+  // (throws InvalidArgument for any other size).
+  // The whole param, shaped flat; whole buffers only.
+  Tensor param_view(const Tensor& buf, int param) const;
+  // Where param lives in buf: the whole param in a whole buffer, this
+  // rank's pieces of it in a partition.
+  std::vector<Stretch> param_stretches(const Tensor& buf, int param) const;
+  // Whole: the bucket. Partition: this rank's block of it.
+  Tensor bucket_view(const Tensor& buf, int bucket) const;
+  // Rank's block of the bucket in a whole buffer.
+  Tensor shard_view(const Tensor& whole, int bucket, int rank) const;
+  Tensor run_view(const Tensor& buf, int run) const;
+  Tensor segment_view(const Tensor& buf, int segment) const;
+
+  // The same into this store's buffer of `kind`.
+  Tensor param_view(const std::string& kind, int param) const { return param_view(buffer(kind), param); }
+  std::vector<Stretch> param_stretches(const std::string& kind, int param) const {
+    return param_stretches(buffer(kind), param);
+  }
+  Tensor bucket_view(const std::string& kind, int bucket) const { return bucket_view(buffer(kind), bucket); }
+  Tensor run_view(const std::string& kind, int run) const { return run_view(buffer(kind), run); }
+
+  // Copies this rank's block of every bucket of `whole` into `partition`.
+  void partition_from_whole(const Tensor& whole, const Tensor& partition) const;
+
+ private:
+  bool is_whole(const Tensor& buf) const;  // else partition-sized; throws for neither
+  const BufferSpec* spec(const std::string& kind) const;
+
+  LayoutPlan plan_;
+  StorePlacement placement_;
+  std::vector<BufferSpec> buffers_;
+  std::vector<Segment> segments_;
+  std::vector<std::vector<int>> segments_of_;
+  std::vector<PartitionRun> runs_;
+  std::vector<Tensor> tensors_;  // per buffers_ entry, once allocated
+};
+
+}  // namespace zerocore
