@@ -1,7 +1,9 @@
-// zerocore.PartitionStore: a flat group's buffers and every view into them
-// (store/partition_store.h). A view is asked of a buffer by its kind ("full",
-// "master", "state.exp_avg", ...) or of any whole or partition-sized tensor
-// of the plan (a gather pool slot); views come back as DLPack arrays.
+// zerocore.PartitionStore: a flat group's buffers and where everything lies
+// in them (store/partition_store.h). Buffers come back as DLPack arrays;
+// places as spans (offset, numel) of a whole or partition-sized buffer, which
+// Python turns into slices of its torch tensors: a slice shares its buffer's
+// torch storage, which stage 3's saved-tensor hooks rely on, where a view
+// made natively and imported through DLPack would have a storage of its own.
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -21,14 +23,6 @@ namespace zerocore::bindings {
 
 namespace {
 
-using Array = nb::ndarray<nb::array_api>;
-
-// A buffer named by its kind, or a tensor of the caller's.
-Tensor resolve(const PartitionStore& store, nb::handle what) {
-  if (nb::isinstance<nb::str>(what)) return store.buffer(nb::cast<std::string>(what));
-  return tensor_from_dlpack(what, "PartitionStore: buffer");
-}
-
 Where parse_where(const std::string& where) {
   if (where == "device") return Where::kDevice;
   if (where == "host") return Where::kHost;
@@ -42,6 +36,10 @@ const char* category_name(Category c) {
 }  // namespace
 
 void bind_store(nb::module_& m) {
+  nb::class_<Span>(m, "Span")
+      .def_ro("offset", &Span::offset)
+      .def_ro("numel", &Span::numel)
+      .def("__iter__", [](const Span& s) { return nb::iter(nb::make_tuple(s.offset, s.numel)); });
   nb::class_<PartitionRun>(m, "PartitionRun")
       .def_ro("bucket", &PartitionRun::bucket)
       .def_ro("group", &PartitionRun::group)
@@ -92,52 +90,19 @@ void bind_store(nb::module_& m) {
           nb::arg("kind"))
       .def_prop_ro("swaps_grads", &PartitionStore::swaps_grads)
       .def("swap_grads", &PartitionStore::swap_grads)
+      .def("param_span", &PartitionStore::param_span, nb::arg("buffer_elems"), nb::arg("param"))
       .def(
-          "param_view",
-          [](const PartitionStore& s, nb::handle buf, int param) {
-            return tensor_to_ndarray(s.param_view(resolve(s, buf), param));
-          },
-          nb::arg("buffer"), nb::arg("param"))
-      .def(
-          "param_stretches",
-          [](const PartitionStore& s, nb::handle buf, int param) {
-            std::vector<std::tuple<int64_t, Array>> out;
-            for (const Stretch& st : s.param_stretches(resolve(s, buf), param)) {
-              out.emplace_back(st.param_offset, tensor_to_ndarray(st.view));
-            }
+          "param_spans",
+          [](const PartitionStore& s, int64_t buffer_elems, int param) {
+            std::vector<std::tuple<int64_t, Span>> out;
+            for (const Stretch& st : s.param_spans(buffer_elems, param)) out.emplace_back(st.param_offset, st.span);
             return out;
           },
-          nb::arg("buffer"), nb::arg("param"), "(first element of the param, view) of each piece in buffer.")
-      .def(
-          "bucket_view",
-          [](const PartitionStore& s, nb::handle buf, int bucket) {
-            return tensor_to_ndarray(s.bucket_view(resolve(s, buf), bucket));
-          },
-          nb::arg("buffer"), nb::arg("bucket"))
-      .def(
-          "shard_view",
-          [](const PartitionStore& s, nb::handle buf, int bucket, int rank) {
-            return tensor_to_ndarray(s.shard_view(resolve(s, buf), bucket, rank));
-          },
-          nb::arg("buffer"), nb::arg("bucket"), nb::arg("rank"))
-      .def(
-          "run_view",
-          [](const PartitionStore& s, nb::handle buf, int run) {
-            return tensor_to_ndarray(s.run_view(resolve(s, buf), run));
-          },
-          nb::arg("buffer"), nb::arg("run"))
-      .def(
-          "segment_view",
-          [](const PartitionStore& s, nb::handle buf, int segment) {
-            return tensor_to_ndarray(s.segment_view(resolve(s, buf), segment));
-          },
-          nb::arg("buffer"), nb::arg("segment"))
-      .def(
-          "partition_from_whole",
-          [](const PartitionStore& s, nb::handle whole, nb::handle partition) {
-            s.partition_from_whole(resolve(s, whole), resolve(s, partition));
-          },
-          nb::arg("whole"), nb::arg("partition"));
+          nb::arg("buffer_elems"), nb::arg("param"), "(first element of the param, span) of each piece.")
+      .def("bucket_span", &PartitionStore::bucket_span, nb::arg("buffer_elems"), nb::arg("bucket"))
+      .def("shard_span", &PartitionStore::shard_span, nb::arg("buffer_elems"), nb::arg("bucket"), nb::arg("rank"))
+      .def("run_span", &PartitionStore::run_span, nb::arg("buffer_elems"), nb::arg("run"))
+      .def("segment_span", &PartitionStore::segment_span, nb::arg("buffer_elems"), nb::arg("segment"));
 }
 
 }  // namespace zerocore::bindings

@@ -1,7 +1,6 @@
 #include "zerocore/store/partition_store.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "zerocore/error.h"
@@ -120,68 +119,63 @@ void PartitionStore::swap_grads() {
   std::swap(tensors_[spec("grad_part") - buffers_.data()], tensors_[spec("host_grad") - buffers_.data()]);
 }
 
-bool PartitionStore::is_whole(const Tensor& buf) const {
-  if (buf.numel() == plan_.total_elems()) return true;
-  if (buf.numel() == plan_.partition_elems()) return false;
-  throw InvalidArgument("store: a buffer of " + std::to_string(buf.numel()) + " elements is neither the plan's " +
+bool PartitionStore::is_whole(int64_t buffer_elems) const {
+  if (buffer_elems == plan_.total_elems()) return true;
+  if (buffer_elems == plan_.partition_elems()) return false;
+  throw InvalidArgument("store: a buffer of " + std::to_string(buffer_elems) + " elements is neither the plan's " +
                         std::to_string(plan_.total_elems()) + " (whole) nor its " +
                         std::to_string(plan_.partition_elems()) + " (partition)");
 }
 
-Tensor PartitionStore::param_view(const Tensor& buf, int param) const {
+Span PartitionStore::param_span(int64_t buffer_elems, int param) const {
   segments_of(param);  // checks the index
-  if (!is_whole(buf) && plan_.world_size() > 1) {
-    throw InvalidArgument("store: a partition holds pieces of params; use param_stretches");
+  if (!is_whole(buffer_elems) && plan_.world_size() > 1) {
+    throw InvalidArgument("store: a partition holds pieces of params; use param_spans");
   }
   const ParamSlot& s = plan_.params()[param];
-  return buf.slice(s.offset, s.numel);
+  return Span{s.offset, s.numel};
 }
 
-std::vector<Stretch> PartitionStore::param_stretches(const Tensor& buf, int param) const {
-  if (is_whole(buf)) return {Stretch{0, param_view(buf, param)}};
+std::vector<Stretch> PartitionStore::param_spans(int64_t buffer_elems, int param) const {
+  if (is_whole(buffer_elems)) return {Stretch{0, param_span(buffer_elems, param)}};
   std::vector<Stretch> out;
-  for (int i : segments_of(param)) out.push_back(Stretch{segments_[i].param_offset, segment_view(buf, i)});
+  for (int i : segments_of(param)) out.push_back(Stretch{segments_[i].param_offset, segment_span(buffer_elems, i)});
   return out;
 }
 
-Tensor PartitionStore::bucket_view(const Tensor& buf, int bucket) const {
+Span PartitionStore::bucket_span(int64_t buffer_elems, int bucket) const {
   const int64_t shard = plan_.shard_elems(bucket);  // checks the bucket
-  if (is_whole(buf)) return buf.slice(plan_.buckets()[bucket].offset, shard * plan_.world_size());
-  return buf.slice(plan_.partition_offset(bucket), shard);
+  if (is_whole(buffer_elems)) return Span{plan_.buckets()[bucket].offset, shard * plan_.world_size()};
+  return Span{plan_.partition_offset(bucket), shard};
 }
 
-Tensor PartitionStore::shard_view(const Tensor& whole, int bucket, int rank) const {
-  if (!is_whole(whole)) throw InvalidArgument("store: shard_view takes a whole buffer, not a partition");
-  return whole.slice(plan_.shard_offset(bucket, rank), plan_.shard_elems(bucket));
+Span PartitionStore::shard_span(int64_t buffer_elems, int bucket, int rank) const {
+  if (!is_whole(buffer_elems)) throw InvalidArgument("store: a shard is found in a whole buffer, not a partition");
+  return Span{plan_.shard_offset(bucket, rank), plan_.shard_elems(bucket)};
 }
 
-Tensor PartitionStore::run_view(const Tensor& buf, int run) const {
+Span PartitionStore::run_span(int64_t buffer_elems, int run) const {
   if (run < 0 || run >= int(runs_.size())) {
     throw InvalidArgument("store: run " + std::to_string(run) + " is outside this rank's " +
                           std::to_string(runs_.size()) + " runs");
   }
   const PartitionRun& r = runs_[run];
-  return buf.slice(is_whole(buf) ? r.flat_offset : r.partition_offset, r.numel);
+  return Span{is_whole(buffer_elems) ? r.flat_offset : r.partition_offset, r.numel};
 }
 
-Tensor PartitionStore::segment_view(const Tensor& buf, int segment) const {
+Span PartitionStore::segment_span(int64_t buffer_elems, int segment) const {
   if (segment < 0 || segment >= int(segments_.size())) {
     throw InvalidArgument("store: segment " + std::to_string(segment) + " is outside this rank's " +
                           std::to_string(segments_.size()) + " segments");
   }
   const Segment& s = segments_[segment];
-  return buf.slice(is_whole(buf) ? s.flat_offset : s.partition_offset, s.numel);
+  return Span{is_whole(buffer_elems) ? s.flat_offset : s.partition_offset, s.numel};
 }
 
-void PartitionStore::partition_from_whole(const Tensor& whole, const Tensor& partition) const {
-  if (is_whole(partition) && plan_.world_size() > 1) {
-    throw InvalidArgument("store: partition_from_whole's output must be partition-sized");
-  }
-  if (whole.dtype() != partition.dtype()) throw InvalidArgument("store: partition_from_whole needs one dtype");
-  for (int b = 0; b < int(plan_.buckets().size()); ++b) {
-    const Tensor src = shard_view(whole, b, placement_.rank);
-    std::memcpy(partition.slice(plan_.partition_offset(b), src.numel()).data(), src.data(), src.nbytes());
-  }
+std::vector<std::pair<int64_t, Tensor>> PartitionStore::param_stretches(const Tensor& buf, int param) const {
+  std::vector<std::pair<int64_t, Tensor>> out;
+  for (const Stretch& s : param_spans(buf.numel(), param)) out.emplace_back(s.param_offset, at(buf, s.span));
+  return out;
 }
 
 }  // namespace zerocore

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zerocore/dtype.h"
@@ -75,10 +76,16 @@ struct PartitionRun {
   int64_t numel = 0;
 };
 
-// Elements param_offset.. of a param, in `view`.
+// Elements [offset, offset + numel) of a buffer.
+struct Span {
+  int64_t offset = 0;
+  int64_t numel = 0;
+};
+
+// Elements param_offset.. of a param, at `span` of a buffer.
 struct Stretch {
   int64_t param_offset = 0;
-  Tensor view;
+  Span span;
 };
 
 class PartitionStore {
@@ -110,33 +117,44 @@ class PartitionStore {
   bool swaps_grads() const;
   void swap_grads();
 
-  // Views into `buf`, a whole or partition-sized buffer of this plan
-  // (throws InvalidArgument for any other size).
-  // The whole param, shaped flat; whole buffers only.
-  Tensor param_view(const Tensor& buf, int param) const;
-  // Where param lives in buf: the whole param in a whole buffer, this
-  // rank's pieces of it in a partition.
-  std::vector<Stretch> param_stretches(const Tensor& buf, int param) const;
+  // Where things lie in a buffer of `buffer_elems` elements: a whole or a
+  // partition-sized buffer of this plan (throws InvalidArgument for any
+  // other size). Views below are these spans of a buffer; a caller with its
+  // own tensor type (torch) slices its tensors with them.
+  // The whole param; whole buffers only (or world size 1).
+  Span param_span(int64_t buffer_elems, int param) const;
+  // Where param lives: the whole param in a whole buffer, this rank's
+  // pieces of it in a partition.
+  std::vector<Stretch> param_spans(int64_t buffer_elems, int param) const;
   // Whole: the bucket. Partition: this rank's block of it.
-  Tensor bucket_view(const Tensor& buf, int bucket) const;
+  Span bucket_span(int64_t buffer_elems, int bucket) const;
   // Rank's block of the bucket in a whole buffer.
-  Tensor shard_view(const Tensor& whole, int bucket, int rank) const;
-  Tensor run_view(const Tensor& buf, int run) const;
-  Tensor segment_view(const Tensor& buf, int segment) const;
+  Span shard_span(int64_t buffer_elems, int bucket, int rank) const;
+  Span run_span(int64_t buffer_elems, int run) const;
+  Span segment_span(int64_t buffer_elems, int segment) const;
+
+  // Views into `buf`, a whole or partition-sized buffer of this plan.
+  Tensor param_view(const Tensor& buf, int param) const { return at(buf, param_span(buf.numel(), param)); }
+  Tensor bucket_view(const Tensor& buf, int bucket) const { return at(buf, bucket_span(buf.numel(), bucket)); }
+  Tensor shard_view(const Tensor& whole, int bucket, int rank) const {
+    return at(whole, shard_span(whole.numel(), bucket, rank));
+  }
+  Tensor run_view(const Tensor& buf, int run) const { return at(buf, run_span(buf.numel(), run)); }
+  Tensor segment_view(const Tensor& buf, int segment) const { return at(buf, segment_span(buf.numel(), segment)); }
+  // (first element of the param, view) of each piece of param in buf.
+  std::vector<std::pair<int64_t, Tensor>> param_stretches(const Tensor& buf, int param) const;
 
   // The same into this store's buffer of `kind`.
   Tensor param_view(const std::string& kind, int param) const { return param_view(buffer(kind), param); }
-  std::vector<Stretch> param_stretches(const std::string& kind, int param) const {
+  std::vector<std::pair<int64_t, Tensor>> param_stretches(const std::string& kind, int param) const {
     return param_stretches(buffer(kind), param);
   }
   Tensor bucket_view(const std::string& kind, int bucket) const { return bucket_view(buffer(kind), bucket); }
   Tensor run_view(const std::string& kind, int run) const { return run_view(buffer(kind), run); }
 
-  // Copies this rank's block of every bucket of `whole` into `partition`.
-  void partition_from_whole(const Tensor& whole, const Tensor& partition) const;
-
  private:
-  bool is_whole(const Tensor& buf) const;  // else partition-sized; throws for neither
+  bool is_whole(int64_t buffer_elems) const;  // else partition-sized; throws for neither
+  static Tensor at(const Tensor& buf, Span s) { return buf.slice(s.offset, s.numel); }
   const BufferSpec* spec(const std::string& kind) const;
 
   LayoutPlan plan_;
