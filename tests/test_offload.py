@@ -289,9 +289,9 @@ def test_a_host_without_the_memory_fails_every_rank_at_wrap():
 
 def _allocation_fails_on_rank_1(rank, world):
     if rank == 1:
-        def refuse(numel, dtype):
-            raise MemoryError(f"no memory for {numel} elements")
-        zerocore.flat_group.arena_zeros = refuse
+        def refuse(group):
+            raise MemoryError(f"no memory for {group.plan.total_elems} elements")
+        zerocore.flat_group.FlatGroup.allocate = refuse
     _wrap(dict(stage=3, offload_optimizer="cpu", offload_params="cpu"))
 
 

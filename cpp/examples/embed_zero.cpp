@@ -5,7 +5,9 @@
 // zerocore). Exits non-zero if they disagree.
 //
 // Each layer is one unit with its own layout plan (params in backward order,
-// buckets split evenly over the ranks). The runtime's schedule does the
+// buckets split evenly over the ranks) and partition store, which holds its
+// params, grad partition and Adam moments and says where each param lies in
+// them: the trainer computes no offset. The runtime's schedule does the
 // distributed work; the trainer only says what happens. Per step:
 //   stage 3: the UnitSchedule gathers each unit into its gather pool before
 //            the unit's forward (pre_forward) and again before its backward
@@ -44,13 +46,14 @@ float input(int sample, int i) { return std::sin(0.37f * float(sample * kIn + i)
 float target(int sample, int o) { return std::cos(0.11f * float(sample + 3 * o)); }
 
 // One layer y = x W^T + b: a unit of params W (out x in) and b (out).
+constexpr int kBias = 0, kWeight = 1;  // in the layout: backward order
 struct Layer {
   int in, out;
-  LayoutPlan plan;        // [b, W]: backward order
-  Tensor params;          // stage 2: the full flat params; stage 3: this rank's partition
-  Tensor grads;           // full flat grads of this rank's micro-batch
-  Tensor grad_part, exp_avg, exp_avg_sq;  // this rank's partition
+  PartitionStore store;
+  Tensor params;  // stage 2: the full flat params; stage 3: this rank's shard
+  Tensor grads;   // full flat grads of this rank's micro-batch
   std::vector<FlatRun> runs;
+  const LayoutPlan& plan() const { return store.plan(); }
 };
 
 class ZeroMlp {
@@ -69,13 +72,13 @@ class ZeroMlp {
     // Reduction in backward order: the last layer's grads are ready first.
     std::vector<ReduceGroup> groups;
     for (int u = int(layers_.size()) - 1; u >= 0; --u) {
-      groups.push_back(ReduceGroup{u, layers_[size_t(u)].plan, layers_[size_t(u)].grad_part});
+      groups.push_back(ReduceGroup{u, layers_[size_t(u)].plan(), layers_[size_t(u)].store.buffer("grad_part")});
     }
     reducer_ = std::make_unique<BucketReducer>(comm, groups, DType::kFloat32, 2, /*on_request=*/stage_ == 3);
     if (stage_ == 3) {
       std::vector<UnitSpec> units;
       for (int u = 0; u < int(layers_.size()); ++u) {
-        units.push_back(UnitSpec{{UnitGroup{u, layers_[size_t(u)].plan, layers_[size_t(u)].params}}, false});
+        units.push_back(UnitSpec{{UnitGroup{u, layers_[size_t(u)].plan(), layers_[size_t(u)].params}}, false});
       }
       auto grads_final = [this](int unit, bool reduce) {
         const std::vector<int> group{reduce_group(unit)};
@@ -85,7 +88,7 @@ class ZeroMlp {
                                                  grads_final);
     } else {
       std::vector<FlatBuffer> full;
-      for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan, layers_[size_t(u)].params});
+      for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan(), layers_[size_t(u)].params});
       param_gather_ = std::make_unique<BucketCollectives>(comm, CollectiveKind::kAllGather, full);
     }
   }
@@ -128,7 +131,10 @@ class ZeroMlp {
     std::vector<FlatRun> runs;
     for (const Layer& l : layers_) runs.insert(runs.end(), l.runs.begin(), l.runs.end());
     adam_update_runs({adam}, step_index, 1.0 / world_, runs);
-    for (Layer& l : layers_) std::memset(l.grad_part.data(), 0, l.grad_part.nbytes());  // the reducer adds into it
+    for (Layer& l : layers_) {  // the reducer adds into the grad partition
+      const Tensor grad_part = l.store.buffer("grad_part");
+      std::memset(grad_part.data(), 0, grad_part.nbytes());
+    }
     if (param_gather_) param_gather_->run();
     return loss / float(out.size());
   }
@@ -139,51 +145,49 @@ class ZeroMlp {
     for (Layer& l : layers_) {
       Tensor gathered = l.params;
       if (schedule_) {
-        gathered = Tensor::empty({l.plan.total_elems()}, DType::kFloat32);
+        gathered = Tensor::empty({l.plan().total_elems()}, DType::kFloat32);
         schedule_->gather_into(unit(l), gathered);
       }
-      const float* flat = gathered.data_as<float>();
-      const ParamSlot& w = l.plan.params()[1];
-      const ParamSlot& b = l.plan.params()[0];
-      out.insert(out.end(), flat + w.offset, flat + w.offset + w.numel);
-      out.insert(out.end(), flat + b.offset, flat + b.offset + b.numel);
+      for (int param : {kWeight, kBias}) {
+        const Tensor v = l.store.param_view(gathered, param);
+        out.insert(out.end(), v.data_as<float>(), v.data_as<float>() + v.numel());
+      }
     }
     return out;
   }
 
  private:
   Layer make_layer(int in, int out) {
-    Layer l{in, out, LayoutPlan::make({{out, 0}, {int64_t(in) * out, 0}}, LayoutOptions{world_, kAlign, kBucketElems}),
-            {}, {}, {}, {}, {}, {}};
-    const int64_t part = l.plan.partition_elems();
-    l.params = Tensor::empty({stage_ == 3 ? part : l.plan.total_elems()}, DType::kFloat32);
-    l.grads = Tensor::empty({l.plan.total_elems()}, DType::kFloat32);
-    for (Tensor* t : {&l.grad_part, &l.exp_avg, &l.exp_avg_sq}) {
-      *t = Tensor::empty({part}, DType::kFloat32);
-      std::memset(t->data(), 0, t->nbytes());
-    }
-    for (const Segment& s : l.plan.segments(rank_)) {
-      const int64_t param_at = stage_ == 3 ? s.partition_offset : s.flat_offset;
-      l.runs.push_back(FlatRun{0, l.params.slice(param_at, s.numel), l.grad_part.slice(s.partition_offset, s.numel),
-                               l.exp_avg.slice(s.partition_offset, s.numel),
-                               l.exp_avg_sq.slice(s.partition_offset, s.numel), Tensor()});
+    StorePlacement place;
+    place.rank = rank_;
+    place.sharded = stage_ == 3;
+    place.partitions_grads = true;
+    place.state_names = {"exp_avg", "exp_avg_sq"};
+    Layer l{in, out,
+            PartitionStore(LayoutPlan::make({{out, 0}, {int64_t(in) * out, 0}},
+                                            LayoutOptions{world_, kAlign, kBucketElems}),
+                           place),
+            {}, {}, {}};
+    l.store.allocate();
+    const char* live = stage_ == 3 ? "shard" : "full";
+    l.params = l.store.buffer(live);
+    l.grads = Tensor::empty({l.plan().total_elems()}, DType::kFloat32);
+    for (int k = 0; k < int(l.store.runs().size()); ++k) {
+      l.runs.push_back(FlatRun{l.store.runs()[size_t(k)].group, l.store.run_view(live, k),
+                               l.store.run_view("grad_part", k), l.store.run_view("state.exp_avg", k),
+                               l.store.run_view("state.exp_avg_sq", k), Tensor()});
     }
     return l;
   }
 
-  // Initial values [W..., b...] into the flat params (stage 3: this rank's part only).
-  void fill(Layer& l, const std::vector<float>& values) {
-    std::vector<float> flat(size_t(l.plan.total_elems()), 0.0f);
-    const ParamSlot& b = l.plan.params()[0];
-    const ParamSlot& w = l.plan.params()[1];
-    std::memcpy(flat.data() + w.offset, values.data(), size_t(w.numel) * 4);
-    std::memcpy(flat.data() + b.offset, values.data() + w.numel, size_t(b.numel) * 4);
-    if (stage_ == 3) {
-      for (const Segment& s : l.plan.segments(rank_)) {
-        std::memcpy(l.params.data_as<float>() + s.partition_offset, flat.data() + s.flat_offset, size_t(s.numel) * 4);
+  // Initial values [W..., b...] into this rank's params (stage 3: its pieces of them).
+  static void fill(Layer& l, const std::vector<float>& values) {
+    const int64_t weight_numel = l.plan().params()[kWeight].numel;
+    for (int param : {kWeight, kBias}) {
+      const float* src = values.data() + (param == kWeight ? 0 : weight_numel);
+      for (const auto& [first, view] : l.store.param_stretches(l.params, param)) {
+        std::memcpy(view.data(), src + first, view.nbytes());
       }
-    } else {
-      std::memcpy(l.params.data(), flat.data(), flat.size() * 4);
     }
   }
 
@@ -191,9 +195,9 @@ class ZeroMlp {
   int reduce_group(int unit) const { return int(layers_.size()) - 1 - unit; }  // the reducer's groups are in backward order
 
   std::vector<float> forward(const Layer& l, const std::vector<float>& x, int rows) {
-    const float* flat = (schedule_ ? schedule_->pre_forward(unit(l), /*marks_post_backward=*/true) : l.params).data_as<float>();
-    const float* w = flat + l.plan.params()[1].offset;
-    const float* b = flat + l.plan.params()[0].offset;
+    const Tensor flat = schedule_ ? schedule_->pre_forward(unit(l), /*marks_post_backward=*/true) : l.params;
+    const float* w = l.store.param_view(flat, kWeight).data_as<float>();
+    const float* b = l.store.param_view(flat, kBias).data_as<float>();
     std::vector<float> y(size_t(rows) * l.out);
     for (int s = 0; s < rows; ++s) {
       for (int o = 0; o < l.out; ++o) {
@@ -208,12 +212,11 @@ class ZeroMlp {
 
   // Hands the unit's grads to the reducer and returns the input grads.
   std::vector<float> backward(const Layer& l, const std::vector<float>& x, const std::vector<float>& dy, int rows) {
-    const float* flat = (schedule_ ? schedule_->pre_backward(unit(l)) : l.params).data_as<float>();
-    const float* w = flat + l.plan.params()[1].offset;
-    float* g = l.grads.data_as<float>();
-    std::memset(g, 0, l.grads.nbytes());
-    float* gw = g + l.plan.params()[1].offset;
-    float* gb = g + l.plan.params()[0].offset;
+    const Tensor flat = schedule_ ? schedule_->pre_backward(unit(l)) : l.params;
+    const float* w = l.store.param_view(flat, kWeight).data_as<float>();
+    std::memset(l.grads.data(), 0, l.grads.nbytes());
+    float* gw = l.store.param_view(l.grads, kWeight).data_as<float>();
+    float* gb = l.store.param_view(l.grads, kBias).data_as<float>();
     std::vector<float> dx(size_t(rows) * l.in, 0.0f);
     for (int s = 0; s < rows; ++s) {
       for (int o = 0; o < l.out; ++o) {
@@ -226,10 +229,7 @@ class ZeroMlp {
       }
     }
     const int group = reduce_group(unit(l));
-    for (int p = 0; p < int(l.plan.params().size()); ++p) {
-      const ParamSlot& slot = l.plan.params()[size_t(p)];
-      reducer_->grad_ready(group, p, l.grads.slice(slot.offset, slot.numel));
-    }
+    for (int param : {kBias, kWeight}) reducer_->grad_ready(group, param, l.store.param_view(l.grads, param));
     if (schedule_) schedule_->post_backward(unit(l));
     return dx;
   }

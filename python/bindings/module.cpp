@@ -16,4 +16,5 @@ NB_MODULE(_native, m) {
   bind_optim(m);
   bind_comm(m);
   bind_schedule(m);
+  bind_store(m);
 }

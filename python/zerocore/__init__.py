@@ -20,6 +20,7 @@ with warnings.catch_warnings():
 from zerocore._native import (
     CollectiveTimeoutError,
     LayoutPlan,
+    PartitionStore,
     Tensor,
     cpu_features,
     empty,
@@ -65,6 +66,7 @@ __all__ = [
     "DynamicLossScale",
     "Engine",
     "LayoutPlan",
+    "PartitionStore",
     "NonFiniteGradientError",
     "SGD",
     "Tensor",

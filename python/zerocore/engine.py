@@ -565,8 +565,8 @@ class Engine:
         out = {}
         for g in self.groups:
             flat = g.full_fp32()
-            for p_names, slot, shape in zip(g.names, g.slots, g.shapes):
-                value = flat[slot.offset:slot.offset + slot.numel].view(shape).clone()
+            for i, (p_names, shape) in enumerate(zip(g.names, g.shapes)):
+                value = g.view(flat, "param", i).view(shape).clone()
                 for name in p_names:
                     out[name] = value
         for name, b in self.module.named_buffers():

@@ -5,6 +5,9 @@ them on this rank.
 Layout (zerocore.LayoutPlan): params in backward order, aligned, cut into
 constant-size buckets that split evenly over the partition ranks; rank r
 owns block r of every bucket, and its partition is those blocks end to end.
+The native partition store (zerocore.PartitionStore) keeps the buffers and
+hands out every view into them, by (param, kind), (bucket, kind) or
+(run, kind): no offset is computed here.
 What lives where, per stage (placement.py; P: partition, F: full flat buffer):
 
     stage   params (dtype)      grads (reduce dtype)   fp32 master, states
@@ -24,8 +27,6 @@ gives NaNs instead of another unit's values, and a write raises
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 import zerocore
@@ -34,25 +35,8 @@ from zerocore.comm import Communicator
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NATIVE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FROM_NATIVE = {name: dtype for dtype, name in NATIVE_NAMES.items()}
 ALIGN_BYTES = 64  # params and shards start on cache lines
-
-
-def arena_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed 1-D tensor in its own native arena (huge pages when large),
-    resident only once written: optimizer state and grads cost no memory
-    from wrap until the first step uses them."""
-    return zerocore.to_torch(zerocore.zeros([numel], NATIVE_NAMES[dtype]))
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """A stretch of this rank's partition inside one bucket whose params all
-    belong to one optimizer group: the unit of a native optimizer call."""
-
-    bucket: int
-    group: int
-    part: slice  # in the partition
-    flat: slice  # in the flat buffer
 
 
 class FlatGroup:
@@ -75,20 +59,22 @@ class FlatGroup:
         self.plan = zerocore.LayoutPlan.make(
             [p.numel() for p in params], groups=opt_groups, world_size=world,
             align_elems=ALIGN_BYTES // elem, bucket_elems=max(1, bucket_bytes // elem))
-        # The plan's lists, converted from native once.
+        self.store = zerocore.PartitionStore(
+            self.plan, rank=self.rank, dtype=NATIVE_NAMES[dtype], reduce_dtype=NATIVE_NAMES[reduce_dtype],
+            trainable=trainable, sharded=sharded, partitions_grads=placement.partitions_grads,
+            params_on_host=placement.params_on_host, optimizer_on_host=placement.optimizer_on_host,
+            delayed=delayed, state_names=list(state_names))
+        # The plan's and the store's lists, converted from native once.
         self.slots = self.plan.params
         self.buckets = self.plan.buckets
-        # This rank's stretches of the params, in partition order.
-        self.segments = list(self.plan.segments(self.rank))
-        self._segments_of = [[] for _ in params]
-        for seg in self.segments:
-            self._segments_of[seg.param].append(seg)
-        self.runs = self._runs() if trainable else []
+        self.segments = self.store.segments  # this rank's pieces of the params, in partition order
+        self.runs = self.store.runs  # their runs, for the optimizer (PartitionRun)
         self.state_names = state_names
         self.delayed = delayed
         self.full = None  # F; for a sharded group, the buffer it is bound to while gathered
         self._views = {}  # sharded: per buffer address, the params' views into it
         self._placeholders = []
+        self._grad_views = None  # per param, its view of grad_full: made once
         self._grad_placeholders = None  # made by hide_grads, once
         self._grads_zeroed = False  # zero_grad zeroed the grad buffers since the last backward
         self._versions = []  # the params' version counters as carry_param_writes last saw them
@@ -103,69 +89,34 @@ class FlatGroup:
         self.host_grad = None
         self.host_param = None
 
-    # Layout --------------------------------------------------------------
-    def _runs(self):
-        runs = []
-        for seg in self.segments:
-            last = runs[-1] if runs else None
-            if last and last.bucket == seg.bucket and last.group == seg.group:
-                runs[-1] = Run(seg.bucket, seg.group, slice(last.part.start, seg.partition_offset + seg.numel),
-                               slice(last.flat.start, seg.flat_offset + seg.numel))
-            else:
-                runs.append(Run(seg.bucket, seg.group, slice(seg.partition_offset, seg.partition_offset + seg.numel),
-                                slice(seg.flat_offset, seg.flat_offset + seg.numel)))
-        return runs
-
-    def shard_slice(self, bucket: int) -> slice:
-        lo = self.plan.shard_offset(bucket, self.rank)
-        return slice(lo, lo + self.plan.shard_elems(bucket))
-
-    def partition_slice(self, bucket: int) -> slice:
-        lo = self.plan.partition_offset(bucket)
-        return slice(lo, lo + self.plan.shard_elems(bucket))
-
-    def bucket_slice(self, bucket: int) -> slice:
-        b = self.buckets[bucket]
-        return slice(b.offset, b.offset + b.numel)
+    # Layout ---------------------------------------------------------------
+    def view(self, buffer, span: str, *args) -> torch.Tensor:
+        """The slice of `buffer` at the store's span `span` (PartitionStore's
+        <span>_span: "param", "bucket", "shard", "run", "segment"; args: its
+        indices). buffer: a kind the store keeps ("master", "state.exp_avg",
+        ...) or a whole or partition-sized tensor of this plan (a gather
+        pool slot)."""
+        t = self._buffer(buffer) if isinstance(buffer, str) else buffer
+        lo, n = getattr(self.store, f"{span}_span")(t.numel(), *args)
+        return t[lo:lo + n]
 
     def partition_from_flat(self, flat: torch.Tensor, out: torch.Tensor):
+        """Copies this rank's block of every bucket of `flat` into `out` (any dtype)."""
         for b in range(len(self.buckets)):
-            out[self.partition_slice(b)].copy_(flat[self.shard_slice(b)])
+            self.view(out, "bucket", b).copy_(self.view(flat, "shard", b, self.rank))
 
     # Allocation and initial values --------------------------------------
     def buffer_plan(self) -> list:
         """(name, category, where, elements, dtype) of each buffer this group
-        holds on this rank; where: "device" (where training runs) or "host".
-        A name "state.<x>" is optimizer state x."""
-        plan, place, f32 = self.plan, self.placement, torch.float32
-        n, rd = plan.partition_elems, self.reduce_dtype
-        if self.sharded:
-            out = [("shard", "param", "host" if place.params_on_host else "device", n, self.dtype)]
-        else:
-            out = [("full", "param", "device", plan.total_elems, self.dtype)]
-        if not self.trainable:
-            return out
-        optim_at = "host" if place.optimizer_on_host else "device"
-        if self.dtype != f32 or place.optimizer_on_host:
-            out.append(("master", "optim", optim_at, n, f32))
-        out += [(f"state.{name}", "optim", optim_at, n, f32) for name in self.state_names]
-        if place.partitions_grads:
-            out.append(("grad_part", "grad", optim_at, n, rd))
-        else:
-            out.append(("grad_full", "grad", "device", plan.total_elems, rd))
-        if place.optimizer_on_host:
-            # Stage 1 reduces full grads on the device; a delayed update reads
-            # its grads while the next backward accumulates new ones (stages
-            # 2-3: into the other of two host buffers, swap_grads).
-            if not place.partitions_grads or self.delayed:
-                out.append(("host_grad", "grad", "host", n, rd))
-            if self.dtype != f32:
-                out.append(("host_param", "param", "host", n, self.dtype))
-        return out
+        holds on this rank (the store's plan, partition_store.h); where:
+        "device" (where training runs) or "host". A name "state.<x>" is
+        optimizer state x."""
+        return [(kind, category, where, n, FROM_NATIVE[dtype])
+                for kind, category, where, n, dtype in self.store.buffers]
 
     def planned_bytes(self, where: str) -> int:
         """Bytes buffer_plan() puts on `where`, before anything is allocated."""
-        return sum(n * dtype.itemsize for _, _, at, n, dtype in self.buffer_plan() if at == where)
+        return self.store.planned_bytes(where)
 
     def _buffer(self, name: str):
         return self.state.get(name[6:]) if name.startswith("state.") else getattr(self, name)
@@ -173,14 +124,15 @@ class FlatGroup:
     def allocate(self):
         """This rank's buffers for the plan, zeroed. No collective: the
         engine checks that every rank allocated before the first one."""
-        for name, _, _, numel, dtype in self.buffer_plan():
-            t = arena_zeros(numel, dtype)
-            if name.startswith("state."):
-                self.state[name[6:]] = t
+        self.store.allocate()
+        for kind, *_ in self.store.buffers:
+            t = torch.from_dlpack(self.store.buffer(kind))
+            if kind.startswith("state."):
+                self.state[kind[6:]] = t
             else:
-                setattr(self, name, t)
-        if self.trainable and self.placement.optimizer_on_host and self.host_grad is None:
-            self.host_grad = self.grad_part
+                setattr(self, kind, t)
+        if self.store.has("host_grad") and self.host_grad is None:
+            self.host_grad = self.grad_part  # the host step reads its grads where reduction leaves them
 
     def fill(self, values_later=frozenset()):
         """Fills the buffers from the params' values, except those of params
@@ -205,21 +157,21 @@ class FlatGroup:
         element, elements, buffer views they go to): the whole param where
         this rank holds the flat buffer, its stretches of the shard and the
         fp32 master."""
-        out = []
-        if not self.sharded:
-            slot = self.slots[index]
-            out.append((0, slot.numel, [self.full[slot.offset:slot.offset + slot.numel]]))
-        parts = [t for t in (self.shard, self.master) if t is not None]
-        if parts:
-            out += [(seg.param_offset, seg.numel, [t[seg.partition_offset:seg.partition_offset + seg.numel]
-                                                   for t in parts]) for seg in self._segments_of[index]]
-        return out
+        out = [] if self.sharded else self._stretches(["full"], index)
+        parts = [kind for kind in ("shard", "master") if self.store.has(kind)]
+        return out + (self._stretches(parts, index) if parts else [])
 
     def state_stretches(self, name: str, index: int) -> list:
         """As param_stretches, for optimizer state `name` of param `index`."""
-        buf = self.state[name]
-        return [(seg.param_offset, seg.numel, [buf[seg.partition_offset:seg.partition_offset + seg.numel]])
-                for seg in self._segments_of[index]]
+        return self._stretches([f"state.{name}"], index)
+
+    def _stretches(self, kinds, index: int) -> list:
+        """(first element, elements, views) of each piece of param `index` in
+        the buffers of `kinds`, which have one layout (all whole or all
+        partitions)."""
+        buffers = [self._buffer(kind) for kind in kinds]
+        return [(first, span.numel, [b[span.offset:span.offset + span.numel] for b in buffers])
+                for first, span in self.store.param_spans(buffers[0].numel(), index)]
 
     @staticmethod
     def load(stretches, read):
@@ -238,8 +190,8 @@ class FlatGroup:
     def owned_stretches(self, partition: torch.Tensor):
         """(param index, first element, values) of each stretch of this
         rank's partition, from `partition` (a partition-sized buffer)."""
-        return [(seg.param, seg.param_offset, partition[seg.partition_offset:seg.partition_offset + seg.numel])
-                for seg in self.segments]
+        return [(seg.param, seg.param_offset, self.view(partition, "segment", i))
+                for i, seg in enumerate(self.segments)]
 
     # Binding params to a flat buffer ----------------------------------------
     def _make_placeholders(self) -> list:
@@ -262,7 +214,7 @@ class FlatGroup:
         and kept; a temporary buffer's are not, or they would keep it alive."""
         views = self._views.get(flat.data_ptr())
         if views is None:
-            views = [flat[s.offset:s.offset + s.numel].view(shape) for s, shape in zip(self.slots, self.shapes)]
+            views = [self.view(flat, "param", i).view(shape) for i, shape in enumerate(self.shapes)]
             if keep_views:
                 self._views[flat.data_ptr()] = views
         for p, v in zip(self.params, views):
@@ -283,8 +235,8 @@ class FlatGroup:
         left stands for the grads the buffer holds; a grad the user set to
         None counts as zero; one they replaced is taken over."""
         hidden = self._grad_placeholders or [None] * len(self.params)
-        for p, slot, shape, placeholder in zip(self.params, self.slots, self.shapes, hidden):
-            view = self.grad_full[slot.offset:slot.offset + slot.numel].view(shape)
+        for i, (p, placeholder) in enumerate(zip(self.params, hidden)):
+            view = self.grad_view(i)
             if p.grad is None:
                 if not self._grads_zeroed:
                     view.zero_()
@@ -318,13 +270,26 @@ class FlatGroup:
             p.grad = None
         self._grads_zeroed = True
 
-    def owned_grad(self, run: Run) -> torch.Tensor:
-        return self.grad_full[run.flat] if self.grad_full is not None else self.grad_part[run.part]
+    def grad_view(self, index: int) -> torch.Tensor:
+        """Stages 0-1: param `index`'s grad in the flat grad buffer, shaped as the param."""
+        if self._grad_views is None:
+            self._grad_views = [self.view("grad_full", "param", i).view(shape)
+                                for i, shape in enumerate(self.shapes)]
+        return self._grad_views[index]
 
     # Optimizer -------------------------------------------------------------
-    def live(self, run: Run) -> torch.Tensor:
-        """The run's stretch of the params training reads."""
-        return self.shard[run.part] if self.sharded else self.full[run.flat]
+    def _run_view(self, kind, run: int):
+        return self.view(kind, "run", run) if kind is not None else None
+
+    @property
+    def _live(self) -> str:
+        """The kind of the params training reads."""
+        return "shard" if self.sharded else "full"
+
+    @property
+    def _owned_grad(self) -> str:
+        """The kind of the grads reduction leaves."""
+        return "grad_full" if self.grad_full is not None else "grad_part"
 
     def run_views(self) -> list:
         """Per run of this rank's partition, the views a native step updates:
@@ -332,41 +297,40 @@ class FlatGroup:
         Offloaded, they are the host's: its grads, and its own 16-bit copy
         (offload_copies says where they go). They never move, so the engine
         converts them once."""
-        states = list(self.state.values()) + [None, None]
-        out = []
-        for run in self.runs:
-            if self.placement.optimizer_on_host:
-                copy = self.host_param[run.part] if self.host_param is not None else None
-                param, grad = self.master[run.part], self.host_grad[run.part]
-            elif self.master is not None:
-                param, grad, copy = self.master[run.part], self.owned_grad(run), self.live(run)
-            else:
-                param, grad, copy = self.live(run), self.owned_grad(run), None
-            out.append((run.group, param, grad, *(s[run.part] if s is not None else None for s in states[:2]), copy))
-        return out
+        states = [f"state.{name}" for name in self.state] + [None, None]
+        if self.placement.optimizer_on_host:
+            param, grad, copy = "master", "host_grad", "host_param" if self.host_param is not None else None
+        elif self.master is not None:
+            param, grad, copy = "master", self._owned_grad, self._live
+        else:
+            param, grad, copy = self._live, self._owned_grad, None
+        return [(run.group, *(self._run_view(kind, k) for kind in (param, grad, *states[:2], copy)))
+                for k, run in enumerate(self.runs)]
 
     @property
     def swaps_grads(self) -> bool:
         """Offloaded with a delayed update at stages 2-3: reduction fills one
         host grad buffer while the update reads the other, and at each step
         they trade places (swap_grads) instead of being copied."""
-        return self.placement.partitions_grads and self.host_grad is not None and self.host_grad is not self.grad_part
+        return self.store.swaps_grads
 
     def swap_grads(self):
+        self.store.swap_grads()
         self.grad_part, self.host_grad = self.host_grad, self.grad_part
 
-    def offload_copies(self, run: Run) -> tuple:
+    def offload_copies(self, run: int) -> tuple:
         """Offloaded: the run's (grads down, params up) copies, as (source,
         destination) pairs, and its spare host grad: the reduced grads into
         the host's (none where reduction leaves them there), the host step's
         new params (its 16-bit copy, or the fp32 master) into the params
         training reads, and the buffer reduction fills where the two swap
-        (None elsewhere)."""
-        spare = self.grad_part[run.part] if self.swaps_grads else None
-        down = [] if self.host_grad is self.grad_part or spare is not None \
-            else [(self.owned_grad(run), self.host_grad[run.part])]
-        new = self.host_param if self.host_param is not None else self.master
-        return down, [(new[run.part], self.live(run))], spare
+        (None elsewhere). run: an index into self.runs."""
+        spare = self._run_view("grad_part", run) if self.swaps_grads else None
+        # Only stage 1 reduces into a grad buffer (grad_full) that is not the host's.
+        down = [(self._run_view("grad_full", run), self._run_view("host_grad", run))] \
+            if self.grad_full is not None else []
+        new = "host_param" if self.host_param is not None else "master"
+        return down, [(self._run_view(new, run), self._run_view(self._live, run))], spare
 
     # Whole-model views -----------------------------------------------------
     def fp32_partition(self) -> torch.Tensor:
@@ -388,11 +352,9 @@ class FlatGroup:
         parts = torch.empty(world * plan.partition_elems, dtype=torch.float32)
         self.comm.all_gather(parts, part, (self.tag, -1), count=False)
         flat = torch.empty(plan.total_elems, dtype=torch.float32)
-        for r in range(world):
+        for r, rank_part in enumerate(parts.view(world, -1)):
             for b in range(len(self.buckets)):
-                lo, n = plan.shard_offset(b, r), plan.shard_elems(b)
-                src = r * plan.partition_elems + plan.partition_offset(b)
-                flat[lo:lo + n].copy_(parts[src:src + n])
+                self.view(flat, "shard", b, r).copy_(self.view(rank_part, "bucket", b))
         return flat
 
     def write_back(self, before: torch.Tensor):
@@ -425,9 +387,8 @@ class FlatGroup:
             return
         for i, p in enumerate(self.params):
             if p._version != self._versions[i]:
-                for seg in self._segments_of[i]:
-                    self.master[seg.partition_offset:seg.partition_offset + seg.numel].copy_(
-                        self.full[seg.flat_offset:seg.flat_offset + seg.numel])
+                for seg in self.store.segments_of(i):
+                    self.view("master", "segment", seg).copy_(self.view("full", "segment", seg))
                 self._versions[i] = p._version
 
     def snapshot_partition(self) -> torch.Tensor:

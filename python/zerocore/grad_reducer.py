@@ -69,8 +69,7 @@ class FullGradReducer:
         if not self.running:
             raise outside_engine_backward()
         g, i = self.converted[id(p)]
-        slot = g.slots[i]
-        g.grad_full[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+        g.grad_view(i).add_(p.grad)
         p.grad = None
 
     def after_backward(self):

@@ -53,8 +53,8 @@ class OffloadUpdate:
             if not g.trainable:
                 continue
             by_bucket = {}
-            for run, view in zip(g.runs, g.run_views()):
-                down, up, spare = g.offload_copies(run)
+            for k, (run, view) in enumerate(zip(g.runs, g.run_views())):
+                down, up, spare = g.offload_copies(k)
                 views, downs, ups, spares = by_bucket.setdefault(run.bucket, ([], [], [], []))
                 views.append(view)
                 downs += down

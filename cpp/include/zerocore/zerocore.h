@@ -19,6 +19,7 @@
 #include "zerocore/layout.h"
 #include "zerocore/offload_optimizer.h"
 #include "zerocore/slot_pool.h"
+#include "zerocore/store/partition_store.h"
 #include "zerocore/tensor.h"
 #include "zerocore/thread_pool.h"
 #include "zerocore/unit_schedule.h"

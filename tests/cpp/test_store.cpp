@@ -1,0 +1,236 @@
+// The partition store against a layout computed here element by element:
+// each param element's flat position and owning rank from the layout rules
+// alone (aligned starts, constant buckets split evenly over the ranks), over
+// uneven sizes, empty params, padding, world sizes 1-4 and many buckets.
+// Buffers hold a label per element, so a view that lands one element off,
+// on padding or on another rank's block reads the wrong label.
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "zerocore/error.h"
+#include "zerocore/store/partition_store.h"
+
+using namespace zerocore;
+
+namespace {
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+float label(int param, int64_t k) { return float(param * 4096 + k + 1); }  // 0: padding
+
+// Where every element lives, by brute force over the flat buffer.
+struct Reference {
+  std::vector<int64_t> offset;  // per param
+  std::vector<float> whole;     // labels
+  int64_t bucket = 0, total = 0;
+
+  Reference(const std::vector<ParamSpec>& specs, const LayoutOptions& o) {
+    int64_t end = 0;
+    for (const ParamSpec& s : specs) {
+      offset.push_back(round_up(end, o.align_elems));
+      end = offset.back() + s.numel;
+    }
+    const int64_t unit = o.world_size * o.align_elems;
+    bucket = o.bucket_elems == 0 ? round_up(end, unit) : round_up(o.bucket_elems, unit);
+    total = end == 0 ? 0 : (end - 1) / bucket * bucket + round_up(end - (end - 1) / bucket * bucket, unit);
+    whole.assign(size_t(total), 0.f);
+    for (size_t i = 0; i < specs.size(); ++i) {
+      for (int64_t k = 0; k < specs[i].numel; ++k) whole[size_t(offset[i] + k)] = label(int(i), k);
+    }
+  }
+  int64_t bucket_size(int64_t e) const { return std::min(bucket, total - e / bucket * bucket); }
+  int owner(int64_t e, int world) const { return int(e % bucket / (bucket_size(e) / world)); }
+  // The labels of rank's partition: its blocks in flat order.
+  std::vector<float> partition(int rank, int world) const {
+    std::vector<float> out;
+    for (int64_t e = 0; e < total; ++e) {
+      if (owner(e, world) == rank) out.push_back(whole[size_t(e)]);
+    }
+    return out;
+  }
+};
+
+Tensor filled(const std::vector<float>& values) {
+  Tensor t = Tensor::empty({int64_t(values.size())}, DType::kFloat32);
+  for (size_t i = 0; i < values.size(); ++i) t.data_as<float>()[i] = values[i];
+  return t;
+}
+
+std::vector<float> values(const Tensor& t) { return {t.data_as<float>(), t.data_as<float>() + t.numel()}; }
+
+template <typename F>
+bool throws(F f) {
+  try {
+    f();
+  } catch (const InvalidArgument&) {
+    return true;
+  }
+  return false;
+}
+
+void check_views(const std::vector<ParamSpec>& specs, const LayoutOptions& o) {
+  const LayoutPlan plan = LayoutPlan::make(specs, o);
+  const Reference ref(specs, o);
+  CHECK(plan.total_elems() == ref.total);
+  const Tensor whole = filled(ref.whole);
+  std::vector<std::vector<int>> seen(specs.size());  // per param element: ranks holding it
+  for (size_t i = 0; i < specs.size(); ++i) seen[i].assign(size_t(specs[i].numel), 0);
+
+  for (int r = 0; r < o.world_size; ++r) {
+    StorePlacement place;
+    place.rank = r;
+    const PartitionStore store(plan, place);
+    const std::vector<float> expected = ref.partition(r, o.world_size);
+    CHECK(int64_t(expected.size()) == plan.partition_elems());
+    const Tensor part = filled(expected);
+
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const Tensor p = store.param_view(whole, int(i));
+      CHECK(p.numel() == specs[i].numel);
+      for (int64_t k = 0; k < p.numel(); ++k) CHECK(p.data_as<float>()[k] == label(int(i), k));
+      for (const auto& [first, view] : store.param_stretches(part, int(i))) {
+        for (int64_t k = 0; k < view.numel(); ++k) {
+          CHECK(view.data_as<float>()[k] == label(int(i), first + k));
+          ++seen[i][size_t(first + k)];
+          CHECK(ref.owner(ref.offset[i] + first + k, o.world_size) == r);
+        }
+      }
+    }
+    for (int b = 0; b < int(plan.buckets().size()); ++b) {
+      CHECK(values(store.bucket_view(part, b)) == values(store.shard_view(whole, b, r)));
+      const Tensor bucket = store.bucket_view(whole, b);
+      CHECK(bucket.data_as<float>() - whole.data_as<float>() == int64_t(b) * ref.bucket);
+      CHECK(bucket.numel() == ref.bucket_size(int64_t(b) * ref.bucket));
+    }
+    // Runs: one bucket and one optimizer group each, the same elements in
+    // the whole and the partition, together every element of the rank's
+    // params in partition order.
+    std::vector<float> in_runs;
+    for (int k = 0; k < int(store.runs().size()); ++k) {
+      const PartitionRun& run = store.runs()[k];
+      const std::vector<float> v = values(store.run_view(part, k));
+      CHECK(v == values(store.run_view(whole, k)));
+      for (float x : v) {
+        if (x == 0.f) continue;
+        in_runs.push_back(x);
+        const int param = int(x - 1) / 4096;
+        CHECK(specs[size_t(param)].group == run.group);
+        CHECK((ref.offset[size_t(param)] + int64_t(x - 1) % 4096) / ref.bucket == run.bucket);
+      }
+      if (k > 0) {
+        const PartitionRun& prev = store.runs()[k - 1];
+        CHECK(prev.bucket != run.bucket || prev.group != run.group);
+      }
+    }
+    std::vector<float> labels;
+    for (float x : expected) {
+      if (x != 0.f) labels.push_back(x);
+    }
+    CHECK(in_runs == labels);
+  }
+  for (const auto& counts : seen) {
+    for (int c : counts) CHECK(c == 1);  // every element on exactly one rank
+  }
+}
+
+void sweep() {
+  std::mt19937 rng(20);
+  for (int world = 1; world <= 4; ++world) {
+    for (int64_t align : {1, 4}) {
+      for (int64_t bucket : {0, 7, 16, 64}) {
+        for (int trial = 0; trial < 6; ++trial) {
+          std::vector<ParamSpec> specs(1 + rng() % 6);
+          for (ParamSpec& s : specs) s = ParamSpec{int64_t(rng() % 40), int(rng() % 2)};
+          check_views(specs, LayoutOptions{world, align, bucket});
+        }
+      }
+    }
+  }
+}
+
+std::vector<std::string> kinds(const PartitionStore& s) {
+  std::vector<std::string> out;
+  for (const BufferSpec& b : s.buffers()) out.push_back(b.kind);
+  return out;
+}
+
+// What each stage keeps, its sizes and places, allocation and the grad swap.
+void placements() {
+  const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 1}}, LayoutOptions{2, 4, 16});
+  const int64_t whole = plan.total_elems(), part = plan.partition_elems();
+  StorePlacement p;
+  p.rank = 1;
+  p.dtype = DType::kBFloat16;
+  p.state_names = {"exp_avg", "exp_avg_sq"};
+  {  // stage 1, bf16
+    const PartitionStore s(plan, p);
+    CHECK((kinds(s) == std::vector<std::string>{"full", "master", "state.exp_avg", "state.exp_avg_sq", "grad_full"}));
+    CHECK(s.planned_bytes(Where::kDevice) == size_t(whole * 2 + part * 4 * 3 + whole * 4));
+    CHECK(s.planned_bytes(Where::kHost) == 0);
+  }
+  p.sharded = p.partitions_grads = p.params_on_host = p.optimizer_on_host = true;
+  p.reduce_dtype = DType::kBFloat16;
+  {  // stage 3, everything offloaded: host_grad is grad_part
+    PartitionStore s(plan, p);
+    CHECK((kinds(s) ==
+           std::vector<std::string>{"shard", "master", "state.exp_avg", "state.exp_avg_sq", "grad_part", "host_param"}));
+    CHECK(s.planned_bytes(Where::kDevice) == 0);
+    CHECK(s.planned_bytes(Where::kHost) == size_t(part * (2 + 12 + 2 + 2)));
+    CHECK(throws([&] { s.buffer("shard"); }));  // before allocate
+    s.allocate();
+    CHECK(s.has("host_grad") && !s.swaps_grads());
+    CHECK(s.buffer("host_grad").data() == s.buffer("grad_part").data());
+    for (const BufferSpec& b : s.buffers()) {
+      const Tensor t = s.buffer(b.kind);
+      CHECK(t.numel() == b.elems && t.dtype() == b.dtype && t.nbytes() == b.bytes());
+    }
+    CHECK(throws([&] { s.buffer("grad_full"); }));
+    CHECK(throws([&] { s.allocate(); }));
+    CHECK(throws([&] { s.swap_grads(); }));
+  }
+  p.delayed = true;
+  {  // delayed: two host grad buffers that trade places
+    PartitionStore s(plan, p);
+    s.allocate();
+    CHECK(s.swaps_grads());
+    void* const a = s.buffer("grad_part").data();
+    void* const b = s.buffer("host_grad").data();
+    CHECK(a != b);
+    s.swap_grads();
+    CHECK(s.buffer("grad_part").data() == b && s.buffer("host_grad").data() == a);
+    CHECK(s.run_view("host_grad", 0).data() == a);
+  }
+  p.trainable = false;
+  {
+    const PartitionStore s(plan, p);
+    CHECK(kinds(s) == std::vector<std::string>{"shard"} && s.runs().empty());
+  }
+}
+
+void errors() {
+  const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 0}}, LayoutOptions{2, 1, 8});
+  StorePlacement p;
+  CHECK(throws([&] { p.rank = 2; PartitionStore(plan, p); }));
+  p.rank = 0;
+  const PartitionStore s(plan, p);
+  const Tensor odd = Tensor::zeros({plan.partition_elems() + 1}, DType::kFloat32);
+  const Tensor part = Tensor::zeros({plan.partition_elems()}, DType::kFloat32);
+  CHECK(throws([&] { s.param_view(odd, 0); }));
+  CHECK(throws([&] { s.param_view(part, 0); }));  // a param is in pieces there
+  CHECK(throws([&] { s.param_stretches(part, 2); }));
+  CHECK(throws([&] { s.bucket_view(part, int(plan.buckets().size())); }));
+  CHECK(throws([&] { s.run_view(part, int(s.runs().size())); }));
+  CHECK(throws([&] { s.shard_view(part, 0, 0); }));
+}
+
+}  // namespace
+
+int main() {
+  sweep();
+  placements();
+  errors();
+  return zerocore::test::finish("test_store");
+}
