@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zerocore
 from dist_harness import run_ranks
-from models import DIM, VOCAB, Block, assert_state_close, engine_train, lm_batch, lm_loss, make, reference_train
+from models import DIM, VOCAB, Block, assert_state_close, engine_train, lm_batch, make, reference_train
 from test_divergent_units import MoEBlock, random_codes, routed
 
 STEPS = 3
