@@ -27,8 +27,9 @@ class CheckpointedBlock(Block):
 
 
 class Chain(nn.Module):
-    """Embedding, an nn.Sequential of blocks, head; `again` calls block 1 once
-    more after the Sequential, out of the run's order."""
+    """Embedding, an nn.Sequential of blocks, head; `again` (or the forward's
+    own `again`) calls block 1 once more after the Sequential, out of the
+    run's order."""
 
     def __init__(self, layers=4, block=Block, again=False):
         super().__init__()
@@ -37,9 +38,9 @@ class Chain(nn.Module):
         self.head = nn.Linear(DIM, VOCAB)
         self.again = again
 
-    def forward(self, idx):
+    def forward(self, idx, again=None):
         x = self.blocks(self.embed(idx))
-        if self.again:
+        if self.again if again is None else again:
             x = self.blocks[1](x)
         return self.head(x)
 
@@ -62,21 +63,24 @@ class ChainThenExperts(nn.Module):
         return self.head(x)
 
 
-def _train(rank, world, model_fn, config, batch, accum):
+def _train(rank, world, model_fn, config, batch, accum, forward):
     model = model_fn()
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
                            {"stage": 3, **config})
-    state = engine_train(engine, rank, world, STEPS, accum, batch=batch)
+    state = engine_train(engine, rank, world, STEPS, accum, batch=batch,
+                         forward=forward and functools.partial(forward, rank))
     return state, [len(u.modules) for u in engine.units]
 
 
-def check(model_fn, config, runs, batch=lm_batch, world=2, accum=1):
+def check(model_fn, config, runs, batch=lm_batch, world=2, accum=1, forward=None, reference_forward=None):
     """Stage 3 on `world` ranks against one process on the global batch;
-    `runs`: the modules of each unit, root first."""
-    results = run_ranks(_train, world, model_fn, config, batch, accum, timeout=90)
+    `runs`: the modules of each unit, root first. forward(rank, engine, x,
+    step) and reference_forward(model, x, step), when given, replace the
+    plain calls."""
+    results = run_ranks(_train, world, model_fn, config, batch, accum, forward, timeout=90)
     model = model_fn()
     ref = reference_train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), STEPS, accum,
-                          world, batch=batch)
+                          world, batch=batch, forward=reference_forward)
     for rank, (state, got_runs) in enumerate(results):
         assert got_runs == runs, (rank, got_runs)
         assert_state_close(state, ref, rtol=1e-5, atol=1e-6, what=f"rank {rank}")
@@ -92,6 +96,21 @@ def test_coalesced_runs_train_as_torch(config, runs):
 
 def test_a_module_of_a_run_called_again_out_of_order():
     check(functools.partial(make, Chain, again=True), {"coalesce_bytes": 2 * BLOCK_BYTES}, [1, 2, 2])
+
+
+def _again_on_rank_0(rank, engine, x, step):
+    return engine(x, again=rank == 0)
+
+
+def _again_on_first_half(model, x, step):
+    first, second = x.chunk(2)
+    return torch.cat([model(first, again=True), model(second, again=False)])
+
+
+def test_a_coalesced_unit_run_again_on_one_rank_only():
+    """Ranks run the coalesced unit a different number of times."""
+    check(functools.partial(make, Chain), {"coalesce_bytes": 2 * BLOCK_BYTES}, [1, 2, 2],
+          forward=_again_on_rank_0, reference_forward=_again_on_first_half)
 
 
 def test_recomputed_modules_of_a_run():
