@@ -89,7 +89,7 @@ def _train(rank, world, model_fn, batch, accum, stages):
                                {"stage": stage, "bucket_bytes": 512})
         out[stage] = engine_train(engine, rank, world, STEPS, accum, batch=batch)
         if stage == 3:
-            out["experts are units"] = sum(isinstance(u.module, Block) for u in engine.units)
+            out["experts are units"] = sum(isinstance(u.modules[0], Block) for u in engine.units)
     return out
 
 

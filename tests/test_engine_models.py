@@ -205,7 +205,7 @@ def _gathered_during_backward(rank, world):
     seen = []
     for b in model.blocks:
         b.register_full_backward_pre_hook(
-            lambda m, g: seen.append(sum(u.gathered for u in engine.units if u.module is not m)))
+            lambda m, g: seen.append(sum(u.gathered for u in engine.units if m not in u.modules)))
     x, y = lm_batch(0, 0, world)
     engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
     return seen, sum(u.gathered for u in engine.units), engine.scheduler.native.pool_slots

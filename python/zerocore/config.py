@@ -103,6 +103,11 @@ class Config:
         prefetch).
     persist_threshold: stage 3: params with fewer elements stay whole on
         every rank (0 partitions all).
+    coalesce_bytes: stage 3: consecutive units of one nn.Sequential are
+        gathered and reduced as one unit while together they hold at most
+        this many bytes (docs/design.md, section 6): fewer, larger
+        collectives, and a gather pool slot as large as the largest such
+        run. None (the default): bucket_bytes; 0: every unit on its own.
     offload_optimizer: "cpu" (stages 1-3, ZeRO-Offload): the fp32 master
         params, the optimizer states and the step live on the host; the
         device keeps the params training reads (docs/offload.md). None: all
@@ -128,6 +133,7 @@ class Config:
     bucket_bytes: int = 25 * 2**20
     prefetch_bytes: int = 8 * 2**20
     persist_threshold: int = 0
+    coalesce_bytes: Optional[int] = None
     offload_optimizer: Optional[str] = None
     offload_params: Optional[str] = None
     delayed_update: bool = False
@@ -149,12 +155,19 @@ class Config:
         if mgn is not None and not _positive(mgn):
             raise ValueError(f"zerocore.Config: max_grad_norm={mgn!r}; use a positive number or None")
         for name, lo in (("bucket_bytes", 1), ("prefetch_bytes", 0), ("persist_threshold", 0),
-                         ("delayed_update_warmup", 0)):
+                         ("coalesce_bytes", 0), ("delayed_update_warmup", 0)):
             v = getattr(self, name)
+            if name == "coalesce_bytes" and v is None:
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"zerocore.Config: {name}={v!r}; use an integer >= {lo}")
         object.__setattr__(self, "timeout", _timeout(self.timeout))
         self._check_offload()
+
+    @property
+    def coalesce_limit(self) -> int:
+        """Bytes a run of coalesced stage-3 units holds at most."""
+        return self.bucket_bytes if self.coalesce_bytes is None else self.coalesce_bytes
 
     def _check_offload(self):
         for name in ("offload_optimizer", "offload_params"):

@@ -1,8 +1,11 @@
 """How wrap lays a module's params out: which stage-3 unit owns each param,
-and the flat groups (flat_group.py) they go into, in reduction order. The
-engine builds its store from this plan, and zerocore.estimate (sizing.py)
-counts the bytes of the same plan without allocating any."""
+which units are coalesced into one, and the flat groups (flat_group.py)
+they go into, in reduction order. The engine builds its store from this
+plan, and zerocore.estimate (sizing.py) counts the bytes of the same plan
+without allocating any."""
 from __future__ import annotations
+
+from torch import nn
 
 from zerocore.flat_group import FlatGroup
 from zerocore.stage3 import Unit, find_units
@@ -33,6 +36,39 @@ def owning_unit(unit_modules, users) -> int:
     return 0
 
 
+def coalesce(unit_modules, unit_bytes, limit) -> list:
+    """Runs of unit indices gathered and reduced as one unit, root first.
+    On gloo a small unit's collectives cost their latency, not their bytes,
+    so units are coalesced while a run holds at most `limit` bytes
+    (unit_bytes: per unit). Only units whose calls are known at wrap join a
+    run: consecutive children of one nn.Sequential, which calls each once,
+    in order, on the last one's output, so the run's first module starts its
+    forward and its last one ends it, and its backward runs in reverse; and
+    none holds a unit or is held by one (an expert runs on the data's say).
+    Every other unit, the root included, is a run of its own."""
+    index = {id(m): i for i, m in enumerate(unit_modules)}
+    # Units holding another unit, and units another (not the root) holds.
+    nested = set()
+    for i, m in enumerate(unit_modules[1:], 1):
+        inner = {index[id(sub)] for sub in m.modules() if sub is not m and id(sub) in index}
+        nested |= inner | ({i} if inner else set())
+    place = {}  # id(module) -> (its nn.Sequential, position), where the Sequential holds it once
+    for seq in (m for m in unit_modules[0].modules() if isinstance(m, nn.Sequential)):
+        kids = list(seq._modules.values())
+        place.update({id(k): (id(seq), at) for at, k in enumerate(kids) if sum(c is k for c in kids) == 1})
+    follows = [i > 1 and i not in nested and i - 1 not in nested and id(unit_modules[i]) in place
+               and place.get(id(unit_modules[i - 1])) == (place[id(unit_modules[i])][0],
+                                                            place[id(unit_modules[i])][1] - 1)
+               for i in range(len(unit_modules))]
+    runs = [[0]]
+    for i in range(1, len(unit_modules)):
+        if follows[i] and sum(unit_bytes[j] for j in runs[-1]) + unit_bytes[i] <= limit:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
 def build_groups(module, params, names, opt_group, *, config, placement, dtype, reduce_dtype, comm, state_names,
                  units=None):
     """(flat groups in reduction order, with their tags; stage 3's units,
@@ -61,13 +97,19 @@ def build_groups(module, params, names, opt_group, *, config, placement, dtype, 
         return [make(sub, t, sharded) for t in (True, False)
                 for sub in [[p for p in ps if p.requires_grad == t]] if sub]
 
-    built, persistent = [], []
-    for index, m in enumerate(unit_modules):
-        members = [p for p in params if owner[id(p)] == index]
-        if sharded:
-            persistent += [p for p in members if p.numel() < config.persist_threshold]
-            members = [p for p in members if p.numel() >= config.persist_threshold]
-        built.append(Unit(index, m, split(members, sharded=sharded)))
+    # Params kept whole, unit by unit; the rest are gathered with their unit.
+    persistent = [p for i in range(len(unit_modules)) for p in params
+                  if owner[id(p)] == i and sharded and p.numel() < config.persist_threshold]
+    whole = {id(p) for p in persistent}
+    gathered = [p for p in params if id(p) not in whole]
+    unit_bytes = [0] * len(unit_modules)
+    for p in gathered:
+        unit_bytes[owner[id(p)]] += p.numel() * dtype.itemsize
+    runs = coalesce(unit_modules, unit_bytes, config.coalesce_limit) if sharded else [[0]]
+    built = []
+    for index, run in enumerate(runs):
+        members = [p for p in gathered if owner[id(p)] in run]
+        built.append(Unit(index, [unit_modules[i] for i in run], split(members, sharded=sharded)))
     # Reduction order, the same on every rank: units in backward order (last
     # registered first, the root, whose embeddings finish last, at the end),
     # then the params kept whole.

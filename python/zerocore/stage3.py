@@ -98,9 +98,11 @@ def find_units(module: nn.Module, units=None) -> list:
 
 
 class Unit:
-    def __init__(self, index, module, groups):
+    def __init__(self, index, modules, groups):
         self.index = index  # in the native schedule; the root is 0
-        self.module = module
+        # The modules gathered as this unit: one, or a run coalesced at wrap
+        # (grouping.coalesce), in the order their nn.Sequential calls them.
+        self.modules = modules
         self.groups = groups  # FlatGroups of sharded params
         self.schedule = None  # set by UnitScheduler
 
@@ -143,10 +145,14 @@ class UnitScheduler:
         self.flats = {}  # (address, elements) -> a torch view of a buffer (pool buffers live as long as the engine)
         self.saved_views = SavedParamViews(self)
         self.saving = False  # saved_views is on: from the root's forward pre-hook to its post-hook
+        # A coalesced unit in its forward: (unit, position of the last of its
+        # modules whose forward ended, that module's output), or None.
+        self.open_run = None
         self.handles = []
         for u in units:
-            self.handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
-            self.handles.append(u.module.register_forward_hook(self._post_forward(u)))
+            for position, m in enumerate(u.modules):
+                self.handles.append(m.register_forward_pre_hook(self._pre_forward(u, position), with_kwargs=True))
+                self.handles.append(m.register_forward_hook(self._post_forward(u, position)))
 
     # Binding ---------------------------------------------------------------
     def _flat(self, buffer) -> torch.Tensor:
@@ -183,14 +189,24 @@ class UnitScheduler:
         buffer = self.native.buffer(unit.index)
         if buffer is None:
             raise RuntimeError(f"zerocore: backward needs params of unit {unit.index} "
-                               f"({type(unit.module).__name__}), which is not gathered; was the graph of an "
+                               f"({type(unit.modules[0]).__name__}), which is not gathered; was the graph of an "
                                "earlier step kept (retain_graph) past engine.step()?")
         return self._flat(buffer)
 
     # Forward ---------------------------------------------------------------
-    def _pre_forward(self, unit):
+    # A coalesced unit is one unit to the schedule: its first module's
+    # pre-hook opens its forward and its last module's post-hook ends it, the
+    # modules between only running. Anything else that happens before the
+    # run ends (another unit's hook, a module of the run out of its order, a
+    # recomputation in backward, which runs one module) ends it there, so
+    # the schedule sees every forward call opened and ended once.
+    def _pre_forward(self, unit, position):
         @_eager
         def hook(module, args, kwargs):
+            run = self.open_run
+            if run is not None and run[0] is unit and position == run[1] + 1:
+                return None  # the next module of the open run: its params are bound
+            self._end_run()
             if unit.index == 0 and not self.in_backward:
                 self._save_param_views(True)
             flat, spec = tree_flatten((args, kwargs))
@@ -199,6 +215,8 @@ class UnitScheduler:
             buffer = self.native.pre_forward(unit.index, marks)
             self._unbind_released()
             self._bind(unit, buffer)
+            if len(unit.modules) > 1:
+                self.open_run = (unit, position - 1, None)
             if not marks:
                 return None
             # Its inputs go through _PostBackward, to find its post-backward
@@ -219,23 +237,42 @@ class UnitScheduler:
             self.saved_views.__exit__(None, None, None)
         self.saving = on
 
-    def _post_forward(self, unit):
+    def _post_forward(self, unit, position):
         @_eager
         def hook(module, args, output):
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors and not self.in_backward:  # a recomputation's backward is the one already running
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-            self.native.post_forward(unit.index, bool(tensors))
-            self._unbind_released()
-            if unit.index == 0 and not self.in_backward:  # the end of the forward, however it was called
-                self.end_forward()
+            run = self.open_run
+            if run is not None and run[0] is unit:
+                self.open_run = (unit, position, output)
+                if position < len(unit.modules) - 1 and not self.in_backward:
+                    return output  # the run goes on
+            self._end_run()
+            if len(unit.modules) == 1:
+                self._end_forward_call(unit, output)
             return output
         return hook
+
+    def _end_run(self):
+        """Ends the open coalesced unit's forward call at the output of its
+        module that ran last."""
+        if self.open_run is not None:
+            unit, _, output = self.open_run
+            self.open_run = None
+            self._end_forward_call(unit, output)
+
+    def _end_forward_call(self, unit, output):
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors and not self.in_backward:  # a recomputation's backward is the one already running
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
+        self.native.post_forward(unit.index, bool(tensors))
+        self._unbind_released()
+        if unit.index == 0 and not self.in_backward:  # the end of the forward, however it was called
+            self.end_forward()
 
     @_eager
     def end_forward(self, failed=False):
         """After the root's forward (or its failure): posts this rank's
         done-round (a failure waits for the other ranks to hear of it)."""
+        self.open_run = None  # a forward that raised inside a coalesced unit: the schedule releases it
         self._save_param_views(False)
         self.native.end_forward(failed)
         self._unbind_released()

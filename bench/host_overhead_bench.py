@@ -1,0 +1,255 @@
+"""Host-overhead benchmark: a latency-bound step, where what counts is how
+many collectives and how much host work a step costs, not bandwidth.
+
+    python bench/host_overhead_bench.py                  # all configs, 3 repeats
+    python bench/host_overhead_bench.py --configs zero3,ds3 --repeats 5
+
+Model: 8 blocks of Linear(256, 256) + GELU in an nn.Sequential (0.5M params),
+batch 16 a rank, fp32 AdamW, on 2 gloo CPU ranks with torch threads 1.
+Configurations (each in fresh processes, one per rank, interleaved over
+--repeats so a noisy neighbour hits them alike):
+
+    zero2, zero3  zerocore.wrap(model, AdamW, Config(stage=s)), defaults
+    ddp           torch DistributedDataParallel + torch.optim.AdamW
+    fsdp2         fully_shard per block and on the root + torch.optim.AdamW
+    ds2, ds3      DeepSpeed ZeRO-2 / ZeRO-3 (DS_ACCELERATOR=cpu, gloo), its
+                  defaults, torch.optim.AdamW as the client optimizer;
+                  deepspeed is imported in these configs' processes only
+
+Step time: the median over the timed steps (each from a barrier, the
+slower rank's), the lowest over repeats. For zerocore it also prints the
+collectives a step issues: data-plane collectives (gathers, reductions;
+the queue's trace), stage 3's rounds and the step's one control exchange.
+
+Targets (issue 20, "Fewer, larger collectives"): zero3 at most ds3's step
+time; zero2 at most 1.1x ddp's. Each prints PASS or MISS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from train_step_bench import RESULT_TAG, _free_port
+
+CONFIGS = ("zero2", "zero3", "ddp", "fsdp2", "ds2", "ds3")
+TARGETS = (("zero3", "ds3", 1.0), ("zero2", "ddp", 1.1))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16, help="rows a rank")
+    p.add_argument("--steps", type=int, default=30, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration run")
+    # internal: one rank of one configuration
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ one rank
+
+
+def build(name, model, rank, world):
+    """(step(x) -> loss, collectives() -> dict or None, close()) for
+    configuration `name`."""
+    import torch
+
+    def mse(out):
+        return out.square().mean()
+
+    if name.startswith("zero"):
+        import zerocore
+
+        zerocore.set_num_threads(1)
+        engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               zerocore.Config(stage=int(name[4:])))
+        schedule = getattr(engine.scheduler, "native", None)
+        counts = {}
+
+        def step(x):
+            rounds = schedule.rounds if schedule else 0
+            loss = mse(engine(x))
+            engine.backward(loss)
+            # The queue's trace restarts at the step's order check: just
+            # before it, it holds every data-plane collective since the last.
+            counts["data"] = len(engine.comm.trace)
+            engine.step()
+            engine.zero_grad()
+            counts["rounds"] = (schedule.rounds - rounds) if schedule else 0
+            return loss
+
+        # Closed before the process group goes, so no queue thread outlives it.
+        return step, lambda: dict(counts, control=1), engine.close
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp, opt = DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(x):
+            loss = mse(ddp(x))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return step, lambda: None, lambda: None
+    if name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(x):
+            loss = mse(model(x))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return step, lambda: None, lambda: None
+    if name in ("ds2", "ds3"):
+        import deepspeed  # a bench dependency, of these configurations alone
+
+        ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                     "zero_optimization": {"stage": int(name[2:])}, "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                          config=ds_config)
+
+        def step(x):
+            loss = mse(engine(x))
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return step, lambda: None, lambda: None
+    raise SystemExit(f"unknown config {name!r}; use one of {', '.join(CONFIGS)}")
+
+
+def worker(args) -> None:
+    from datetime import timedelta
+
+    name, rank, world = args.worker, args.rank, 2
+    if name.startswith("ds"):
+        os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    if name.startswith("ds"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.timeout))
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=args.timeout))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(args.width, args.width), nn.GELU())
+                            for _ in range(args.blocks)])
+    step, collectives, close = build(name, model, rank, world)
+    gen = torch.Generator().manual_seed(1 + rank)
+    times = []
+    for i in range(args.warmup + args.steps):
+        x = torch.randn(args.batch, args.width, generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(x)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    result = {"median_s": statistics.median(times), "collectives": collectives()}
+    close()
+    dist.barrier()
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    if name.startswith("ds"):
+        os._exit(0)  # DeepSpeed 0.19's threads abort the interpreter's teardown (terminate, no active exception)
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ driver
+
+
+def run_config(args, name) -> dict:
+    """One run of `name` on 2 fresh processes: the slower rank's median step
+    and rank 0's collective counts."""
+    port = _free_port()
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--port", str(port),
+           "--blocks", str(args.blocks), "--width", str(args.width), "--batch", str(args.batch),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--timeout", str(args.timeout)]
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=args.timeout + 60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    ranks = []
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
+        if p.returncode != 0 or not lines:
+            raise RuntimeError(f"{name}: rank {r} exited with {p.returncode}\n" +
+                               "\n".join((err or out).strip().splitlines()[-20:]))
+        ranks.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    return {"median_s": max(r["median_s"] for r in ranks), "collectives": ranks[0]["collectives"]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad:
+        print(f"error: unknown config(s) {bad}; use {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    print(f"host_overhead_bench: 2 CPU ranks (gloo), torch threads 1, {args.blocks} x (Linear({args.width}, "
+          f"{args.width}) + GELU), batch {args.batch} a rank, fp32 AdamW, {args.steps} timed steps after "
+          f"{args.warmup}, {os.cpu_count()} cores", flush=True)
+    runs = {}
+    for rep in range(args.repeats):
+        for name in names:
+            res = run_config(args, name)
+            runs.setdefault(name, []).append(res)
+            c = res["collectives"]
+            counts = f"   collectives a step: {c['data']} data, {c['rounds']} rounds, {c['control']} control" \
+                if c else ""
+            print(f"  [{rep + 1}/{args.repeats}] {name:<6} median step {res['median_s'] * 1e3:7.1f} ms{counts}",
+                  flush=True)
+    best = {n: min(r["median_s"] for r in rs) for n, rs in runs.items()}
+    print("\nstep time, ms (lowest median over repeats)")
+    for name in names:
+        print(f"  {name:<6} {best[name] * 1e3:7.1f}")
+    print("\nratios")
+    missed = False
+    for a, b, limit in TARGETS:
+        if a in best and b in best:
+            ratio = best[a] / best[b]
+            missed |= ratio > limit
+            print(f"  {a} / {b} step time {ratio:6.3f}  (target <= {limit:g})  {'PASS' if ratio <= limit else 'MISS'}")
+    for a, b in (("zero3", "fsdp2"), ("zero2", "ds2")):
+        if a in best and b in best:
+            print(f"  {a} / {b} step time {best[a] / best[b]:6.3f}  (info)")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
