@@ -52,6 +52,7 @@ dense model.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -130,6 +131,22 @@ def _heap_mb() -> tuple:
     return round(info.uordblks / 2**20), round(info.fordblks / 2**20)
 
 
+def mark_phase(phases: dict, phase: str) -> None:
+    """phases[phase] = this process's RSS, peak RSS so far and glibc heap
+    (in use, free but kept), MB."""
+    import resource
+
+    phases[phase] = (round(_rss_kb() / 1024, 1),
+                     round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), *_heap_mb())
+
+
+def print_phases(phases: dict) -> None:
+    print("         rank 0, MB: RSS / peak RSS / glibc heap in use + free but kept", flush=True)
+    for k, v in phases.items():
+        heap = f" / {v[2]:4d} + {v[3]:3d}" if len(v) > 2 else ""
+        print(f"           {k:<10} {v[0]:6.0f} / {v[1]:4.0f}{heap}", flush=True)
+
+
 def worker(args) -> None:
     import resource
     from datetime import timedelta
@@ -150,11 +167,8 @@ def worker(args) -> None:
     # phase, MB: where the memory goes. Within the first steps, after each of
     # forward, backward and optimizer step too.
     phases = {}
+    mark = functools.partial(mark_phase, phases)
     probe_step = [None]  # the step being probed, or None
-
-    def mark(phase):
-        phases[phase] = (round(_rss_kb() / 1024, 1),
-                         round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), *_heap_mb())
 
     def probe(phase):
         if probe_step[0] is not None:
@@ -278,14 +292,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(label: str, command: list, ranks: int, timeout: float, env: dict = None) -> list:
+    """Runs `command --rank r` for each rank r in fresh processes (gloo over
+    loopback); returns each rank's result (the dict its RESULT_TAG line
+    holds), or raises RuntimeError naming the rank that failed or the
+    timeout. env: variables to add to this process's environment."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **(env or {}))
+    procs = [subprocess.Popen(command + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+    deadline = time.monotonic() + timeout + 60
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append((p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"{label}: timed out after {timeout + 60:.0f}s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for r, (rc, out, err) in enumerate(outs):
+        lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
+        if rc != 0 or not lines:
+            tail = "\n".join((err or out).strip().splitlines()[-25:])
+            raise RuntimeError(f"{label}: rank {r} exited with {rc}\n{tail}")
+        results.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    return results
+
+
 def run_config(args, label: str) -> dict:
     """Run one configuration in fresh processes; return the per-config summary or raise.
     "<config>@base" runs <config> under --baseline-python."""
-    port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     name, _, at = label.partition("@")
     python = args.baseline_python if at else sys.executable
-    base = [python, os.path.abspath(__file__), "--worker", name, "--port", str(port)]
+    base = [python, os.path.abspath(__file__), "--worker", name, "--port", str(_free_port())]
     passthrough = ["--ranks", str(args.ranks), "--dtype", args.dtype, "--steps", str(args.steps),
                    "--model", args.model, "--experts", str(args.experts), "--top-k", str(args.top_k),
                    "--warmup", str(args.warmup), "--layers", str(args.layers), "--d-model", str(args.d_model),
@@ -297,29 +341,7 @@ def run_config(args, label: str) -> dict:
         passthrough += ["--threads", str(args.threads)]
     if args.phases:  # probing within steps costs time: only when asked
         passthrough += ["--phases"]
-    procs = [subprocess.Popen(base + ["--rank", str(r)] + passthrough, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
-    deadline = time.monotonic() + args.timeout + 60
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append((p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"{label}: timed out after {args.timeout + 60:.0f}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    ranks = []
-    for r, (rc, out, err) in enumerate(outs):
-        lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
-        if rc != 0 or not lines:
-            tail = "\n".join((err or out).strip().splitlines()[-25:])
-            raise RuntimeError(f"{label}: rank {r} exited with {rc}\n{tail}")
-        ranks.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    ranks = run_ranks(label, base + passthrough, args.ranks, args.timeout)
     return {
         "config": label,
         "median_s": max(r["median_s"] for r in ranks),
@@ -370,11 +392,7 @@ def main(argv=None) -> int:
                   f"loss {res['final_loss']:.4f}" + (f"   rounds {res['rounds_per_step']:.0f}/step, "
                   f"{100 * res['round_share']:.2f}% of it" if res["rounds_per_step"] else ""), flush=True)
             if args.phases:
-                ph = res["ranks"][0]["phases"]
-                print("         rank 0, MB: RSS / peak RSS / glibc heap in use + free but kept", flush=True)
-                for k, v in ph.items():
-                    heap = f" / {v[2]:4d} + {v[3]:3d}" if len(v) > 2 else ""
-                    print(f"           {k:<10} {v[0]:6.0f} / {v[1]:4.0f}{heap}", flush=True)
+                print_phases(res["ranks"][0]["phases"])
     # Time: the best (lowest) median over repeats, since interference only adds.
     # Memory: the median over repeats (allocator noise goes both ways).
     best = {}
