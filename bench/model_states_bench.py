@@ -26,15 +26,17 @@ its system and joins the process group, then takes its RSS as the baseline;
 largest over ranks, and is printed as a multiple of the model states the
 ZeRO formula gives a rank, 16 Psi / N bytes (fp32 params, grads and Adam's
 two moments, all sharded: zerocore.accounting.predicted_memory). Target (the
-runtime issue's): zero3 at most 1.15x. --phases prints rank 0's RSS, peak RSS
-and glibc heap after the model is built, after wrap and after the forward,
-backward and optimizer step of the first steps; zero3 also prints its
-memory_report().
+runtime issue's): zero3 at most 1.15x. The step time printed beside it
+(the median over the steps after the first, slowest rank) is information.
+--phases prints rank 0's RSS, peak RSS and glibc heap after the model is
+built, after wrap and after the forward, backward and optimizer step of
+each step; zero3 also prints its memory_report().
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import os
 import sys
 import time
@@ -189,30 +191,31 @@ def _deepspeed(args, mark):
 SYSTEMS = {"zero3": _zero3, "fsdp2": _fsdp2, "ddp": _ddp, "deepspeed": _deepspeed}
 
 
+# What each system imports before the baseline is taken.
+IMPORTS = {"zero3": "zerocore", "fsdp2": "torch.distributed.fsdp", "ddp": "torch.nn.parallel",
+           "deepspeed": "deepspeed"}
+
+
 def _join(args):
     """Imports the system and joins the process group (the baseline is taken after)."""
     import torch.distributed as dist
 
+    system = importlib.import_module(IMPORTS[args.worker])
     if args.worker == "deepspeed":  # DS_ACCELERATOR=cpu, set by the driver
         # DeepSpeed reads the launcher's variables (without them it looks for MPI).
         os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE=str(args.ranks),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        system.init_distributed(dist_backend="gloo", verbose=False)
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.ranks)
-        if args.worker == "zero3":
-            import zerocore  # noqa: F401
-        elif args.worker == "fsdp2":
-            import torch.distributed.fsdp  # noqa: F401
     return dist
 
 
 def worker(args) -> None:
     import json
     import resource
+    import statistics
 
     import torch
 
@@ -240,7 +243,7 @@ def worker(args) -> None:
         times.append(time.perf_counter() - t0)
     result = {"config": args.worker, "rank": args.rank, "base_kb": base_kb,
               "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "phases": phases,
-              "loss": float(loss.detach()), "step_s": times[-1],
+              "loss": float(loss.detach()), "step_s": statistics.median(times[1:] or times),
               "memory_report": memory_report() if memory_report else None}
     dist.barrier()
     if close:
@@ -307,7 +310,7 @@ def main(argv=None) -> int:
                 continue
             growth.setdefault(name, []).append(res["growth"])
             print(f"  [{rep + 1}/{args.repeats}] {name:<9} peak RSS growth {res['growth'] / 2**20:7.1f} MiB = "
-                  f"{res['growth'] / states:5.2f} x 16 Psi / N   (last step {res['step_s'] * 1e3:.0f} ms, info)",
+                  f"{res['growth'] / states:5.2f} x 16 Psi / N   (step {res['step_s'] * 1e3:.0f} ms, info)",
                   flush=True)
             if args.phases:
                 print_phases(res["ranks"][0]["phases"])
