@@ -41,7 +41,7 @@ import os
 import sys
 import time
 
-from train_step_bench import RESULT_TAG, _free_port, _rss_kb, mark_phase, print_phases, run_ranks
+from train_step_bench import RESULT_TAG, _free_port, _rss_kb, mark_phase, print_phases, run_interleaved, run_ranks
 
 CONFIGS = ("zero3", "fsdp2", "ddp", "deepspeed")
 TARGET = 1.15  # zero3's growth / 16 Psi / N
@@ -111,17 +111,11 @@ def _zero3(args, mark):
         cfg["prefetch_bytes"] = args.prefetch_bytes
     engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(**cfg))
 
-    def step(x, y, probe):
-        loss = engine(x, y)
-        probe("fwd")
-        engine.backward(loss)
-        probe("bwd")
+    def update():
         engine.step()
-        probe("opt")
         engine.zero_grad()
-        return loss
 
-    return step, engine.memory_report, engine.close  # its threads end before the process groups go
+    return _step(engine, engine.backward, update), engine.memory_report, engine.close  # its threads end before the process groups go
 
 
 def _fsdp2(args, mark):
@@ -153,14 +147,23 @@ def _ddp(args, mark):
 
 
 def _torch_step(model, opt):
-    def step(x, y, probe):
-        loss = model(x, y)
-        probe("fwd")
-        loss.backward()
-        probe("bwd")
+    def update():
         opt.step()
-        probe("opt")
         opt.zero_grad(set_to_none=True)
+
+    return _step(model, lambda loss: loss.backward(), update)
+
+
+def _step(forward, backward, update):
+    """A training step, step(x, y, probe), calling probe(phase) after each phase."""
+
+    def step(x, y, probe):
+        loss = forward(x, y)
+        probe("fwd")
+        backward(loss)
+        probe("bwd")
+        update()
+        probe("opt")
         return loss
 
     return step
@@ -176,16 +179,7 @@ def _deepspeed(args, mark):
     mark("model")
     engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters()), config=config)
 
-    def step(x, y, probe):
-        loss = engine(x, y)
-        probe("fwd")
-        engine.backward(loss)
-        probe("bwd")
-        engine.step()
-        probe("opt")
-        return loss
-
-    return step, None, None
+    return _step(engine, engine.backward, engine.step), None, None
 
 
 SYSTEMS = {"zero3": _zero3, "fsdp2": _fsdp2, "ddp": _ddp, "deepspeed": _deepspeed}
@@ -297,31 +291,21 @@ def main(argv=None) -> int:
     print(f"model_states_bench: {args.ranks} CPU ranks (gloo), 1 thread each, {args.layers} x Linear({args.width}, "
           f"{args.width}) + GELU = {psi:,} params, batch {args.batch} a rank, fp32 AdamW, {args.steps} steps; "
           f"16 Psi / N = {states / 2**20:.1f} MiB", flush=True)
-    growth, failed = {}, {}
-    for rep in range(args.repeats):
-        for name in names:
-            if name in failed:
-                continue
-            try:
-                res = run_config(args, name)
-            except RuntimeError as e:
-                failed[name] = str(e)
-                print(f"  {name:<9} FAILED: {e}", flush=True)
-                continue
-            growth.setdefault(name, []).append(res["growth"])
-            print(f"  [{rep + 1}/{args.repeats}] {name:<9} peak RSS growth {res['growth'] / 2**20:7.1f} MiB = "
-                  f"{res['growth'] / states:5.2f} x 16 Psi / N   (step {res['step_s'] * 1e3:.0f} ms, info)",
-                  flush=True)
-            if args.phases:
-                print_phases(res["ranks"][0]["phases"])
-                report = res["ranks"][0]["memory_report"]
-                if report:
-                    print("         rank 0 memory_report, MiB: " + ", ".join(
-                        f"{k} {v / 2**20:.1f}" for k, v in report.items() if k != "by_device"), flush=True)
+    def show(rep, name, res):
+        print(f"  [{rep + 1}/{args.repeats}] {name:<9} peak RSS growth {res['growth'] / 2**20:7.1f} MiB = "
+              f"{res['growth'] / states:5.2f} x 16 Psi / N   (step {res['step_s'] * 1e3:.0f} ms, info)", flush=True)
+        if args.phases:
+            print_phases(res["ranks"][0]["phases"])
+            report = res["ranks"][0]["memory_report"]
+            if report:
+                print("         rank 0 memory_report, MiB: " + ", ".join(
+                    f"{k} {v / 2**20:.1f}" for k, v in report.items() if k != "by_device"), flush=True)
+
+    runs, failed = run_interleaved(names, args.repeats, lambda name: run_config(args, name), show)
     print("\nresults (peak RSS growth over the post-start-up baseline, max over ranks, median over runs)")
     for name in names:
-        if name in growth:
-            g = statistics.median(growth[name])
+        if name in runs:
+            g = statistics.median(r["growth"] for r in runs[name])
             verdict = f"  (target <= {TARGET}: {'PASS' if g / states <= TARGET else 'MISS'})" if name == "zero3" else ""
             print(f"  {name:<9} {g / 2**20:8.1f} MiB  {g / states:5.2f} x 16 Psi / N{verdict}")
     if failed:

@@ -324,6 +324,27 @@ def run_ranks(label: str, command: list, ranks: int, timeout: float, env: dict =
     return results
 
 
+def run_interleaved(names, repeats: int, run, show) -> tuple:
+    """run(name) for each config, `repeats` rounds, configs interleaved (a
+    noisy neighbour hits them alike); show(rep, name, result) after each.
+    A config that fails (RuntimeError) is reported and not run again.
+    Returns ({name: [results]}, {name: error})."""
+    runs, failed = {}, {}
+    for rep in range(repeats):
+        for name in names:
+            if name in failed:
+                continue
+            try:
+                res = run(name)
+            except RuntimeError as e:
+                failed[name] = str(e)
+                print(f"  {name:<9} FAILED: {e}", flush=True)
+                continue
+            runs.setdefault(name, []).append(res)
+            show(rep, name, res)
+    return runs, failed
+
+
 def run_config(args, label: str) -> dict:
     """Run one configuration in fresh processes; return the per-config summary or raise.
     "<config>@base" runs <config> under --baseline-python."""
@@ -375,24 +396,15 @@ def main(argv=None) -> int:
           f"heads {args.heads} seq {args.seq_len} global batch {args.batch}, {args.steps} timed steps "
           f"after {args.warmup} warm-up, torch {torch.__version__} AdamW {args.torch_optim}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", flush=True)
-    runs, failed = {}, {}
-    for rep in range(args.repeats):
-        for name in names:
-            if name in failed:
-                continue
-            try:
-                res = run_config(args, name)
-            except RuntimeError as e:
-                failed[name] = str(e)
-                print(f"  {name:<6} FAILED: {e}", flush=True)
-                continue
-            runs.setdefault(name, []).append(res)
-            print(f"  [{rep + 1}/{args.repeats}] {name:<10} median step {res['median_s'] * 1e3:8.1f} ms   "
-                  f"peak RSS {res['peak_mb']:7.1f} MB   train {res['train_mb']:6.1f} MB   "
-                  f"loss {res['final_loss']:.4f}" + (f"   rounds {res['rounds_per_step']:.0f}/step, "
-                  f"{100 * res['round_share']:.2f}% of it" if res["rounds_per_step"] else ""), flush=True)
-            if args.phases:
-                print_phases(res["ranks"][0]["phases"])
+    def show(rep, name, res):
+        print(f"  [{rep + 1}/{args.repeats}] {name:<10} median step {res['median_s'] * 1e3:8.1f} ms   "
+              f"peak RSS {res['peak_mb']:7.1f} MB   train {res['train_mb']:6.1f} MB   "
+              f"loss {res['final_loss']:.4f}" + (f"   rounds {res['rounds_per_step']:.0f}/step, "
+              f"{100 * res['round_share']:.2f}% of it" if res["rounds_per_step"] else ""), flush=True)
+        if args.phases:
+            print_phases(res["ranks"][0]["phases"])
+
+    runs, failed = run_interleaved(names, args.repeats, lambda name: run_config(args, name), show)
     # Time: the best (lowest) median over repeats, since interference only adds.
     # Memory: the median over repeats (allocator noise goes both ways).
     best = {}
