@@ -3,7 +3,8 @@ the gather pool and reduce staging are allocated at wrap, so training steps
 allocate no native buffer (the runtime counts every host arena it makes)
 and add no resident memory once warm, whether glibc keeps freed blocks
 resident (its default dynamic mmap threshold) or returns them to the OS
-(MALLOC_MMAP_THRESHOLD_ pinned).
+(MALLOC_MMAP_THRESHOLD_ pinned); and wrapping a model built on the meta
+device leaves no freed heap behind.
 
 The resident-memory measurements run in a fresh process each (this file as
 a script): one rank over gloo, a model whose units are several MB each, so
