@@ -41,7 +41,8 @@ import os
 import sys
 import time
 
-from train_step_bench import RESULT_TAG, _free_port, _rss_kb, mark_phase, print_phases, run_interleaved, run_ranks
+from train_step_bench import (RESULT_TAG, _free_port, _rss_kb, config_names, mark_phase, print_phases,
+                              run_interleaved, run_ranks)
 
 CONFIGS = ("zero3", "fsdp2", "ddp", "deepspeed")
 TARGET = 1.15  # zero3's growth / 16 Psi / N
@@ -282,15 +283,12 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in names if c not in CONFIGS]
-    if bad:
-        print(f"error: unknown config(s) {bad}; use {', '.join(CONFIGS)}", file=sys.stderr)
-        return 2
+    names = config_names(args.configs, CONFIGS)
     psi, states = model_states_bytes(args)
     print(f"model_states_bench: {args.ranks} CPU ranks (gloo), 1 thread each, {args.layers} x Linear({args.width}, "
           f"{args.width}) + GELU = {psi:,} params, batch {args.batch} a rank, fp32 AdamW, {args.steps} steps; "
           f"16 Psi / N = {states / 2**20:.1f} MiB", flush=True)
+
     def show(rep, name, res):
         print(f"  [{rep + 1}/{args.repeats}] {name:<9} peak RSS growth {res['growth'] / 2**20:7.1f} MiB = "
               f"{res['growth'] / states:5.2f} x 16 Psi / N   (step {res['step_s'] * 1e3:.0f} ms, info)", flush=True)

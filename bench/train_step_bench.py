@@ -324,6 +324,16 @@ def run_ranks(label: str, command: list, ranks: int, timeout: float, env: dict =
     return results
 
 
+def config_names(text: str, known) -> list:
+    """The names in a comma-separated --configs; exits with status 2 naming any unknown one."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in known]
+    if bad:
+        print(f"error: unknown config(s) {bad}; use {', '.join(known)}", file=sys.stderr)
+        raise SystemExit(2)
+    return names
+
+
 def run_interleaved(names, repeats: int, run, show) -> tuple:
     """run(name) for each config, `repeats` rounds, configs interleaved (a
     noisy neighbour hits them alike); show(rep, name, result) after each.
@@ -381,11 +391,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in names if c not in CONFIGS]
-    if bad:
-        print(f"error: unknown config(s) {bad}; use {', '.join(CONFIGS)}", file=sys.stderr)
-        return 2
+    names = config_names(args.configs, CONFIGS)
     if args.baseline_python:
         names += [f"{n}@base" for n in names if n.startswith("zero")]
 
