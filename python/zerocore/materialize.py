@@ -92,8 +92,8 @@ def _no_memory(shape, dtype) -> torch.Tensor:
 
 
 def _scratch(shape, dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor that one module's params are initialised
-    on during the replay. A large one (at least glibc's initial mmap
+    """A CPU tensor that one module's params are initialised on during the
+    replay (its values are all overwritten or dropped). A large one (at least glibc's initial mmap
     threshold, 128 KiB) lives in a native arena of its own, whose pages go
     back to the OS when it is dropped: from glibc's malloc it would be
     mapped too, but freeing it raises the mmap threshold to its size, and
