@@ -52,6 +52,7 @@ dense model.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -130,6 +131,22 @@ def _heap_mb() -> tuple:
     return round(info.uordblks / 2**20), round(info.fordblks / 2**20)
 
 
+def mark_phase(phases: dict, phase: str) -> None:
+    """phases[phase] = this process's RSS, peak RSS so far and glibc heap
+    (in use, free but kept), MB."""
+    import resource
+
+    phases[phase] = (round(_rss_kb() / 1024, 1),
+                     round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), *_heap_mb())
+
+
+def print_phases(phases: dict) -> None:
+    print("         rank 0, MB: RSS / peak RSS / glibc heap in use + free but kept", flush=True)
+    for k, v in phases.items():
+        heap = f" / {v[2]:4d} + {v[3]:3d}" if len(v) > 2 else ""
+        print(f"           {k:<10} {v[0]:6.0f} / {v[1]:4.0f}{heap}", flush=True)
+
+
 def worker(args) -> None:
     import resource
     from datetime import timedelta
@@ -150,11 +167,8 @@ def worker(args) -> None:
     # phase, MB: where the memory goes. Within the first steps, after each of
     # forward, backward and optimizer step too.
     phases = {}
+    mark = functools.partial(mark_phase, phases)
     probe_step = [None]  # the step being probed, or None
-
-    def mark(phase):
-        phases[phase] = (round(_rss_kb() / 1024, 1),
-                         round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), *_heap_mb())
 
     def probe(phase):
         if probe_step[0] is not None:
@@ -278,14 +292,75 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(label: str, command: list, ranks: int, timeout: float, env: dict = None) -> list:
+    """Runs `command --rank r` for each rank r in fresh processes (gloo over
+    loopback); returns each rank's result (the dict its RESULT_TAG line
+    holds), or raises RuntimeError naming the rank that failed or the
+    timeout. env: variables to add to this process's environment."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **(env or {}))
+    procs = [subprocess.Popen(command + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+    deadline = time.monotonic() + timeout + 60
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append((p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"{label}: timed out after {timeout + 60:.0f}s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for r, (rc, out, err) in enumerate(outs):
+        lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
+        if rc != 0 or not lines:
+            tail = "\n".join((err or out).strip().splitlines()[-25:])
+            raise RuntimeError(f"{label}: rank {r} exited with {rc}\n{tail}")
+        results.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    return results
+
+
+def config_names(text: str, known) -> list:
+    """The names in a comma-separated --configs; exits with status 2 naming any unknown one."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in known]
+    if bad:
+        print(f"error: unknown config(s) {bad}; use {', '.join(known)}", file=sys.stderr)
+        raise SystemExit(2)
+    return names
+
+
+def run_interleaved(names, repeats: int, run, show) -> tuple:
+    """run(name) for each config, `repeats` rounds, configs interleaved (a
+    noisy neighbour hits them alike); show(rep, name, result) after each.
+    A config that fails (RuntimeError) is reported and not run again.
+    Returns ({name: [results]}, {name: error})."""
+    runs, failed = {}, {}
+    for rep in range(repeats):
+        for name in names:
+            if name in failed:
+                continue
+            try:
+                res = run(name)
+            except RuntimeError as e:
+                failed[name] = str(e)
+                print(f"  {name:<9} FAILED: {e}", flush=True)
+                continue
+            runs.setdefault(name, []).append(res)
+            show(rep, name, res)
+    return runs, failed
+
+
 def run_config(args, label: str) -> dict:
     """Run one configuration in fresh processes; return the per-config summary or raise.
     "<config>@base" runs <config> under --baseline-python."""
-    port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     name, _, at = label.partition("@")
     python = args.baseline_python if at else sys.executable
-    base = [python, os.path.abspath(__file__), "--worker", name, "--port", str(port)]
+    base = [python, os.path.abspath(__file__), "--worker", name, "--port", str(_free_port())]
     passthrough = ["--ranks", str(args.ranks), "--dtype", args.dtype, "--steps", str(args.steps),
                    "--model", args.model, "--experts", str(args.experts), "--top-k", str(args.top_k),
                    "--warmup", str(args.warmup), "--layers", str(args.layers), "--d-model", str(args.d_model),
@@ -297,29 +372,7 @@ def run_config(args, label: str) -> dict:
         passthrough += ["--threads", str(args.threads)]
     if args.phases:  # probing within steps costs time: only when asked
         passthrough += ["--phases"]
-    procs = [subprocess.Popen(base + ["--rank", str(r)] + passthrough, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
-    deadline = time.monotonic() + args.timeout + 60
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append((p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"{label}: timed out after {args.timeout + 60:.0f}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    ranks = []
-    for r, (rc, out, err) in enumerate(outs):
-        lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
-        if rc != 0 or not lines:
-            tail = "\n".join((err or out).strip().splitlines()[-25:])
-            raise RuntimeError(f"{label}: rank {r} exited with {rc}\n{tail}")
-        ranks.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    ranks = run_ranks(label, base + passthrough, args.ranks, args.timeout)
     return {
         "config": label,
         "median_s": max(r["median_s"] for r in ranks),
@@ -338,11 +391,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in names if c not in CONFIGS]
-    if bad:
-        print(f"error: unknown config(s) {bad}; use {', '.join(CONFIGS)}", file=sys.stderr)
-        return 2
+    names = config_names(args.configs, CONFIGS)
     if args.baseline_python:
         names += [f"{n}@base" for n in names if n.startswith("zero")]
 
@@ -353,28 +402,15 @@ def main(argv=None) -> int:
           f"heads {args.heads} seq {args.seq_len} global batch {args.batch}, {args.steps} timed steps "
           f"after {args.warmup} warm-up, torch {torch.__version__} AdamW {args.torch_optim}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", flush=True)
-    runs, failed = {}, {}
-    for rep in range(args.repeats):
-        for name in names:
-            if name in failed:
-                continue
-            try:
-                res = run_config(args, name)
-            except RuntimeError as e:
-                failed[name] = str(e)
-                print(f"  {name:<6} FAILED: {e}", flush=True)
-                continue
-            runs.setdefault(name, []).append(res)
-            print(f"  [{rep + 1}/{args.repeats}] {name:<10} median step {res['median_s'] * 1e3:8.1f} ms   "
-                  f"peak RSS {res['peak_mb']:7.1f} MB   train {res['train_mb']:6.1f} MB   "
-                  f"loss {res['final_loss']:.4f}" + (f"   rounds {res['rounds_per_step']:.0f}/step, "
-                  f"{100 * res['round_share']:.2f}% of it" if res["rounds_per_step"] else ""), flush=True)
-            if args.phases:
-                ph = res["ranks"][0]["phases"]
-                print("         rank 0, MB: RSS / peak RSS / glibc heap in use + free but kept", flush=True)
-                for k, v in ph.items():
-                    heap = f" / {v[2]:4d} + {v[3]:3d}" if len(v) > 2 else ""
-                    print(f"           {k:<10} {v[0]:6.0f} / {v[1]:4.0f}{heap}", flush=True)
+    def show(rep, name, res):
+        print(f"  [{rep + 1}/{args.repeats}] {name:<10} median step {res['median_s'] * 1e3:8.1f} ms   "
+              f"peak RSS {res['peak_mb']:7.1f} MB   train {res['train_mb']:6.1f} MB   "
+              f"loss {res['final_loss']:.4f}" + (f"   rounds {res['rounds_per_step']:.0f}/step, "
+              f"{100 * res['round_share']:.2f}% of it" if res["rounds_per_step"] else ""), flush=True)
+        if args.phases:
+            print_phases(res["ranks"][0]["phases"])
+
+    runs, failed = run_interleaved(names, args.repeats, lambda name: run_config(args, name), show)
     # Time: the best (lowest) median over repeats, since interference only adds.
     # Memory: the median over repeats (allocator noise goes both ways).
     best = {}

@@ -119,9 +119,17 @@ void bind_schedule(nb::module_& m) {
             self.grad_ready(group, param, t);
           },
           "group"_a, "param"_a, "grad"_a)
-      .def("grad_view", [](BucketReducer& self, int group, int param) { return maybe(self.grad_view(group, param)); },
-           "group"_a, "param"_a,
-           "The staging piece the param's grad may accumulate in, or None.")
+      .def(
+          "grad_view",
+          [](BucketReducer& self, int group, int param) {
+            Tensor view;
+            {
+              nb::gil_scoped_release release;  // taking staging may wait for a reduction in flight
+              view = self.grad_view(group, param);
+            }
+            return maybe(view);
+          },
+          "group"_a, "param"_a, "The staging piece the param's grad may accumulate in, or None.")
       .def("reduce_groups", unlocked(&BucketReducer::reduce_groups), "groups"_a)
       .def("skip_groups", &BucketReducer::skip_groups, "groups"_a)
       .def("end_backward", unlocked(&BucketReducer::end_backward))

@@ -281,12 +281,15 @@ class Engine:
         in place in its buckets' staging: the root's buckets (open all
         backward) and two of the largest other unit's, since a unit is
         reduced only once the ranks agree it is done, in the round the next
-        unit's backward posts (settled one unit later)."""
+        unit's backward posts (settled one unit later); none for the
+        reduction in flight: the unit whose first grad finds both taken
+        completes it (BucketReducer) and takes its buffer, and until then the
+        reduce-scatter runs behind the backward of the unit that followed it."""
         if not self.units:
             spans = [s.last_bucket - s.first_bucket + 1 for g in self.groups if g.trainable for s in g.slots]
             return 2 + max(spans, default=1)
         buckets = [sum(len(g.buckets) for g in u.groups if g.trainable) for u in self.units]
-        return 1 + buckets[0] + 2 * max(buckets[1:], default=0)
+        return buckets[0] + 2 * max(buckets[1:], default=0)
 
     def _unit_grads_final(self, unit: int, reduce: bool):
         """Stage 3: every rank is done with the unit's backward (the schedule's

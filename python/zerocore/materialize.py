@@ -24,7 +24,9 @@ which a model built from standard layers runs their reset_parameters while
 it is constructed. A module initialises its own (direct) params on
 temporary full-size CPU tensors of their original dtype, whose values go to
 the groups before the next module runs: beyond the engine's own memory, the
-replay holds one module's params at a time. A module's params that held
+replay holds one module's params at a time, the large ones in native arenas
+that go back to the OS as each module is done (_scratch), so that wrap leaves
+no freed heap behind. A module's params that held
 values keep them (a throwaway tensor takes the module's initialisation).
 
 Tied params (one Parameter registered by several modules). Eager
@@ -39,6 +41,7 @@ so the last module's values stay.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -47,7 +50,10 @@ import torch
 from torch import nn
 
 from zerocore import param_guards
+from zerocore.flat_group import NATIVE_NAMES, arena_zeros
 from zerocore.safetensors_file import Reader
+
+_MALLOC_MMAP_THRESHOLD = 128 << 10  # glibc's initial M_MMAP_THRESHOLD
 
 
 def init():
@@ -83,6 +89,20 @@ def _no_memory(shape, dtype) -> torch.Tensor:
     t = torch.empty((), dtype=dtype).expand(shape)
     t.untyped_storage().resize_(0)
     return t
+
+
+def _scratch(shape, dtype) -> torch.Tensor:
+    """A CPU tensor that one module's params are initialised on during the
+    replay (its values are all overwritten or dropped). A large one (at least glibc's initial mmap
+    threshold, 128 KiB) lives in a native arena of its own, whose pages go
+    back to the OS when it is dropped: from glibc's malloc it would be
+    mapped too, but freeing it raises the mmap threshold to its size, and
+    the next module's block of that size then comes from a heap that glibc
+    keeps resident after wrap (32 MiB more peak RSS for 16 MiB params,
+    bench/RESULTS.md). Small ones come from the heap either way."""
+    if dtype in NATIVE_NAMES and math.prod(shape) * dtype.itemsize >= _MALLOC_MMAP_THRESHOLD:
+        return arena_zeros(math.prod(shape), dtype).view(shape)
+    return torch.empty(shape, dtype=dtype)
 
 
 def _post_order(module):
@@ -314,7 +334,7 @@ class Initializer:
             with param_guards.unguarded([p for _, p in direct]):
                 bound = [p.data for _, p in direct]
                 for _, p in direct:
-                    p.data = torch.empty(p.shape, dtype=self.meta.get(id(p), p.dtype))
+                    p.data = _scratch(p.shape, self.meta.get(id(p), p.dtype))
                 with torch.no_grad():
                     if self.fn:
                         self.fn(mod)

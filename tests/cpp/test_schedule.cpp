@@ -183,6 +183,46 @@ void test_buckets() {
   CHECK(bad == 0);
 }
 
+// Stage 3's order: a unit is reduced once the ranks agree it is done, while
+// the next unit's grads accumulate; the unit after that takes the staging
+// slot of the reduction still in flight (completing it) instead of a third.
+void test_in_flight_reduction_gives_its_staging_back() {
+  constexpr int kUnits = 4;
+  const std::vector<int64_t> numels = {20, 17};  // one bucket a unit
+  std::atomic<int> bad{0};
+  on_ranks([&](int r, CommQueue& q) {
+    std::vector<ReduceGroup> reduce;
+    for (int u = 0; u < kUnits; ++u) {
+      reduce.push_back(ReduceGroup{int32_t(u), plan_of(numels), Tensor::empty({plan_of(numels).partition_elems()},
+                                                                              DType::kFloat32)});
+      std::fill(reduce.back().grad_part.data_as<float>(),
+                reduce.back().grad_part.data_as<float>() + reduce.back().grad_part.numel(), 0.0f);
+    }
+    BucketReducer reducer(q, reduce, DType::kFloat32, 2, /*on_request=*/true);
+    for (int u = 0; u < kUnits; ++u) {
+      for (int p = 0; p < 2; ++p) {
+        Tensor t = Tensor::empty({numels[size_t(p)]}, DType::kFloat32);
+        for (int64_t i = 0; i < t.numel(); ++i) t.data_as<float>()[i] = grad_value(r, u, p, i);
+        reducer.grad_ready(u, p, t);
+      }
+      if (u > 0) reducer.reduce_groups({u - 1});  // agreed one unit later
+    }
+    reducer.end_backward();
+    if (reducer.staging_slots() != 2) ++bad;
+    for (int u = 0; u < kUnits; ++u) {
+      for (const Segment& seg : reduce[size_t(u)].plan.segments(r)) {
+        for (int64_t i = 0; i < seg.numel; ++i) {
+          float want = 0.0f;
+          for (int k = 0; k < kWorld; ++k) want += grad_value(k, u, seg.param, seg.param_offset + i);
+          const float got = reduce[size_t(u)].grad_part.data_as<float>()[seg.partition_offset + i];
+          if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
+        }
+      }
+    }
+  });
+  CHECK(bad == 0);
+}
+
 // A delayed offload update reads one grad partition while the next backward
 // reduces into another: set_grad_partitions redirects the reduction between
 // backwards, leaves the old partition as it was, and refuses mid-backward.
@@ -325,6 +365,7 @@ void test_divergent_units() {
 int main() {
   test_units();
   test_buckets();
+  test_in_flight_reduction_gives_its_staging_back();
   test_grad_partitions_change_between_backwards();
   test_divergent_units();
   return test::finish("test_schedule");

@@ -45,7 +45,9 @@ struct ReduceGroup {
 class BucketReducer {
  public:
   // staging_buffers: staging slots allocated up front (the pool grows past
-  // them only when more buckets are open at once). on_request: buckets are
+  // them only when more buckets are open at once: a bucket that needs a slot
+  // while all are taken first completes the reductions in flight, whose
+  // slots come back). on_request: buckets are
   // issued only by reduce_groups() and end_backward(), never as they fill.
   // control: the queue of the ranks' agreement on late grads, a host group
   // beside the data group (nullptr: comm).

@@ -105,9 +105,17 @@ const std::vector<BucketReducer::Piece>& BucketReducer::pieces(int group, int pa
 
 int BucketReducer::take_staging(BucketState& b) {
   if (b.staging < 0) {
-    b.staging = pool_.acquire();
-    const Tensor& slot = pool_.slot(b.staging);
-    std::memset(slot.data(), 0, slot.nbytes());
+    // A slot held by a reduction in flight comes back once it completes:
+    // complete the oldest (as the next issue would) before adding a slot,
+    // so the pool grows only for buckets open at once.
+    int slot = pool_.try_acquire();
+    while (slot < 0 && !in_flight_.empty()) {
+      complete_oldest();
+      slot = pool_.try_acquire();
+    }
+    b.staging = slot >= 0 ? slot : pool_.acquire();
+    const Tensor& staging = pool_.slot(b.staging);
+    std::memset(staging.data(), 0, staging.nbytes());
   }
   return b.staging;
 }
