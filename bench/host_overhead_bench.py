@@ -61,6 +61,18 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------ one rank
 
 
+def torch_step(forward, opt, loss_of):
+    """A plain torch training step (DDP's and FSDP2's): forward, backward, update."""
+    def step(x):
+        loss = loss_of(forward(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
 def build(name, model, rank, world):
     """(step(x) -> loss, collectives() -> dict or None, close()) for
     configuration `name`."""
@@ -97,14 +109,7 @@ def build(name, model, rank, world):
 
         ddp, opt = DDP(model), torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-        def step(x):
-            loss = mse(ddp(x))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
-        return step, lambda: None, lambda: None
+        return torch_step(ddp, opt, mse), lambda: None, lambda: None
     if name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -115,14 +120,7 @@ def build(name, model, rank, world):
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-        def step(x):
-            loss = mse(model(x))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
-        return step, lambda: None, lambda: None
+        return torch_step(model, opt, mse), lambda: None, lambda: None
     if name in ("ds2", "ds3"):
         import deepspeed  # a bench dependency, of these configurations alone
 
