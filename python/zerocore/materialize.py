@@ -49,8 +49,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+import zerocore
 from zerocore import param_guards
-from zerocore.flat_group import NATIVE_NAMES, arena_zeros
+from zerocore.flat_group import NATIVE_NAMES
 from zerocore.safetensors_file import Reader
 
 _MALLOC_MMAP_THRESHOLD = 128 << 10  # glibc's initial M_MMAP_THRESHOLD
@@ -101,7 +102,7 @@ def _scratch(shape, dtype) -> torch.Tensor:
     keeps resident after wrap (32 MiB more peak RSS for 16 MiB params,
     bench/RESULTS.md). Small ones come from the heap either way."""
     if dtype in NATIVE_NAMES and math.prod(shape) * dtype.itemsize >= _MALLOC_MMAP_THRESHOLD:
-        return arena_zeros(math.prod(shape), dtype).view(shape)
+        return zerocore.to_torch(zerocore.zeros([math.prod(shape)], NATIVE_NAMES[dtype])).view(shape)
     return torch.empty(shape, dtype=dtype)
 
 
