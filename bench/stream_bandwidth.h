@@ -9,7 +9,7 @@
 #pragma once
 #include <cstdint>
 
-#include "zerocore/thread_pool.h"
+#include "zerocore/runtime/thread_pool.h"
 
 namespace zerocore::bench {
 

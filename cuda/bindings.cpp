@@ -12,7 +12,7 @@
 #include "dlpack_tensor.h"
 #include "zerocore/cuda_optim.h"
 #include "zerocore/error.h"
-#include "zerocore/optim_args.h"
+#include "zerocore/kernels/optim_args.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -88,10 +88,10 @@ MUTATIONS = [
              # With the older clipping test (AdamW, every step clipped), which a lost clip coefficient passes.
              FAST + ("tests/test_engine_models.py::test_gradient_clipping_by_global_norm",)),
     Mutation("flip-weight-decay", "weight decay grows the params instead of shrinking them (AdamW, Adam, SGD)",
-             (("cpp/src/optim.cpp", "float(o.adamw ? 0.0 : o.weight_decay)", "float(o.adamw ? 0.0 : -o.weight_decay)"),
-              ("cpp/src/optim.cpp", "float(o.adamw ? 1.0 - o.lr * o.weight_decay : 1.0)",
+             (("cpp/src/kernels/optim.cpp", "float(o.adamw ? 0.0 : o.weight_decay)", "float(o.adamw ? 0.0 : -o.weight_decay)"),
+              ("cpp/src/kernels/optim.cpp", "float(o.adamw ? 1.0 - o.lr * o.weight_decay : 1.0)",
                "float(o.adamw ? 1.0 + o.lr * o.weight_decay : 1.0)"),
-              ("cpp/src/optim.cpp", "return SgdCoefs{float(grad_scale), float(o.weight_decay),",
+              ("cpp/src/kernels/optim.cpp", "return SgdCoefs{float(grad_scale), float(o.weight_decay),",
                "return SgdCoefs{float(grad_scale), float(-o.weight_decay),"))),
     Mutation("skip-overflow-check", "fp16: an inf/NaN grad is applied instead of skipping the step",
              ((ENGINE, "        if not math.isfinite(total):\n", "        if False:\n"),)),

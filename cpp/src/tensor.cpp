@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "zerocore/arena.h"
+#include "zerocore/runtime/arena.h"
 #include "zerocore/backend/backend.h"
 #include "zerocore/error.h"
 

@@ -11,8 +11,8 @@
 #include "cuda_check.h"
 #include "zerocore/cuda_optim.h"
 #include "zerocore/error.h"
-#include "zerocore/optim.h"
-#include "zerocore/optim_args.h"
+#include "zerocore/kernels/optim.h"
+#include "zerocore/kernels/optim_args.h"
 
 namespace zerocore {
 namespace {

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "zerocore/optim.h"
+#include "zerocore/kernels/optim.h"
 
 namespace zerocore::cuda_detail {
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "zerocore/cpu_optim.h"
+#include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/cuda_optim.h"
 #include "zerocore/error.h"
 #include "zerocore/half.h"

@@ -25,7 +25,7 @@
 #include "bound_queue.h"
 #include "dlpack_tensor.h"
 #include "python_transport.h"
-#include "zerocore/comm.h"
+#include "zerocore/comm/comm.h"
 #include "zerocore/error.h"
 
 namespace nb = nanobind;

@@ -3,9 +3,9 @@
 #include <string>
 
 #include "bindings.h"
-#include "zerocore/cpu_features.h"
+#include "zerocore/kernels/cpu_features.h"
 #include "zerocore/error.h"
-#include "zerocore/thread_pool.h"
+#include "zerocore/runtime/thread_pool.h"
 
 namespace nb = nanobind;
 

@@ -5,11 +5,11 @@
 
 #include "bindings.h"
 #include "dlpack_tensor.h"
-#include "zerocore/cpu_optim.h"
-#include "zerocore/cpu_reduce.h"
+#include "zerocore/kernels/cpu_optim.h"
+#include "zerocore/kernels/cpu_reduce.h"
 #include "zerocore/error.h"
-#include "zerocore/offload_optimizer.h"
-#include "zerocore/optim_args.h"
+#include "zerocore/offload/offload_optimizer.h"
+#include "zerocore/kernels/optim_args.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -15,10 +15,10 @@
 #include "bindings.h"
 #include "bound_queue.h"
 #include "dlpack_tensor.h"
-#include "zerocore/bucket_collectives.h"
-#include "zerocore/bucket_reducer.h"
+#include "zerocore/schedule/bucket_collectives.h"
+#include "zerocore/schedule/bucket_reducer.h"
 #include "zerocore/error.h"
-#include "zerocore/unit_schedule.h"
+#include "zerocore/schedule/unit_schedule.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -5,7 +5,7 @@
 
 #include "bindings.h"
 #include "dlpack_tensor.h"
-#include "zerocore/arena.h"
+#include "zerocore/runtime/arena.h"
 #include "zerocore/error.h"
 #include "zerocore/tensor.h"
 

@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <utility>
 
-#include "zerocore/comm.h"
+#include "zerocore/comm/comm.h"
 
 namespace zerocore::bindings {
 

@@ -7,7 +7,7 @@
 
 #include <memory>
 
-#include "zerocore/comm.h"
+#include "zerocore/comm/comm.h"
 
 namespace zerocore::bindings {
 

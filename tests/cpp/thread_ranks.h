@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "zerocore/comm.h"
+#include "zerocore/comm/comm.h"
 
 namespace zerocore::test {
 inline void on_ranks(int world, const std::function<void(int, CommQueue&)>& fn) {

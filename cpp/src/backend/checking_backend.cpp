@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "order_checker.h"
-#include "zerocore/arena.h"
+#include "zerocore/runtime/arena.h"
 #include "zerocore/error.h"
 
 namespace zerocore {

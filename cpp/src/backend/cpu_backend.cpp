@@ -4,12 +4,12 @@
 #include <cstring>
 #include <utility>
 
-#include "zerocore/arena.h"
-#include "zerocore/cpu_accumulate.h"
-#include "zerocore/cpu_fill.h"
-#include "zerocore/cpu_reduce.h"
+#include "zerocore/runtime/arena.h"
+#include "zerocore/kernels/cpu_accumulate.h"
+#include "zerocore/kernels/cpu_fill.h"
+#include "zerocore/kernels/cpu_reduce.h"
 #include "zerocore/error.h"
-#include "zerocore/work_queue.h"
+#include "zerocore/runtime/work_queue.h"
 
 namespace zerocore {
 

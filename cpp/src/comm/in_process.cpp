@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "zerocore/comm.h"
+#include "zerocore/comm/comm.h"
 #include "zerocore/error.h"
 #include "zerocore/half.h"
 

@@ -1,6 +1,6 @@
 #include <string>
 
-#include "zerocore/comm.h"
+#include "zerocore/comm/comm.h"
 
 namespace zerocore {
 

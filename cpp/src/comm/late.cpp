@@ -13,9 +13,9 @@
 #include <thread>
 #include <utility>
 
-#include "zerocore/comm.h"
+#include "zerocore/comm/comm.h"
 #include "zerocore/error.h"
-#include "zerocore/work_queue.h"
+#include "zerocore/runtime/work_queue.h"
 
 namespace zerocore {
 

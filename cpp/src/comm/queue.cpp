@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "../fnv1a.h"
-#include "zerocore/comm.h"
-#include "zerocore/work_queue.h"
+#include "zerocore/comm/comm.h"
+#include "zerocore/runtime/work_queue.h"
 
 namespace zerocore {
 

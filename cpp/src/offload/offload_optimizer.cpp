@@ -1,10 +1,10 @@
-#include "zerocore/offload_optimizer.h"
+#include "zerocore/offload/offload_optimizer.h"
 
 #include <cstring>
 #include <string>
 #include <utility>
 
-#include "zerocore/cpu_reduce.h"
+#include "zerocore/kernels/cpu_reduce.h"
 #include "zerocore/error.h"
 
 namespace zerocore {

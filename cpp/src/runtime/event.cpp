@@ -1,4 +1,4 @@
-#include "zerocore/event.h"
+#include "zerocore/runtime/event.h"
 
 #include <utility>
 

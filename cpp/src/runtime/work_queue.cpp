@@ -1,4 +1,4 @@
-#include "zerocore/work_queue.h"
+#include "zerocore/runtime/work_queue.h"
 
 #include <pthread.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "zerocore/bucket_collectives.h"
+#include "zerocore/schedule/bucket_collectives.h"
 
 #include <memory>
 #include <string>

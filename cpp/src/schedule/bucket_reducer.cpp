@@ -1,11 +1,11 @@
-#include "zerocore/bucket_reducer.h"
+#include "zerocore/schedule/bucket_reducer.h"
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
 
-#include "zerocore/cpu_accumulate.h"
+#include "zerocore/kernels/cpu_accumulate.h"
 #include "zerocore/error.h"
 
 namespace zerocore {

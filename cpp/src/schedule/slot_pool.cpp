@@ -1,4 +1,4 @@
-#include "zerocore/slot_pool.h"
+#include "zerocore/schedule/slot_pool.h"
 
 #include <string>
 

@@ -1,4 +1,4 @@
-#include "zerocore/unit_schedule.h"
+#include "zerocore/schedule/unit_schedule.h"
 
 #include <algorithm>
 #include <chrono>

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string>
 
-#include "zerocore/cpu_optim.h"  // AdamOptions
+#include "zerocore/kernels/cpu_optim.h"  // AdamOptions
 #include "zerocore/tensor.h"
 
 namespace zerocore {

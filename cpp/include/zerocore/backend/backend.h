@@ -26,7 +26,7 @@
 #include "zerocore/backend/mailbox.h"
 #include "zerocore/backend/memory.h"
 #include "zerocore/backend/stream.h"
-#include "zerocore/cpu_optim.h"
+#include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "zerocore/backend/backend.h"
-#include "zerocore/event.h"
+#include "zerocore/runtime/event.h"
 
 namespace zerocore {
 

@@ -1,4 +1,4 @@
-#include "zerocore/cpu_fill.h"
+#include "zerocore/kernels/cpu_fill.h"
 
 #include <algorithm>
 

@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "zerocore/event.h"
+#include "zerocore/runtime/event.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {

@@ -1,4 +1,4 @@
-#include "zerocore/thread_pool.h"
+#include "zerocore/runtime/thread_pool.h"
 
 #include <pthread.h>
 #include <sched.h>

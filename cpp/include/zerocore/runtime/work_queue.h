@@ -7,7 +7,7 @@
 #include <functional>
 #include <memory>
 
-#include "zerocore/event.h"
+#include "zerocore/runtime/event.h"
 
 namespace zerocore {
 

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "zerocore/comm.h"
+#include "zerocore/comm/comm.h"
 #include "zerocore/layout.h"
 #include "zerocore/tensor.h"
 

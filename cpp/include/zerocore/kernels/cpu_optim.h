@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "zerocore/optim.h"
+#include "zerocore/kernels/optim.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {

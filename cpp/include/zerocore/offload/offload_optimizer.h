@@ -23,10 +23,10 @@
 #include <memory>
 #include <vector>
 
-#include "zerocore/cpu_optim.h"
-#include "zerocore/event.h"
+#include "zerocore/kernels/cpu_optim.h"
+#include "zerocore/runtime/event.h"
 #include "zerocore/tensor.h"
-#include "zerocore/work_queue.h"
+#include "zerocore/runtime/work_queue.h"
 
 namespace zerocore {
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "zerocore/dtype.h"
-#include "zerocore/optim.h"
+#include "zerocore/kernels/optim.h"
 
 namespace zerocore::cpu {
 

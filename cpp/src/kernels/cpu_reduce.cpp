@@ -1,4 +1,4 @@
-#include "zerocore/cpu_reduce.h"
+#include "zerocore/kernels/cpu_reduce.h"
 
 #include <map>
 #include <mutex>
@@ -6,7 +6,7 @@
 
 #include "zerocore/error.h"
 #include "zerocore/half.h"
-#include "zerocore/thread_pool.h"
+#include "zerocore/runtime/thread_pool.h"
 
 namespace zerocore {
 

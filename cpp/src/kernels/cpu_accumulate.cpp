@@ -1,4 +1,4 @@
-#include "zerocore/cpu_accumulate.h"
+#include "zerocore/kernels/cpu_accumulate.h"
 
 #include <string>
 

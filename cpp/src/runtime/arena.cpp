@@ -1,4 +1,4 @@
-#include "zerocore/arena.h"
+#include "zerocore/runtime/arena.h"
 
 #include <sys/mman.h>
 

@@ -29,9 +29,9 @@
 #include <utility>
 #include <vector>
 
-#include "zerocore/comm.h"
+#include "zerocore/comm/comm.h"
 #include "zerocore/layout.h"
-#include "zerocore/slot_pool.h"
+#include "zerocore/schedule/slot_pool.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {

@@ -1,15 +1,15 @@
 // Front end of the CPU optimizers: checks arguments, turns hyperparameters
 // into per-call coefficients, and splits the flat range over the thread pool
 // for the kernel table of the active instruction set.
-#include "zerocore/cpu_optim.h"
+#include "zerocore/kernels/cpu_optim.h"
 
 #include <string>
 
 #include "cpu_kernels.h"
-#include "zerocore/cpu_features.h"
+#include "zerocore/kernels/cpu_features.h"
 #include "zerocore/error.h"
-#include "zerocore/optim_args.h"
-#include "zerocore/thread_pool.h"
+#include "zerocore/kernels/optim_args.h"
+#include "zerocore/runtime/thread_pool.h"
 
 namespace zerocore {
 

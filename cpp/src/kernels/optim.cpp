@@ -1,4 +1,4 @@
-#include "zerocore/optim.h"
+#include "zerocore/kernels/optim.h"
 
 #include <cmath>
 #include <string>

@@ -1,4 +1,4 @@
-#include "zerocore/optim_args.h"
+#include "zerocore/kernels/optim_args.h"
 
 #include <string>
 

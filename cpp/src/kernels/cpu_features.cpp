@@ -1,4 +1,4 @@
-#include "zerocore/cpu_features.h"
+#include "zerocore/kernels/cpu_features.h"
 
 #include <atomic>
 #include <cstdlib>
