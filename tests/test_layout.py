@@ -3,7 +3,6 @@ import random
 
 import pytest
 
-import zerocore
 from zerocore import LayoutPlan
 
 

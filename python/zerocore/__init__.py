@@ -15,7 +15,7 @@ import warnings
 # that warning: silenced here, for this first import of torch only.
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    import torch  # noqa: F401
+    import torch
 
 from zerocore._native import (
     CollectiveTimeoutError,
@@ -49,8 +49,6 @@ __version__ = "0.1.0"
 
 def to_torch(tensor: Tensor):
     """A torch tensor sharing ``tensor``'s memory (zero-copy)."""
-    import torch
-
     return torch.from_dlpack(tensor)
 
 
