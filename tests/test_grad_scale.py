@@ -87,13 +87,28 @@ def test_clipping_that_some_steps_cross():
     _assert_close_to(results, ref, initial, "clipping")
 
 
+PERSIST = 40
+
+
+def _train_keeping_params_whole(rank, world):
+    """Stage 3 with persist_threshold: {3: (the state, None)} as
+    _train_stages gives it, and the names of the params the engine keeps
+    whole (its unsharded groups)."""
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()),
+                           {"bucket_bytes": SMALL, "persist_threshold": PERSIST, "stage": 3})
+    whole = {n for g in engine.groups if not g.sharded for names in g.names for n in names}
+    return {3: (engine_train(engine, rank, world, STEPS, 2), None)}, whole
+
+
 def test_stage3_with_params_kept_whole():
     """persist_threshold: the biases and norms (< 40 elements) stay whole on
     every rank and are reduced apart from the partitioned matrices."""
-    config = {"bucket_bytes": SMALL, "persist_threshold": 40}
-    results = run_ranks(_train_stages, 2, sgd, config, STEPS, 2, lm_batch, (3,))
+    results = run_ranks(_train_keeping_params_whole, 2)
+    small = {name for name, p in make().named_parameters() if p.numel() < PERSIST}
+    assert small and all(whole == small for _, whole in results), (small, [whole for _, whole in results])
     ref, initial, _, _ = _reference(sgd, STEPS, 2, 2)
-    _assert_close_to(results, ref, initial, "persist_threshold 40")
+    _assert_close_to([states for states, _ in results], ref, initial, f"persist_threshold {PERSIST}")
 
 
 LONG = 50
