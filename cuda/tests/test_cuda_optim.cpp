@@ -1,9 +1,11 @@
-// C++ tests of the CUDA Adam update, without torch.
-//   test_cuda_adam args  argument checks, which run before any CUDA call and
-//                        so pass on machines without a GPU or driver;
-//   test_cuda_adam gpu   the kernel against the CPU adam_update, bit for bit
-//                        (both paths perform the same IEEE operations);
-//                        exits 77 (ctest: skipped) without a device.
+// C++ tests of the CUDA optimizers, without torch.
+//   test_cuda_optim args  argument checks, which run before any CUDA call and
+//                         so pass on machines without a GPU or driver;
+//   test_cuda_optim gpu   Adam, AdamW and SGD over several runs and groups in
+//                         one call against the CPU kernels, bit for bit (both
+//                         instantiate kernels/element_math.h), for every
+//                         grad/copy dtype combination, aligned and not;
+//                         exits 77 (ctest: skipped) without a device.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -83,6 +85,20 @@ void test_args() {
   // An empty partition is valid and launches nothing.
   const Tensor e = fake_cuda(0, DType::kFloat32);
   cuda_adam_update(o, 1, 1.0, e, e, e, e, Tensor(), nullptr);
+  // Runs: a group index without options, too many groups, a second device.
+  const FlatRun other_group{1, p, g, m, v, Tensor()};
+  CHECK(throws<InvalidArgument>([&] { cuda_adam_update_runs({o}, 1, 1.0, {other_group}, nullptr); }));
+  CHECK(throws<InvalidArgument>(
+      [&] { cuda_adam_update_runs(std::vector<AdamOptions>(33), 1, 1.0, {FlatRun{0, e, e, e, e, Tensor()}}, nullptr); }));
+  const Tensor on_1(p.data(), DType::kFloat32, Device{DeviceType::kCUDA, 1}, {8}, nullptr);
+  CHECK(throws<TypeMismatch>(
+      [&] { cuda_adam_update_runs({o, o}, 1, 1.0, {FlatRun{0, e, e, e, e, Tensor()}, FlatRun{1, on_1, g, m, v, Tensor()}}, nullptr); }));
+  // SGD: momentum needs its buffer.
+  SgdOptions sgd;
+  sgd.momentum = 0.9;
+  CHECK(throws<InvalidArgument>([&] { cuda_sgd_update(sgd, 1, 1.0, p, g, Tensor(), Tensor(), nullptr); }));
+  sgd.momentum = 0.0;
+  cuda_sgd_update(sgd, 1, 1.0, e, e, Tensor(), Tensor(), nullptr);
 }
 
 void cuda_ok(cudaError_t err, const char* what) {
@@ -124,51 +140,90 @@ void fill(const Tensor& t, std::mt19937& rng, float stddev) {
   }
 }
 
-void test_gpu_case(int64_t n, DType grad_dtype, int copy_kind, bool adamw, int64_t offset) {
-  std::mt19937 rng(unsigned(n * 31 + int(grad_dtype) * 7 + copy_kind * 3 + adamw + offset));
-  AdamOptions o;
-  o.lr = 1e-2;
-  o.weight_decay = 0.1;
-  o.adamw = adamw;
-  const double grad_scale = 0.37;
-  const bool has_copy = copy_kind != 0;
+// One array of a run on both sides: host and device hold the same start.
+struct Pair {
+  Tensor host, dev;
+};
+
+Pair pair(int64_t n, DType dtype, int64_t offset, std::mt19937& rng, float stddev) {
+  Pair x{Tensor::empty({n}, dtype), device_tensor(n, dtype, offset)};
+  fill(x.host, rng, stddev);
+  to_device(x.dev, x.host);
+  return x;
+}
+
+// Runs of several lengths (one spanning many chunks), in two groups, some at
+// odd offsets (no packed access), updated for five steps in one call each;
+// the CUDA result must equal the CPU's bit for bit.
+void test_gpu_case(bool sgd, DType grad_dtype, int copy_kind, bool variant) {
+  std::mt19937 rng(unsigned(int(grad_dtype) * 7 + copy_kind * 3 + variant + 11 * sgd));
   const DType copy_dtype = copy_kind == 1 ? DType::kBFloat16 : DType::kFloat16;
-
-  Tensor hp = Tensor::empty({n}, DType::kFloat32), hm = Tensor::empty({n}, DType::kFloat32),
-         hv = Tensor::empty({n}, DType::kFloat32), hg = Tensor::empty({n}, grad_dtype);
-  Tensor hc = has_copy ? Tensor::empty({n}, copy_dtype) : Tensor();
-  fill(hp, rng, 1.0f);
-  std::memset(hm.data(), 0, hm.nbytes());
-  std::memset(hv.data(), 0, hv.nbytes());
-  Tensor dp = device_tensor(n, DType::kFloat32, offset), dm = device_tensor(n, DType::kFloat32, offset),
-         dv = device_tensor(n, DType::kFloat32, offset), dg = device_tensor(n, grad_dtype, offset);
-  Tensor dc = has_copy ? device_tensor(n, copy_dtype, offset) : Tensor();
-  to_device(dp, hp);
-  to_device(dm, hm);
-  to_device(dv, hv);
-
+  const double grad_scale = 0.37;
+  struct RunPairs {
+    Pair p, g, s0, s1, c;
+  };
+  std::vector<RunPairs> pairs;
+  std::vector<FlatRun> host_runs, dev_runs;
+  const int64_t lengths[] = {1, 3, 4096 + 5, 1000003, 7};
+  for (int k = 0; k < 5; ++k) {
+    const int64_t n = lengths[k], offset = k % 2;
+    RunPairs r{pair(n, DType::kFloat32, offset, rng, 1.0f), pair(n, grad_dtype, offset, rng, 1.0f),
+               pair(n, DType::kFloat32, offset, rng, 0.1f), pair(n, DType::kFloat32, offset, rng, 0.0f), {}};
+    if (copy_kind != 0) r.c = pair(n, copy_dtype, offset, rng, 1.0f);
+    if (!sgd) {  // exp_avg_sq starts at zero
+      std::memset(r.s1.host.data(), 0, r.s1.host.nbytes());
+      to_device(r.s1.dev, r.s1.host);
+    }
+    pairs.push_back(r);
+    host_runs.push_back(FlatRun{k % 2, r.p.host, r.g.host, r.s0.host, sgd ? Tensor() : r.s1.host, r.c.host});
+    dev_runs.push_back(FlatRun{k % 2, r.p.dev, r.g.dev, r.s0.dev, sgd ? Tensor() : r.s1.dev, r.c.dev});
+  }
   for (int64_t step = 1; step <= 5; ++step) {
-    fill(hg, rng, step == 3 ? 1e-6f : 1.0f);  // one step of tiny gradients: eps matters
-    to_device(dg, hg);
-    adam_update(o, step, grad_scale, hp, hg, hm, hv, hc);
-    cuda_adam_update(o, step, grad_scale, dp, dg, dm, dv, dc, nullptr);
+    for (RunPairs& r : pairs) {  // one step of tiny gradients: eps matters
+      fill(r.g.host, rng, step == 3 ? 1e-6f : 1.0f);
+      to_device(r.g.dev, r.g.host);
+    }
+    if (sgd) {
+      SgdOptions a, b;
+      a.lr = 1e-2;
+      a.momentum = 0.9;
+      a.dampening = 0.1;
+      a.weight_decay = 0.1;
+      b.lr = 3e-2;
+      b.nesterov = !variant;
+      b.momentum = variant ? 0.0 : 0.8;  // the variant: no momentum at all
+      sgd_update_runs({a, b}, step, grad_scale, host_runs);
+      cuda_sgd_update_runs({a, b}, step, grad_scale, dev_runs, nullptr);
+    } else {
+      AdamOptions a, b;
+      a.lr = 1e-2;
+      a.weight_decay = 0.1;
+      a.adamw = variant;
+      b.lr = 3e-3;
+      b.beta1 = 0.8;
+      b.adamw = !variant;
+      adam_update_runs({a, b}, step, grad_scale, host_runs);
+      cuda_adam_update_runs({a, b}, step, grad_scale, dev_runs, nullptr);
+    }
   }
   cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  const bool ok = same_bits(hp, dp) && same_bits(hm, dm) && same_bits(hv, dv) &&
-                  (!has_copy || same_bits(hc, dc));
-  if (!ok) {
-    std::fprintf(stderr, "mismatch: n=%lld grad=%s copy=%d adamw=%d offset=%lld\n", (long long)n,
-                 dtype_name(grad_dtype), copy_kind, int(adamw), (long long)offset);
-    ++failures;
+  for (size_t k = 0; k < pairs.size(); ++k) {
+    const RunPairs& r = pairs[k];
+    const bool ok = same_bits(r.p.host, r.p.dev) && same_bits(r.s0.host, r.s0.dev) &&
+                    (sgd || same_bits(r.s1.host, r.s1.dev)) && (copy_kind == 0 || same_bits(r.c.host, r.c.dev));
+    if (!ok) {
+      std::fprintf(stderr, "mismatch: %s run=%zu grad=%s copy=%d variant=%d\n", sgd ? "sgd" : "adam", k,
+                   dtype_name(grad_dtype), copy_kind, int(variant));
+      ++failures;
+    }
   }
 }
 
 void test_gpu() {
-  for (int64_t n : {1, 3, 7, 4096, 1000003})
+  for (bool sgd : {false, true})
     for (DType g : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
       for (int copy_kind : {0, 1, 2})
-        for (bool adamw : {true, false})
-          for (int64_t offset : {0, 1}) test_gpu_case(n, g, copy_kind, adamw, offset);
+        for (bool variant : {true, false}) test_gpu_case(sgd, g, copy_kind, variant);
 }
 
 }  // namespace
