@@ -23,6 +23,7 @@
 
 #include "cuda_check.h"
 #include "cuda_ops.cuh"
+#include "launch.h"
 #include "zerocore/cuda_optim.h"
 #include "zerocore/error.h"
 #include "zerocore/kernels/element_math.h"
@@ -33,8 +34,9 @@ namespace {
 
 using cuda_detail::CudaOps;
 using cuda_detail::CudaPack4Ops;
+using cuda_detail::aligned;
+using cuda_detail::kThreads;
 
-constexpr int kThreads = 256;
 // Elements a block takes at a time; a multiple of the pack width, so every
 // chunk of an aligned run starts aligned.
 constexpr int64_t kChunk = 16 * kThreads;
@@ -110,20 +112,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-// Enough blocks to fill every SM once (the grid-stride loop does the rest),
-// never more than the work needs.
-int grid_size(int device, int64_t chunks) {
-  int sms = 0, threads_per_sm = 0;
-  cuda_detail::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-                     "cudaDeviceGetAttribute(MultiProcessorCount)");
-  cuda_detail::check(cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device),
-                     "cudaDeviceGetAttribute(MaxThreadsPerMultiProcessor)");
-  const int64_t resident = int64_t(sms) * std::max(1, threads_per_sm / kThreads);
-  return int(std::max<int64_t>(1, std::min(resident, chunks)));
-}
-
 // The run table in device memory. A partition's runs are the same every
 // step (its arenas are allocated once), so each distinct table is uploaded
 // once, on the first step that uses it (a synchronous copy), and kept for
@@ -155,7 +143,7 @@ void launch(const CoefTable<Coefs>& coefs, std::vector<DeviceRun> runs, int devi
   }
   const DeviceRun* table = device_table(device, runs);
   update_runs_kernel<Update, G, C, Coefs>
-      <<<grid_size(device, chunks), kThreads, 0, stream>>>(table, int(runs.size()), chunks, coefs);
+      <<<cuda_detail::grid_size(device, chunks), kThreads, 0, stream>>>(table, int(runs.size()), chunks, coefs);
   cuda_detail::check(cudaGetLastError(), "optimizer kernel launch");
 }
 

@@ -1,11 +1,12 @@
-// C++ tests of the CUDA optimizers, without torch.
-//   test_cuda_optim args  argument checks, which run before any CUDA call and
-//                         so pass on machines without a GPU or driver;
-//   test_cuda_optim gpu   Adam, AdamW and SGD over several runs and groups in
-//                         one call against the CPU kernels, bit for bit (both
-//                         instantiate kernels/element_math.h), for every
-//                         grad/copy dtype combination, aligned and not;
-//                         exits 77 (ctest: skipped) without a device.
+// C++ tests of the CUDA kernels, without torch.
+//   test_cuda_kernels args  argument checks, which run before any CUDA call
+//                           and so pass on machines without a GPU or driver;
+//   test_cuda_kernels gpu   Adam, AdamW and SGD over several runs and groups
+//                           in one call, accumulate and fill, against the CPU
+//                           kernels bit for bit (both instantiate
+//                           kernels/element_math.h), for every dtype
+//                           combination, aligned and not; exits 77 (ctest:
+//                           skipped) without a device.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -19,7 +20,10 @@
 #include <vector>
 
 #include "zerocore/kernels/cpu_optim.h"
+#include "zerocore/cuda_elementwise.h"
 #include "zerocore/cuda_optim.h"
+#include "zerocore/kernels/cpu_accumulate.h"
+#include "zerocore/kernels/cpu_fill.h"
 #include "zerocore/error.h"
 #include "zerocore/half.h"
 
@@ -99,6 +103,12 @@ void test_args() {
   CHECK(throws<InvalidArgument>([&] { cuda_sgd_update(sgd, 1, 1.0, p, g, Tensor(), Tensor(), nullptr); }));
   sgd.momentum = 0.0;
   cuda_sgd_update(sgd, 1, 1.0, e, e, Tensor(), Tensor(), nullptr);
+  // Accumulate and fill: one device, equal sizes; empty launches nothing.
+  CHECK(throws<TypeMismatch>([&] { cuda_accumulate(p, host_p, nullptr); }));
+  CHECK(throws<InvalidArgument>([&] { cuda_accumulate(p, fake_cuda(7, DType::kFloat32), nullptr); }));
+  CHECK(throws<TypeMismatch>([&] { cuda_fill(host_p, 1.0f, nullptr); }));
+  cuda_accumulate(e, e, nullptr);
+  cuda_fill(e, 1.0f, nullptr);
 }
 
 void cuda_ok(cudaError_t err, const char* what) {
@@ -128,7 +138,7 @@ bool same_bits(const Tensor& host, const Tensor& dev) {
   return std::memcmp(back.data(), host.data(), host.nbytes()) == 0;
 }
 
-void fill(const Tensor& t, std::mt19937& rng, float stddev) {
+void randomize(const Tensor& t, std::mt19937& rng, float stddev) {
   std::normal_distribution<float> dist(0.0f, stddev);
   for (int64_t i = 0; i < t.numel(); ++i) {
     const float x = dist(rng);
@@ -147,7 +157,7 @@ struct Pair {
 
 Pair pair(int64_t n, DType dtype, int64_t offset, std::mt19937& rng, float stddev) {
   Pair x{Tensor::empty({n}, dtype), device_tensor(n, dtype, offset)};
-  fill(x.host, rng, stddev);
+  randomize(x.host, rng, stddev);
   to_device(x.dev, x.host);
   return x;
 }
@@ -180,7 +190,7 @@ void test_gpu_case(bool sgd, DType grad_dtype, int copy_kind, bool variant) {
   }
   for (int64_t step = 1; step <= 5; ++step) {
     for (RunPairs& r : pairs) {  // one step of tiny gradients: eps matters
-      fill(r.g.host, rng, step == 3 ? 1e-6f : 1.0f);
+      randomize(r.g.host, rng, step == 3 ? 1e-6f : 1.0f);
       to_device(r.g.dev, r.g.host);
     }
     if (sgd) {
@@ -219,7 +229,30 @@ void test_gpu_case(bool sgd, DType grad_dtype, int copy_kind, bool variant) {
   }
 }
 
+// accumulate and fill on both sides from the same start, offset 1 taking
+// the element-by-element path.
+void test_gpu_elementwise(DType dst_dtype, DType src_dtype, int64_t offset) {
+  std::mt19937 rng(unsigned(int(dst_dtype) * 5 + int(src_dtype) * 3 + offset));
+  const int64_t n = 1000003;
+  Pair dst = pair(n, dst_dtype, offset, rng, 1.0f), src = pair(n, src_dtype, offset, rng, 1.0f);
+  accumulate(dst.host, src.host);
+  cuda_accumulate(dst.dev, src.dev, nullptr);
+  Pair filled = pair(n, src_dtype, offset, rng, 1.0f);
+  const float value = std::normal_distribution<float>()(rng);
+  fill(filled.host, value);
+  cuda_fill(filled.dev, value, nullptr);
+  cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (!same_bits(dst.host, dst.dev) || !same_bits(filled.host, filled.dev)) {
+    std::fprintf(stderr, "mismatch: accumulate/fill dst=%s src=%s offset=%lld\n", dtype_name(dst_dtype),
+                 dtype_name(src_dtype), (long long)offset);
+    ++failures;
+  }
+}
+
 void test_gpu() {
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+    for (DType s : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+      for (int64_t offset : {0, 1}) test_gpu_elementwise(d, s, offset);
   for (bool sgd : {false, true})
     for (DType g : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
       for (int copy_kind : {0, 1, 2})
