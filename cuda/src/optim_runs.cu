@@ -40,8 +40,9 @@ using cuda_detail::kThreads;
 // Elements a block takes at a time; a multiple of the pack width, so every
 // chunk of an aligned run starts aligned.
 constexpr int64_t kChunk = 16 * kThreads;
-// Coefficients travel in the kernel's arguments (they change every step);
-// this many groups fit well inside the 4 KiB argument space.
+// Coefficients travel in the kernel's arguments (they change every step),
+// read in place (__grid_constant__: no per-thread copy); this many groups
+// fit well inside the 4 KiB argument space.
 constexpr int kMaxGroups = 32;
 
 // One run in the device's run table.
@@ -93,7 +94,8 @@ struct SgdAt {
 // G: grad element type; C: copy type or kernels::NoCopy.
 template <class Update, class G, class C, class Coefs>
 __global__ void __launch_bounds__(kThreads)
-    update_runs_kernel(const DeviceRun* runs, int num_runs, int64_t chunks, CoefTable<Coefs> coefs) {
+    update_runs_kernel(const DeviceRun* runs, int num_runs, int64_t chunks,
+                       const __grid_constant__ CoefTable<Coefs> coefs) {
   constexpr int kPack = CudaPack4Ops::width;
   for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
     const DeviceRun r = runs[run_of(runs, num_runs, chunk)];
