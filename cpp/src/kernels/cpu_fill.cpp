@@ -1,25 +1,24 @@
 #include "zerocore/kernels/cpu_fill.h"
 
-#include <algorithm>
+#include <cmath>
 
 #include "zerocore/error.h"
 #include "zerocore/half.h"
+#include "zerocore/kernels/element_math.h"
 
 namespace zerocore {
 
+namespace {
+#include "cpu_vec_scalar.h"
+}  // namespace
+
 void fill(const Tensor& dst, float value) {
   if (dst.device().type != DeviceType::kCPU) throw TypeMismatch("fill: the tensor must be on the host");
-  switch (dst.dtype()) {
-    case DType::kFloat32:
-      std::fill_n(dst.data_as<float>(), dst.numel(), value);
-      break;
-    case DType::kBFloat16:
-      std::fill_n(dst.data_as<uint16_t>(), dst.numel(), float_to_bf16(value));
-      break;
-    case DType::kFloat16:
-      std::fill_n(dst.data_as<uint16_t>(), dst.numel(), float_to_fp16(value));
-      break;
-  }
+  kernels::with_element_type(dst.dtype(), [&](auto d_type) {
+    using D = decltype(d_type);
+    D* d = static_cast<D*>(dst.data());
+    for (int64_t i = 0, n = dst.numel(); i < n; ++i) kernels::fill_at<ScalarVec>(d, value, i);
+  });
 }
 
 }  // namespace zerocore

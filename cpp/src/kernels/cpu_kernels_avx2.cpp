@@ -7,6 +7,7 @@
 
 #include "cpu_kernels.h"
 #include "zerocore/half.h"
+#include "zerocore/kernels/element_math.h"
 
 namespace zerocore::cpu {
 namespace avx2_isa {

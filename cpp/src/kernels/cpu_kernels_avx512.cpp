@@ -13,6 +13,7 @@
 
 #include "cpu_kernels.h"
 #include "zerocore/half.h"
+#include "zerocore/kernels/element_math.h"
 
 namespace zerocore::cpu {
 namespace avx512_isa {

@@ -4,6 +4,7 @@
 
 #include "cpu_kernels.h"
 #include "zerocore/half.h"
+#include "zerocore/kernels/element_math.h"
 
 namespace zerocore::cpu {
 namespace scalar_isa {

@@ -39,23 +39,6 @@ cpu::FlatArgs flat_args(const FlatRun& r) {
                        is_given(r.param_copy) ? r.param_copy.dtype() : DType::kBFloat16};
 }
 
-// The group of run i, checked against the options given; the message names
-// the run when there are several.
-template <class Options>
-const Options& options_of(const char* op, const std::vector<Options>& groups, const std::vector<FlatRun>& runs,
-                          size_t i) {
-  const int g = runs[i].group;
-  if (g < 0 || size_t(g) >= groups.size()) {
-    throw InvalidArgument(std::string(op) + ": run " + std::to_string(i) + " belongs to group " + std::to_string(g) +
-                          " but options were given for " + std::to_string(groups.size()) + " group(s)");
-  }
-  return groups[size_t(g)];
-}
-
-std::string run_op(const char* op, const std::vector<FlatRun>& runs, size_t i) {
-  return runs.size() == 1 ? std::string(op) : std::string(op) + " (run " + std::to_string(i) + ")";
-}
-
 // Runs kernel(coefs[run.group], args of run, begin, end) over every run's
 // elements, split over the thread pool together.
 template <class Coefs, class Kernel>
@@ -77,12 +60,7 @@ void adam_update_runs(const std::vector<AdamOptions>& groups, int64_t step, doub
                       const std::vector<FlatRun>& runs) {
   std::vector<AdamCoefs> coefs;
   for (const AdamOptions& o : groups) coefs.push_back(adam_coefs(o, step, grad_scale));
-  for (size_t i = 0; i < runs.size(); ++i) {
-    options_of("adam_", groups, runs, i);
-    const FlatRun& r = runs[i];
-    check_flat_update(run_op("adam_", runs, i).c_str(), Device{}, r.param, r.grad,
-                      {{"exp_avg", &r.state0}, {"exp_avg_sq", &r.state1}}, r.param_copy);
-  }
+  check_adam_runs(Device{}, groups.size(), runs);
   update_runs(coefs, runs, active_kernels().adam);
 }
 
@@ -90,15 +68,7 @@ void sgd_update_runs(const std::vector<SgdOptions>& groups, int64_t step, double
                      const std::vector<FlatRun>& runs) {
   std::vector<SgdCoefs> coefs;
   for (const SgdOptions& o : groups) coefs.push_back(sgd_coefs(o, step, grad_scale));
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const FlatRun& r = runs[i];
-    const std::string op = run_op("sgd_", runs, i);
-    if (options_of("sgd_", groups, runs, i).momentum != 0.0) {
-      check_flat_update(op.c_str(), Device{}, r.param, r.grad, {{"momentum_buffer", &r.state0}}, r.param_copy);
-    } else {
-      check_flat_update(op.c_str(), Device{}, r.param, r.grad, {}, r.param_copy);
-    }
-  }
+  check_sgd_runs(Device{}, groups, runs);
   update_runs(coefs, runs, active_kernels().sgd);
 }
 

@@ -1,54 +1,44 @@
 #include "zerocore/kernels/cpu_reduce.h"
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <string>
 
 #include "zerocore/error.h"
 #include "zerocore/half.h"
+#include "zerocore/kernels/element_math.h"
 #include "zerocore/runtime/thread_pool.h"
 
 namespace zerocore {
 
 namespace {
 
+#include "cpu_vec_scalar.h"
+
 constexpr int64_t kChunkAlign = 64;
 
 // Four independent accumulators let the loop pipeline; their order is fixed,
 // so the result does not depend on timing.
-template <class Load>
-double sum_sq(int64_t begin, int64_t end, Load load) {
+template <class T>
+double sum_sq(const T* p, int64_t begin, int64_t end) {
+  using kernels::add_square;
+  using kernels::load;
   double acc[4] = {0.0, 0.0, 0.0, 0.0};
   int64_t i = begin;
   for (; i + 4 <= end; i += 4) {
-    for (int k = 0; k < 4; ++k) {
-      const double x = load(i + k);
-      acc[k] += x * x;
-    }
+    for (int k = 0; k < 4; ++k) acc[k] = add_square<ScalarVec>(acc[k], load<ScalarVec>(p + i + k));
   }
-  for (; i < end; ++i) {
-    const double x = load(i);
-    acc[0] += x * x;
-  }
+  for (; i < end; ++i) acc[0] = add_square<ScalarVec>(acc[0], load<ScalarVec>(p + i));
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
 double sum_sq_of(const Tensor& t, int64_t begin, int64_t end) {
-  switch (t.dtype()) {
-    case DType::kFloat32: {
-      const float* p = t.data_as<float>();
-      return sum_sq(begin, end, [p](int64_t i) { return double(p[i]); });
-    }
-    case DType::kBFloat16: {
-      const uint16_t* p = t.data_as<uint16_t>();
-      return sum_sq(begin, end, [p](int64_t i) { return double(bf16_to_float(p[i])); });
-    }
-    case DType::kFloat16: {
-      const uint16_t* p = t.data_as<uint16_t>();
-      return sum_sq(begin, end, [p](int64_t i) { return double(fp16_to_float(p[i])); });
-    }
-  }
-  return 0.0;
+  double s = 0.0;
+  kernels::with_element_type(t.dtype(), [&](auto type) {
+    s = sum_sq(static_cast<const decltype(type)*>(t.data()), begin, end);
+  });
+  return s;
 }
 
 }  // namespace

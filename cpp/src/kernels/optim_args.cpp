@@ -28,6 +28,20 @@ void check_tensor(const char* op, const char* name, const Tensor& t, Device devi
   }
 }
 
+// The group of run i, checked against the number of groups given.
+size_t group_of(const char* op, size_t groups, const std::vector<FlatRun>& runs, size_t i) {
+  const int g = runs[i].group;
+  if (g < 0 || size_t(g) >= groups) {
+    throw InvalidArgument(std::string(op) + ": run " + std::to_string(i) + " belongs to group " + std::to_string(g) +
+                          " but options were given for " + std::to_string(groups) + " group(s)");
+  }
+  return size_t(g);
+}
+
+std::string run_op(const char* op, const std::vector<FlatRun>& runs, size_t i) {
+  return runs.size() == 1 ? std::string(op) : std::string(op) + " (run " + std::to_string(i) + ")";
+}
+
 }  // namespace
 
 void check_flat_update(const char* op, Device device, const Tensor& param, const Tensor& grad,
@@ -39,6 +53,27 @@ void check_flat_update(const char* op, Device device, const Tensor& param, const
     check_tensor(op, "param_copy", param_copy, device, param.numel(), false);
     if (param_copy.dtype() == DType::kFloat32) {
       throw TypeMismatch(std::string(op) + ": param_copy must be bfloat16 or float16, got float32");
+    }
+  }
+}
+
+void check_adam_runs(Device device, size_t groups, const std::vector<FlatRun>& runs) {
+  for (size_t i = 0; i < runs.size(); ++i) {
+    group_of("adam_", groups, runs, i);
+    const FlatRun& r = runs[i];
+    check_flat_update(run_op("adam_", runs, i).c_str(), device, r.param, r.grad,
+                      {{"exp_avg", &r.state0}, {"exp_avg_sq", &r.state1}}, r.param_copy);
+  }
+}
+
+void check_sgd_runs(Device device, const std::vector<SgdOptions>& groups, const std::vector<FlatRun>& runs) {
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const FlatRun& r = runs[i];
+    const std::string op = run_op("sgd_", runs, i);
+    if (groups[group_of("sgd_", groups.size(), runs, i)].momentum != 0.0) {
+      check_flat_update(op.c_str(), device, r.param, r.grad, {{"momentum_buffer", &r.state0}}, r.param_copy);
+    } else {
+      check_flat_update(op.c_str(), device, r.param, r.grad, {}, r.param_copy);
     }
   }
 }

@@ -1,0 +1,97 @@
+// Accumulate-and-cast and fill on CUDA tensors, instantiating
+// kernels/element_math.h with cuda_ops.cuh: the same rounding as the CPU's
+// accumulate() and fill(). Grid-stride loops, in packs of four elements when
+// both arrays are aligned for them.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda_check.h"
+#include "cuda_ops.cuh"
+#include "launch.h"
+#include "zerocore/cuda_elementwise.h"
+#include "zerocore/error.h"
+#include "zerocore/kernels/element_math.h"
+
+namespace zerocore {
+namespace {
+
+using cuda_detail::CudaOps;
+using cuda_detail::CudaPack4Ops;
+using cuda_detail::kThreads;
+
+constexpr int kPack = CudaPack4Ops::width;
+
+// f(ops, i) over [0, n): whole packs with CudaPack4Ops when `packed`, the
+// rest element by element.
+template <class F>
+__device__ void grid_stride(int64_t n, bool packed, F f) {
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t packs_end = packed ? n / kPack * kPack : 0;
+  for (int64_t i = first * kPack; i < packs_end; i += stride * kPack) f(CudaPack4Ops{}, i);
+  for (int64_t i = packs_end + first; i < n; i += stride) f(CudaOps{}, i);
+}
+
+template <class D, class S>
+__global__ void __launch_bounds__(kThreads) accumulate_kernel(D* dst, const S* src, int64_t n, bool packed) {
+  grid_stride(n, packed, [=](auto ops, int64_t i) { kernels::accumulate_at<decltype(ops)>(dst, src, i); });
+}
+
+template <class D>
+__global__ void __launch_bounds__(kThreads) fill_kernel(D* dst, float value, int64_t n, bool packed) {
+  grid_stride(n, packed, [=](auto ops, int64_t i) { kernels::fill_at<decltype(ops)>(dst, value, i); });
+}
+
+int64_t blocks_for(int64_t n) { return (n / kPack + n % kPack + kThreads - 1) / kThreads; }
+
+std::string where(const Tensor& t) {
+  return t.device().type == DeviceType::kCPU ? std::string("cpu") : "cuda:" + std::to_string(t.device().index);
+}
+
+}  // namespace
+
+void cuda_accumulate(const Tensor& dst, const Tensor& src, void* stream) {
+  const Device device{DeviceType::kCUDA, dst.device().index};
+  if (dst.device() != device || src.device() != device) {
+    throw TypeMismatch("cuda_accumulate: both tensors must be on one CUDA device, got dst on " + where(dst) +
+                       " and src on " + where(src));
+  }
+  if (dst.numel() != src.numel()) {
+    throw InvalidArgument("cuda_accumulate: " + std::to_string(src.numel()) + " elements into " +
+                          std::to_string(dst.numel()));
+  }
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  cuda_detail::DeviceGuard guard(device.index);
+  const bool packed = cuda_detail::aligned(dst.data(), kPack * dtype_size(dst.dtype())) &&
+                      cuda_detail::aligned(src.data(), kPack * dtype_size(src.dtype()));
+  kernels::with_element_type(dst.dtype(), [&](auto d_type) {
+    kernels::with_element_type(src.dtype(), [&](auto s_type) {
+      using D = decltype(d_type);
+      using S = decltype(s_type);
+      accumulate_kernel<D, S>
+          <<<cuda_detail::grid_size(device.index, blocks_for(n)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+              static_cast<D*>(dst.data()), static_cast<const S*>(src.data()), n, packed);
+    });
+  });
+  cuda_detail::check(cudaGetLastError(), "cuda_accumulate kernel launch");
+}
+
+void cuda_fill(const Tensor& dst, float value, void* stream) {
+  if (dst.device().type != DeviceType::kCUDA) {
+    throw TypeMismatch("cuda_fill: the tensor must be on a CUDA device, got " + where(dst));
+  }
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  cuda_detail::DeviceGuard guard(dst.device().index);
+  const bool packed = cuda_detail::aligned(dst.data(), kPack * dtype_size(dst.dtype()));
+  kernels::with_element_type(dst.dtype(), [&](auto d_type) {
+    using D = decltype(d_type);
+    fill_kernel<D><<<cuda_detail::grid_size(dst.device().index, blocks_for(n)), kThreads, 0,
+                     static_cast<cudaStream_t>(stream)>>>(static_cast<D*>(dst.data()), value, n, packed);
+  });
+  cuda_detail::check(cudaGetLastError(), "cuda_fill kernel launch");
+}
+
+}  // namespace zerocore
