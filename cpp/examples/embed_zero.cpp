@@ -19,11 +19,9 @@
 //            computes; in stage 3 the schedule says when every rank has a
 //            unit's grads (its grads_final callback). end_backward waits
 //            for the last.
-//   both:    one ZeroStep call takes the grads' global norm and checks the
-//            ranks' collective order in one control collective, updates
-//            every run of the rank's partition with Adam and, in stage 2,
-//            all-gathers the updated blocks in place into every rank's full
-//            params (stage 3 keeps only its shard).
+//   both:    one ZeroStep call agrees on the norm and the collective order,
+//            updates the rank's partition and, in stage 2, all-gathers the
+//            updated blocks into every rank's full params.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -134,7 +132,7 @@ class ZeroMlp {
     options.adam = {AdamOptions{1e-2, 0.9, 0.999, /*eps=*/1e-2, /*weight_decay=*/0.01, /*adamw=*/true}};
     options.step = step_index;  // eps near the grads' size, so the check below also sees a wrong grad scale
     if (!step_->step(options).applied) throw std::runtime_error("embed_zero: the grads are not finite");
-    if (schedule_) schedule_->end_step();  // after the update: it gathers what the next forward starts with
+    if (schedule_) schedule_->end_step();  // after the update: it gathers the next forward's first units
     for (Layer& l : layers_) {  // the reducer adds into the grad partition
       const Tensor grad_part = l.store.buffer("grad_part");
       std::memset(grad_part.data(), 0, grad_part.nbytes());

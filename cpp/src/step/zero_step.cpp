@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "zerocore/error.h"
 #include "zerocore/kernels/cpu_reduce.h"
@@ -18,8 +17,12 @@ constexpr int64_t kRow = 3;
 // The exchange's key: a control all-gather whose bucket says what it is
 // for (python/zerocore/comm.py names bucket 1 "the step's norm exchange").
 constexpr int32_t kNormsPurpose = 1;
-// The control queue moves float tensors: float64 rows cross as fp16 halves.
-constexpr int64_t kHalvesPerDouble = sizeof(double) / 2;
+// The control queue moves float tensors: float64 rows cross as fp16
+// halves. Host memory of the step's own, outside the arenas, whose bytes
+// memory_report() accounts for model states and communication buffers.
+Tensor as_halves(std::vector<double>& values) {
+  return Tensor(values.data(), DType::kFloat16, Device{}, {int64_t(values.size() * sizeof(double) / 2)}, nullptr);
+}
 
 }  // namespace
 
@@ -33,19 +36,19 @@ ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)) {
                           std::to_string(parts_.control->world_size()) + "); make both over the same ranks");
   }
   for (const FlatRun& run : parts_.runs) grads_.push_back(run.grad);
-  rows_ = Tensor::empty({parts_.control->world_size() * kRow * kHalvesPerDouble}, DType::kFloat16);
+  rows_.resize(size_t(parts_.control->world_size() * kRow));
 }
 
 const Exchanged& ZeroStep::exchange(int64_t changes, std::optional<double> local) {
   if (exchanged_) return *exchanged_;
   if (parts_.grad_reduce != nullptr) parts_.grad_reduce->run();
   const double mine = local ? *local : sum_of_squares(grads_);
-  Tensor row = Tensor::empty({kRow * kHalvesPerDouble}, DType::kFloat16);
-  const double values[kRow] = {mine, double(changes), double(parts_.data->fingerprint() >> 12)};
-  std::memcpy(row.data(), values, sizeof(values));
-  parts_.control->all_gather(CollectiveKey{CollectiveKind::kAllGather, -1, kNormsPurpose, rows_.numel()}, row, rows_)
+  std::vector<double> row = {mine, double(changes), double(parts_.data->fingerprint() >> 12)};
+  const Tensor gathered = as_halves(rows_);
+  parts_.control->all_gather(CollectiveKey{CollectiveKind::kAllGather, -1, kNormsPurpose, gathered.numel()},
+                             as_halves(row), gathered)
       ->wait();
-  const double* rows = rows_.data_as<double>();
+  const double* rows = rows_.data();
   const int world = parts_.control->world_size();
   Exchanged out;
   bool diverged = false;

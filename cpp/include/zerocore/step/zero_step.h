@@ -100,7 +100,7 @@ class ZeroStep {
  private:
   Parts parts_;
   std::vector<Tensor> grads_;  // the runs' grads, for the sum of squares
-  Tensor rows_;                // the exchange's gathered rows (world x 3 float64, as fp16 halves)
+  std::vector<double> rows_;   // the exchange's gathered rows: world x (sum of squares, changes, fingerprint)
   std::optional<Exchanged> exchanged_;
 };
 
