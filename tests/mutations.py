@@ -46,33 +46,33 @@ class Mutation:
 
 
 ENGINE = "python/zerocore/engine.py"
-GRAD_SCALE = "grad_scale = 1.0 / (world * self.scaler.scale)"
-UPDATE = "self.update.apply(self.kind, self.optimizer.param_groups, self.step_count, grad_scale)"
+STEP = "cpp/src/step/zero_step.cpp"
+GRAD_SCALE = "double grad_scale = 1.0 / (parts_.data->world_size() * options.loss_scale);"
+NATIVE_STEP = "        applied, _, grad_scale = self.zero_step.step("
 
 MUTATIONS = [
     Mutation("drop-world-average", "grads summed over ranks, not averaged: the 1/world factor is lost",
-             ((ENGINE, GRAD_SCALE, "grad_scale = 1.0 / self.scaler.scale"),)),
+             ((STEP, GRAD_SCALE, "double grad_scale = 1.0 / options.loss_scale;"),)),
     Mutation("average-accumulation",
              "accumulated grads averaged over the backward calls: the engine's contract (and torch's, calling "
              "backward k times) is their sum, so a 1/accum factor is the bug here",
-             ((ENGINE, GRAD_SCALE, "grad_scale = 1.0 / (world * self.scaler.scale * self._backward_calls)"),)),
+             ((ENGINE, "loss_scale=self.scaler.scale,", "loss_scale=self.scaler.scale * self._backward_calls,"),)),
     Mutation("drop-accumulation", "each backward call drops the grads of the ones before it (only the last "
              "micro-batch counts)",
              ((ENGINE, "        self.reducer.before_backward()\n",
                "        self.zero_grad()\n        self.reducer.before_backward()\n"),)),
     Mutation("skip-unscale", "the loss scale is not divided out of the grads",
-             ((ENGINE, GRAD_SCALE, "grad_scale = 1.0 / world"),)),
+             ((STEP, GRAD_SCALE, "double grad_scale = 1.0 / parts_.data->world_size();"),)),
     Mutation("round-master", "the fp32 master is rounded to the 16-bit dtype after each update",
-             ((ENGINE, UPDATE, UPDATE + "\n        for g in self.groups:\n            if g.master is not None:\n"
-               "                g.master.copy_(g.master.to(g.dtype))"),)),
+             ((ENGINE, "        self.step_count += 1\n", "        self.step_count += 1\n        for g in self.groups:\n"
+               "            if g.master is not None:\n                g.master.copy_(g.master.to(g.dtype))\n"),)),
     Mutation("stale-root-unit", "stage 3: the root unit's own buffer is gathered once and never again, so "
              "forward and backward use its params from before the first step",
              (("cpp/src/schedule/unit_schedule.cpp", "      s.pending = issue(unit, s.buffer, true);\n",
                "      if (!own || rounds_ <= 1) s.pending = issue(unit, s.buffer, true);\n"),)),
     Mutation("prefetch-before-update", "stage 3: the next forward's units are gathered (end_step's prefetch) "
              "before the update, so the units it prefetches are a step stale",
-             ((ENGINE, "        self.step_count += 1\n",
-               "        self.step_count += 1\n        if self.scheduler:\n            self.scheduler.end_step()\n"),
+             ((ENGINE, NATIVE_STEP, "        if self.scheduler:\n            self.scheduler.end_step()\n" + NATIVE_STEP),
               (ENGINE, "        self._forget_reduction()\n        if self.scheduler:\n            self.scheduler.end_step()\n",
                "        self._forget_reduction()\n        if self.scheduler and False:\n"
                "            self.scheduler.end_step()\n"))),
@@ -83,8 +83,7 @@ MUTATIONS = [
                "  const int into = b.bucket < 2 && group.plan.buckets().size() > 2 ? 1 - b.bucket : b.bucket;\n"
                "  accumulate(group.grad_part.slice(group.plan.partition_offset(into), shard),"),)),
     Mutation("skip-clipping", "max_grad_norm is ignored",
-             ((ENGINE, "            grad_scale *= min(1.0, min(bounds) / (norm + 1e-6))",
-               "            pass"),),
+             ((STEP, "  if (options.max_norm) grad_scale *=", "  if (false) grad_scale *="),),
              # With the older clipping test (AdamW, every step clipped), which a lost clip coefficient passes.
              FAST + ("tests/test_engine_models.py::test_gradient_clipping_by_global_norm",)),
     Mutation("flip-weight-decay", "weight decay grows the params instead of shrinking them (AdamW, Adam, SGD)",
@@ -94,7 +93,7 @@ MUTATIONS = [
               ("cpp/src/kernels/optim.cpp", "return SgdCoefs{float(grad_scale), float(o.weight_decay),",
                "return SgdCoefs{float(grad_scale), float(-o.weight_decay),"))),
     Mutation("skip-overflow-check", "fp16: an inf/NaN grad is applied instead of skipping the step",
-             ((ENGINE, "        if not math.isfinite(total):\n", "        if False:\n"),)),
+             ((STEP, "  if (!std::isfinite(agreed.sum_of_squares)) return out;\n", ""),)),
 ]
 
 

@@ -19,13 +19,14 @@
 //            computes; in stage 3 the schedule says when every rank has a
 //            unit's grads (its grads_final callback). end_backward waits
 //            for the last.
-//   both:    one native Adam call updates every run of the rank's partition.
-//   stage 2: the updated blocks are all-gathered in place into every rank's
-//            full params (stage 3 keeps only its shard).
+//   both:    one ZeroStep call agrees on the norm and the collective order,
+//            updates the rank's partition and, in stage 2, all-gathers the
+//            updated blocks into every rank's full params.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -91,6 +92,11 @@ class ZeroMlp {
       for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan(), layers_[size_t(u)].params});
       param_gather_ = std::make_unique<BucketCollectives>(comm, CollectiveKind::kAllGather, full);
     }
+    std::vector<FlatRun> runs;
+    for (const Layer& l : layers_) runs.insert(runs.end(), l.runs.begin(), l.runs.end());
+    // The step's exchange shares the rounds' queue: every rank issues on it in the same order.
+    step_ = std::make_unique<ZeroStep>(
+        ZeroStep::Parts{&comm, &rounds, runs, /*partitioned=*/true, nullptr, param_gather_.get()});
   }
 
   // One optimizer step on this rank's rows of the global batch; returns the
@@ -121,21 +127,16 @@ class ZeroMlp {
     backward(layers_[0], x, d_h, rows);
     if (schedule_) schedule_->end_backward();  // first: its last round hands the units' grads to the reducer
     reducer_->end_backward();
-    if (schedule_) schedule_->end_step();
-    // The grads hold the sum over ranks of per-rank means: average them.
-    AdamOptions adam;
-    adam.lr = 1e-2;
-    adam.weight_decay = 0.01;
-    adam.eps = 1e-2;  // near the grads' size, so the check below also sees a wrong gradient scale
-
-    std::vector<FlatRun> runs;
-    for (const Layer& l : layers_) runs.insert(runs.end(), l.runs.begin(), l.runs.end());
-    adam_update_runs({adam}, step_index, 1.0 / world_, runs);
+    // The grads hold the sum over ranks of per-rank means: the step averages them.
+    StepOptions options;
+    options.adam = {AdamOptions{1e-2, 0.9, 0.999, /*eps=*/1e-2, /*weight_decay=*/0.01, /*adamw=*/true}};
+    options.step = step_index;  // eps near the grads' size, so the check below also sees a wrong grad scale
+    if (!step_->step(options).applied) throw std::runtime_error("embed_zero: the grads are not finite");
+    if (schedule_) schedule_->end_step();  // after the update: it gathers the next forward's first units
     for (Layer& l : layers_) {  // the reducer adds into the grad partition
       const Tensor grad_part = l.store.buffer("grad_part");
       std::memset(grad_part.data(), 0, grad_part.nbytes());
     }
-    if (param_gather_) param_gather_->run();
     return loss / float(out.size());
   }
 
@@ -240,6 +241,7 @@ class ZeroMlp {
   std::unique_ptr<BucketReducer> reducer_;
   std::unique_ptr<UnitSchedule> schedule_;  // stage 3
   std::unique_ptr<BucketCollectives> param_gather_;  // stage 2: every rank's updated blocks into the full params
+  std::unique_ptr<ZeroStep> step_;
 };
 
 // The initial params [W1, b1, W2, b2].

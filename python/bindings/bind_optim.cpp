@@ -5,6 +5,7 @@
 
 #include "bindings.h"
 #include "dlpack_tensor.h"
+#include "flat_runs.h"
 #include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/kernels/cpu_reduce.h"
 #include "zerocore/error.h"
@@ -31,9 +32,8 @@ Tensor flat(nb::handle obj, const char* op, const char* name, bool optional = fa
   return t;
 }
 
-// Options of each torch-style param group: a dict holding "lr",
-// "weight_decay" and the algorithm's own keys (the engine passes its
-// optimizer's param_groups as they are).
+}  // namespace
+
 std::vector<AdamOptions> adam_groups(const nb::list& groups, bool adamw) {
   std::vector<AdamOptions> out;
   for (nb::handle h : groups) {
@@ -56,11 +56,7 @@ std::vector<SgdOptions> sgd_groups(const nb::list& groups) {
   return out;
 }
 
-// A partition's runs, converted from DLPack once: each step is one call.
-struct FlatRuns {
-  std::vector<FlatRun> runs;
-  std::vector<Tensor> grads;
-};
+namespace {
 
 FlatRuns make_runs(const std::vector<int>& groups, const nb::list& params, const nb::list& grads,
                    const nb::list& state0, const nb::list& state1, const nb::list& copies) {

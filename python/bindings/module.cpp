@@ -17,4 +17,5 @@ NB_MODULE(_native, m) {
   bind_comm(m);
   bind_schedule(m);
   bind_store(m);
+  bind_step(m);
 }

@@ -215,8 +215,15 @@ class Communicator:
         trace = self.trace if diverged else None
         self.queue.restart_trace()
         if diverged:
-            raise CollectiveOrderError(self._divergence(trace))
+            raise self.order_error(trace)
         return _column_sums(row[:-1] for row in rows)
+
+    def order_error(self, trace) -> CollectiveOrderError:
+        """Ranks' order fingerprints differ (found by sum_checking_order or
+        the native step's exchange): the error naming where they parted,
+        once the ranks exchanged their traces (this rank's: `trace`). Call
+        it on every rank."""
+        return CollectiveOrderError(self._divergence(trace))
 
     def _divergence(self, trace) -> str:
         """The error path: ranks exchange their traces and name the first

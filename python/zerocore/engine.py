@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocore import activation_checkpoint, devices, param_guards, save_load
-from zerocore._native import BucketCollectives, UnitSchedule
+from zerocore._native import BucketCollectives, UnitSchedule, ZeroStep
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES
@@ -171,6 +171,13 @@ class Engine:
         gathered = [g for g in self.groups if g.trainable and placement.partitions_optimizer and not g.sharded]
         self.param_gather = BucketCollectives(self.comm.queue, KINDS.index("all_gather"),
                                               [(g.tag, g.plan, g.full) for g in gathered]) if gathered else None
+        # The step after this rank's sum of squares, in one native call: the
+        # exchange, the decision and, in place, the update and the param
+        # gather; offload's host update runs behind it (self.update).
+        in_place = not placement.optimizer_on_host
+        self.zero_step = ZeroStep(self.comm.queue, self.comm.control_queue, self.update.runs if in_place else None,
+                                  partitioned=placement.partitions_optimizer,
+                                  param_gather=self.param_gather if in_place else None)
         self.scheduler = None
         if not placement.partitions_grads:
             self.reducer = FullGradReducer(self.groups, self.comm, placement)
@@ -413,10 +420,11 @@ class Engine:
         self.reducer.reduce()
         local = self.update.grad_sum_of_squares(self._backward_calls)
         # The step's one control collective; it also checks that every rank
-        # issued the same collectives. Partitioned, each rank holds a
-        # disjoint part of the grads; otherwise all ranks hold them all.
-        summed, self._changed_anywhere = self.comm.sum_checking_order([local, len(self._trainability_changed)])
-        self._reduced = summed if self.placement.partitions_optimizer else local
+        # issued the same collectives.
+        total, changes, diverged = self.zero_step.exchange(len(self._trainability_changed), local)
+        if diverged is not None:
+            raise self.comm.order_error(diverged)
+        self._reduced, self._changed_anywhere = total, changes
 
     def _note_trainability(self):
         """Notes params whose requires_grad differs from the plan made at
@@ -447,9 +455,13 @@ class Engine:
 
     @_training
     def _step(self) -> bool:
-        total = self._reduce_grads()
-        world = self.comm.world_size
-        if not math.isfinite(total):
+        self._reduce_grads()
+        bounds = [b for b in (self.config.max_grad_norm, self._clip_norm) if b is not None]
+        self._carry_param_writes()
+        applied, _, grad_scale = self.zero_step.step(self.kind, self.optimizer.param_groups, step=self.step_count + 1,
+                                                     loss_scale=self.scaler.scale,
+                                                     max_norm=min(bounds) if bounds else None)
+        if not applied:  # the grads are not finite: nothing was updated
             self.scaler.update(overflow=True)
             self.finish_update()
             if self.scaler.dynamic:
@@ -459,17 +471,11 @@ class Engine:
                 f"zerocore: gradients hold inf/NaN at step {self.step_count + 1} (a NaN or inf loss?); the step "
                 "was not applied and params and optimizer state are unchanged. Use dtype='fp16' with dynamic "
                 "loss scaling to skip such steps instead.")
-        # Grads hold the sum over ranks of loss-scaled grads.
-        grad_scale = 1.0 / (world * self.scaler.scale)
-        norm = math.sqrt(total) * grad_scale
-        bounds = [b for b in (self.config.max_grad_norm, self._clip_norm) if b is not None]
-        if bounds:
-            grad_scale *= min(1.0, min(bounds) / (norm + 1e-6))
         self.step_count += 1
-        self._carry_param_writes()
-        self.update.apply(self.kind, self.optimizer.param_groups, self.step_count, grad_scale)
-        if self.param_gather:
-            self.param_gather.run()
+        if self.placement.optimizer_on_host:
+            self.update.apply(self.kind, self.optimizer.param_groups, self.step_count, grad_scale)
+            if self.param_gather:
+                self.param_gather.run()
         self.scaler.update(overflow=False)
         self._end_step()
         return True
@@ -506,6 +512,7 @@ class Engine:
     def _forget_reduction(self):
         """A new step begins: nothing of the last one's reduction applies."""
         self._reduced = self._clip_norm = None
+        self.zero_step.forget()
         self._trainability_changed = set()  # names of this rank's params whose requires_grad changed
         self._changed_anywhere = 0  # how many changed on all ranks together (the step's exchange)
 

@@ -1,10 +1,12 @@
 """Where a rank's step updates its partition, behind one interface the
 engine's step calls: InPlaceUpdate (the partition lives where training
-runs and is updated there) and offload.OffloadUpdate (ZeRO-Offload: on the
-host).
+runs: the native step updates its runs) and offload.OffloadUpdate
+(ZeRO-Offload: on the host).
 
     grad_sum_of_squares(backward_calls)  this rank's part of the squared norm
     apply(kind, groups, step, grad_scale)  the update, after the ranks agree
+                                         (offload only: the native step
+                                         updates InPlaceUpdate.runs)
     params_up() -> bool                  finishes a pending (delayed) update and
                                          copies its params up; True if there
                                          was one (stages 1-2 then gather them)
@@ -16,7 +18,8 @@ from zerocore import ops
 
 
 class InPlaceUpdate:
-    """The native optimizer over the partition's runs, one call a step."""
+    """The partition's runs, which the native step (_native.ZeroStep)
+    updates in the same call as it decides the step."""
 
     def __init__(self, groups):
         views = [v for g in groups if g.trainable for v in g.run_views()]
@@ -24,12 +27,6 @@ class InPlaceUpdate:
 
     def grad_sum_of_squares(self, backward_calls: int) -> float:
         return self.runs.grad_sum_of_squares()
-
-    def apply(self, kind, groups, step, grad_scale):
-        if kind == "sgd":
-            self.runs.sgd_(groups, step=step, grad_scale=grad_scale)
-        else:
-            self.runs.adam_(groups, step=step, grad_scale=grad_scale, adamw=kind == "adamw")
 
     def params_up(self) -> bool:
         return False

@@ -19,6 +19,7 @@
 #include "zerocore/layout.h"
 #include "zerocore/offload/offload_optimizer.h"
 #include "zerocore/schedule/slot_pool.h"
+#include "zerocore/step/zero_step.h"
 #include "zerocore/store/partition_store.h"
 #include "zerocore/tensor.h"
 #include "zerocore/runtime/thread_pool.h"

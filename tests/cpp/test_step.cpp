@@ -1,0 +1,224 @@
+// ZeroStep on thread ranks: stages 0 (grads all-reduced, every rank updates
+// all), 1-2 (each rank updates its partition, then the params are gathered)
+// and 3 (each rank updates its shard, nothing gathered), checked against
+// the same step written out in double (SGD: the update is p - lr * scale *
+// g); clipping; a non-finite grad on one rank skipping the step on every
+// rank with nothing changed; ranks whose collectives differ throwing on
+// every rank before anything changes.
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "thread_ranks.h"
+#include "zerocore/step/zero_step.h"
+#include "zerocore/zerocore.h"
+
+namespace zerocore {
+namespace {
+
+constexpr int kWorld = 2;
+constexpr double kLr = 0.1;
+const std::vector<int64_t> kNumels = {37, 64, 10};
+
+LayoutPlan plan_of() {
+  std::vector<ParamSpec> specs;
+  for (int64_t n : kNumels) specs.push_back(ParamSpec{n, 0});
+  return LayoutPlan::make(specs, LayoutOptions{kWorld, 4, 48});
+}
+
+// Rank r's grad values (before any reduction), the same on every thread.
+std::vector<float> grads_of(int rank, int64_t n) {
+  std::mt19937 rng(1234u + unsigned(rank));
+  std::normal_distribution<float> normal;
+  std::vector<float> out(static_cast<size_t>(n));
+  for (float& x : out) x = normal(rng);
+  return out;
+}
+
+float param_value(int64_t i) { return 0.25f * float(i % 17) - 1.0f; }
+
+Tensor filled(const std::vector<float>& values) {
+  Tensor t = Tensor::empty({int64_t(values.size())}, DType::kFloat32);
+  std::memcpy(t.data(), values.data(), t.nbytes());
+  return t;
+}
+
+StepOptions sgd(double loss_scale, std::optional<double> max_norm) {
+  StepOptions o;
+  o.kind = OptimizerKind::kSgd;
+  o.sgd = {SgdOptions{kLr, 0.0, 0.0, 0.0, false}};
+  o.loss_scale = loss_scale;
+  o.max_norm = max_norm;
+  return o;
+}
+
+bool close(double got, double want) { return std::abs(got - want) <= 1e-5 * (1.0 + std::abs(want)); }
+
+enum class Stage { kZero, kOneTwo, kThree };
+
+// One step at `stage`: checks every element each rank holds afterwards, and
+// the norm, against the double reference. The grads stand for what the
+// reduction left: stage 0's are each rank's own, all-reduced by the step;
+// the partitioned stages' are rank r's partition of the summed grads.
+void test_step(Stage stage, double loss_scale, std::optional<double> clip_fraction) {
+  const LayoutPlan plan = plan_of();
+  const int64_t total = plan.total_elems(), part = plan.partition_elems();
+  // The reference: the summed grads of the whole flat buffer.
+  std::vector<double> summed(static_cast<size_t>(total), 0.0);
+  if (stage == Stage::kZero) {
+    for (int r = 0; r < kWorld; ++r) {
+      const std::vector<float> g = grads_of(r, total);
+      for (int64_t i = 0; i < total; ++i) summed[size_t(i)] += g[size_t(i)];
+    }
+  }
+  // Partitioned: bucket b's shard for rank r sits at offset + r * shard.
+  auto owner_grads = [&](int r) { return grads_of(r, part); };
+  std::vector<int> owner(static_cast<size_t>(total));
+  std::vector<int64_t> at(static_cast<size_t>(total));  // where the element is in its owner's partition
+  for (size_t b = 0; b < plan.buckets().size(); ++b) {
+    const int64_t shard = plan.shard_elems(int(b));
+    for (int r = 0; r < kWorld; ++r) {
+      for (int64_t k = 0; k < shard; ++k) {
+        const int64_t i = plan.buckets()[b].offset + r * shard + k;
+        owner[size_t(i)] = r;
+        at[size_t(i)] = plan.partition_offset(int(b)) + k;
+      }
+    }
+  }
+  if (stage != Stage::kZero) {
+    for (int64_t i = 0; i < total; ++i) summed[size_t(i)] = owner_grads(owner[size_t(i)])[size_t(at[size_t(i)])];
+  }
+  double sum_sq = 0.0;
+  for (double g : summed) sum_sq += g * g;
+  double scale = 1.0 / (kWorld * loss_scale);
+  const double norm = std::sqrt(sum_sq) * scale;
+  const std::optional<double> max_norm =
+      clip_fraction ? std::optional<double>(*clip_fraction * norm) : std::nullopt;
+  if (max_norm) scale *= std::min(1.0, *max_norm / (norm + 1e-6));
+
+  std::atomic<int> bad{0};
+  test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
+    std::vector<float> init(static_cast<size_t>(total));
+    for (int64_t i = 0; i < total; ++i) init[size_t(i)] = param_value(i);
+    const Tensor full = filled(init);
+    Tensor grad = filled(stage == Stage::kZero ? grads_of(r, total) : owner_grads(r));
+    std::vector<FlatRun> runs;
+    if (stage == Stage::kZero) {
+      runs.push_back(FlatRun{0, full, grad, Tensor(), Tensor(), Tensor()});
+    } else {
+      for (size_t b = 0; b < plan.buckets().size(); ++b) {
+        const int64_t shard = plan.shard_elems(int(b));
+        runs.push_back(FlatRun{0, full.slice(plan.buckets()[b].offset + r * shard, shard),
+                               grad.slice(plan.partition_offset(int(b)), shard), Tensor(), Tensor(), Tensor()});
+      }
+    }
+    // Stage 0 reduces whole grads; the others hold their partition of them.
+    std::optional<BucketCollectives> reduce;
+    if (stage == Stage::kZero) reduce.emplace(data, CollectiveKind::kAllReduce, std::vector{FlatBuffer{0, plan, grad}});
+    BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
+    ZeroStep step(ZeroStep::Parts{&data, &control, runs, stage != Stage::kZero, reduce ? &*reduce : nullptr,
+                                  stage == Stage::kOneTwo ? &gather : nullptr});
+    const StepResult result = step.step(sgd(loss_scale, max_norm));
+    if (!result.applied || !close(result.norm, norm) || !close(result.grad_scale, scale)) ++bad;
+    for (int64_t i = 0; i < total; ++i) {
+      const bool mine = stage != Stage::kThree || owner[size_t(i)] == r;
+      const double want = mine ? param_value(i) - kLr * scale * summed[size_t(i)] : param_value(i);
+      if (!close(full.data_as<float>()[i], want)) ++bad;
+    }
+  });
+  CHECK(bad == 0);
+}
+
+// clip_grad_norm_'s path: the exchange first, then the step, which does not
+// exchange again (a second control collective on one rank only would hang).
+void test_exchange_then_step() {
+  std::atomic<int> bad{0};
+  test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
+    const Tensor param = filled(std::vector<float>(8, 1.0f));
+    const Tensor grad = filled(std::vector<float>(8, float(r + 1)));
+    ZeroStep step(ZeroStep::Parts{&data, &control, {FlatRun{0, param, grad, Tensor(), Tensor(), Tensor()}}, true});
+    const Exchanged& agreed = step.exchange(r == 1 ? 2 : 0);
+    if (agreed.sum_of_squares != 8.0 * (1 + 4) || agreed.changes != 2) ++bad;
+    if (r == 0) step.exchange();  // cached: no second collective
+    const StepResult result = step.step(sgd(1.0, std::nullopt));
+    if (!result.applied || !close(result.norm, std::sqrt(40.0) / kWorld)) ++bad;
+    if (step.exchanged()) ++bad;
+  });
+  CHECK(bad == 0);
+}
+
+// One rank's grads hold an inf: every rank reports the step not applied,
+// with a non-finite norm, and nothing (params, gathered buffer, the
+// exchange's result) changed.
+void test_overflow_skips_on_every_rank() {
+  const LayoutPlan plan = plan_of();
+  std::atomic<int> bad{0};
+  test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
+    std::vector<float> init(static_cast<size_t>(plan.total_elems()));
+    for (size_t i = 0; i < init.size(); ++i) init[i] = param_value(int64_t(i));
+    const Tensor full = filled(init);
+    std::vector<float> g = grads_of(r, plan.partition_elems());
+    if (r == 1) g[3] = std::numeric_limits<float>::infinity();
+    const Tensor grad = filled(g);
+    const int64_t shard = plan.shard_elems(0);
+    BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
+    ZeroStep step(ZeroStep::Parts{&data, &control,
+                                  {FlatRun{0, full.slice(r * shard, shard), grad.slice(0, shard), Tensor(),
+                                           Tensor(), Tensor()}},
+                                  true, nullptr, &gather});
+    const StepResult result = step.step(sgd(1024.0, 1.0));
+    if (result.applied || std::isfinite(result.norm)) ++bad;
+    if (!step.exchanged()) ++bad;  // kept: a second step() decides the same, with no second exchange
+    step.forget();
+    if (step.exchanged()) ++bad;
+    if (std::memcmp(full.data(), init.data(), full.nbytes()) != 0) ++bad;
+  });
+  CHECK(bad == 0);
+}
+
+// Rank 0 issued a collective of another bucket than rank 1 before the
+// step: both throw CollectiveOrderDiverged carrying their own trace, and
+// nothing is updated; the next step (the same collectives) goes through.
+void test_order_mismatch_throws_on_every_rank() {
+  std::atomic<int> threw{0}, bad{0};
+  test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
+    const Tensor param = filled(std::vector<float>(8, 1.0f));
+    const Tensor grad = filled(std::vector<float>(8, 1.0f));
+    ZeroStep step(ZeroStep::Parts{&data, &control, {FlatRun{0, param, grad, Tensor(), Tensor(), Tensor()}}, true});
+    const Tensor x = filled(std::vector<float>(4, 1.0f));
+    try {
+      data.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, 7, r, 4}, x)->wait();
+    } catch (const CollectiveMismatch&) {
+    }
+    try {
+      step.step(sgd(1.0, std::nullopt));
+    } catch (const CollectiveOrderDiverged& e) {
+      ++threw;
+      if (e.trace.size() != 1 || e.trace[0].bucket != r) ++bad;
+    }
+    if (param.data_as<float>()[0] != 1.0f) ++bad;
+  });
+  CHECK(threw == kWorld);
+  CHECK(bad == 0);
+}
+
+}  // namespace
+}  // namespace zerocore
+
+int main() {
+  using zerocore::Stage;
+  for (Stage stage : {Stage::kZero, Stage::kOneTwo, Stage::kThree}) {
+    zerocore::test_step(stage, 4.0, std::nullopt);
+    zerocore::test_step(stage, 1.0, 0.3);  // clipped to 0.3 of the norm
+    zerocore::test_step(stage, 1.0, 3.0);  // a bound above the norm: no clipping
+  }
+  zerocore::test_exchange_then_step();
+  zerocore::test_overflow_skips_on_every_rank();
+  zerocore::test_order_mismatch_throws_on_every_rank();
+  return zerocore::test::finish("test_step");
+}
