@@ -22,7 +22,7 @@ BucketCollectives::BucketCollectives(CommQueue& comm, CollectiveKind kind, std::
 }
 
 void BucketCollectives::run() {
-  std::vector<std::shared_ptr<Event>> events;
+  std::vector<std::shared_ptr<StreamEvent>> events;
   for (const FlatBuffer& b : buffers_) {
     for (int i = 0; i < int(b.plan.buckets().size()); ++i) {
       const Bucket& bucket = b.plan.buckets()[size_t(i)];
@@ -37,7 +37,7 @@ void BucketCollectives::run() {
                                                                : comm_.all_gather(key, mine, whole));
     }
   }
-  for (auto& e : events) e->wait();
+  for (auto& e : events) comm_.backend().host_wait(*e);
 }
 
 }  // namespace zerocore

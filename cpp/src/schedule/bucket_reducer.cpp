@@ -19,7 +19,10 @@ constexpr size_t kMaxInFlight = 1;
 
 BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype,
                              int staging_buffers, bool on_request, CommQueue* control)
-    : comm_(comm), control_(control ? *control : comm), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
+    : comm_(comm), control_(control ? *control : comm), backend_(comm.backend()), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
+  if (&control_.backend() != &backend_) {
+    throw InvalidArgument("BucketReducer: the control queue must be on the data queue's backend");
+  }
   int64_t largest = 0;
   for (int g = 0; g < int(groups_.size()); ++g) {
     const ReduceGroup& group = groups_[size_t(g)];
@@ -60,7 +63,7 @@ BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, D
 BucketReducer::~BucketReducer() {
   for (InFlight& f : in_flight_) {
     try {
-      f.event->wait();
+      backend_.host_wait(*f.event);
     } catch (...) {  // the queue's error was raised to whoever waited first
     }
   }
@@ -207,7 +210,7 @@ void BucketReducer::issue(int index) {
 void BucketReducer::complete_oldest() {
   InFlight f = in_flight_.front();
   in_flight_.pop_front();
-  f.event->wait();
+  backend_.host_wait(*f.event);
   const BucketState& b = buckets_[size_t(f.bucket)];
   const ReduceGroup& group = groups_[size_t(b.group)];
   const int64_t shard = group.plan.shard_elems(b.bucket);
@@ -224,7 +227,8 @@ void BucketReducer::end_backward() {
     // buckets that got one anywhere, so all issue the same collectives.
     float* flags = late_flags_.data_as<float>();
     for (size_t i = 0; i < buckets_.size(); ++i) flags[i] = buckets_[i].dirty ? 1.0f : 0.0f;
-    control_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, late_flags_.numel()}, late_flags_)->wait();
+    backend_.host_wait(
+        *control_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, late_flags_.numel()}, late_flags_));
     for (size_t i = 0; i < buckets_.size(); ++i) {
       if (flags[i] > 0.0f) issue(int(i));
     }
