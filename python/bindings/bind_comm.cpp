@@ -74,8 +74,7 @@ void bind_collective_timeout(nb::module_& m) {
 }
 
 // A collective's completion as Python holds it: the queue's backend event,
-// waited for through that backend (the queue's, which outlives it: the
-// process's CPU backend).
+// waited for through that backend (the process's, which outlives it).
 struct CollectiveEvent {
   Backend* backend;
   std::shared_ptr<StreamEvent> event;

@@ -1,11 +1,9 @@
 #include "zerocore/schedule/bucket_reducer.h"
 
 #include <algorithm>
-#include <cstring>
 #include <memory>
 #include <string>
 
-#include "zerocore/kernels/cpu_accumulate.h"
 #include "zerocore/error.h"
 
 namespace zerocore {
@@ -54,7 +52,8 @@ BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, D
       buckets_.push_back(state);
     }
   }
-  pool_ = SlotPool(reduce_dtype, largest, largest > 0 ? staging_buffers : 0);
+  pool_ = SlotPool(reduce_dtype, largest, largest > 0 ? staging_buffers : 0, backend_, MemoryKind::kDevice,
+                   "grad staging");
   // A control buffer, not an arena: it is no communication buffer of the plan.
   auto flags = std::make_shared<std::vector<float>>(buckets_.size());
   late_flags_ = Tensor(flags->data(), DType::kFloat32, Device{}, {int64_t(flags->size())}, flags);
@@ -117,8 +116,7 @@ int BucketReducer::take_staging(BucketState& b) {
       slot = pool_.try_acquire();
     }
     b.staging = slot >= 0 ? slot : pool_.acquire();
-    const Tensor& staging = pool_.slot(b.staging);
-    std::memset(staging.data(), 0, staging.nbytes());
+    backend_.fill(backend_.compute_stream(), pool_.slot(b.staging), 0.0f);
   }
   return b.staging;
 }
@@ -144,7 +142,11 @@ void BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
     BucketState& b = buckets_[size_t(piece.bucket)];
     const Tensor target = pool_.slot(take_staging(b)).slice(piece.staging_offset, piece.numel);
     const Tensor source = grad.slice(piece.param_offset, piece.numel);
-    if (source.data() != target.data()) accumulate(target, source);  // else autograd accumulated in place
+    if (source.data() != target.data()) {
+      backend_.accumulate(backend_.compute_stream(), target, source);
+    } else {  // autograd accumulated in place
+      backend_.declare_access(backend_.compute_stream(), Access::write(target), "autograd accumulates a grad");
+    }
     if (b.issued) {
       b.dirty = true;
     } else if (!reported_[size_t(group)][size_t(param)][i]) {
@@ -198,6 +200,7 @@ void BucketReducer::issue(int index) {
   const int64_t shard = plan.shard_elems(b.bucket);
   const Tensor staging = pool_.slot(take_staging(b));  // no grads here on this rank: zeros
   const CollectiveKey key{CollectiveKind::kReduceScatter, groups_[size_t(b.group)].tag, b.bucket, bucket.numel};
+  backend_.wait(comm_.stream(), *backend_.record(backend_.compute_stream()));  // the grads are in
   in_flight_.push_back(InFlight{index, b.staging,
                                 comm_.reduce_scatter(key, staging.slice(0, bucket.numel),
                                                      staging.slice(comm_.rank() * shard, shard))});
@@ -214,9 +217,9 @@ void BucketReducer::complete_oldest() {
   const BucketState& b = buckets_[size_t(f.bucket)];
   const ReduceGroup& group = groups_[size_t(b.group)];
   const int64_t shard = group.plan.shard_elems(b.bucket);
-  accumulate(group.grad_part.slice(group.plan.partition_offset(b.bucket), shard),
-             pool_.slot(f.staging).slice(comm_.rank() * shard, shard));
-  pool_.release(f.staging);
+  backend_.accumulate(backend_.compute_stream(), group.grad_part.slice(group.plan.partition_offset(b.bucket), shard),
+                      pool_.slot(f.staging).slice(comm_.rank() * shard, shard));
+  pool_.release(f.staging, backend_.compute_stream());
 }
 
 void BucketReducer::end_backward() {

@@ -45,7 +45,7 @@ UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitS
   const int64_t slot_bytes = std::max<int64_t>(1, largest * int64_t(elem_bytes_));
   const int64_t window = prefetch_bytes <= 0 ? 0 : std::max<int64_t>(1, prefetch_bytes / slot_bytes);
   const int64_t pooled = std::count_if(units_.begin(), units_.end(), [](const UnitSpec& u) { return !u.own_slot; });
-  pool_ = SlotPool(dtype, largest, int(std::min(1 + window, pooled)));
+  pool_ = SlotPool(dtype, largest, int(std::min(1 + window, pooled)), backend_, MemoryKind::kDevice, "gathered units");
   // A control buffer, not an arena: it is no communication buffer of the plan.
   // + done, failed, backward, and one per count of free slots (0 to planned): the fewest any rank has.
   auto flags = std::make_shared<std::vector<float>>(units_.size() * kFlags + kGlobals + size_t(pool_.planned()) + 1);
@@ -100,6 +100,8 @@ size_t UnitSchedule::buffer_bytes() const {
 std::vector<std::shared_ptr<StreamEvent>> UnitSchedule::issue(int unit, const Tensor& out, bool counted) {
   std::vector<std::shared_ptr<StreamEvent>> events;
   const UnitSpec& spec = units_[size_t(unit)];
+  // What compute last did with `out` (a slot's previous unit) is done.
+  backend_.wait(comm_.stream(), *backend_.record(backend_.compute_stream()));
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const UnitGroup& group = spec.groups[g];
     const int64_t base = group_offsets_[size_t(unit)][g];
