@@ -20,16 +20,18 @@ pytestmark = pytest.mark.skipif(_native.process_backend() != "checking",
 
 STEPS = 3
 # (forward, backward, engine.step()) host waits of a step after the first.
-# Stage 0: the step's bucketed grad all-reduce and its control exchange.
-# Stage 1: the step's reduce-scatter, control exchange and param all-gather.
-# Stage 2: backward completes its reduce-scatters; the step its exchange and gather.
-# Stage 3: every unit hook settles a round or waits for a gather.
+# Stage 0: the step's grad all-reduce (one wait for all its buckets) and
+# its control exchange. Stage 1: the step's reduce-scatter, control exchange
+# and param all-gather. Stage 2: backward completes each bucket's
+# reduce-scatter and agrees on late grads; the step, its exchange and gather.
+# Stage 3: unit hooks settle rounds and wait for gathers. The step's own
+# waits do not grow with the number of buckets (checked with small ones).
 MEASURED = {0: (0, 0, 2), 1: (0, 0, 3), 2: (0, 2, 2), 3: (6, 11, 2)}
 
 
-def _count(rank, world, stage):
+def _count(rank, world, stage, bucket_bytes):
     model = make()
-    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zerocore.Config(stage=stage))
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zerocore.Config(stage=stage, **bucket_bytes))
     counts = []
     for step in range(STEPS):
         x, y = lm_batch(step, 0, world)
@@ -47,5 +49,11 @@ def _count(rank, world, stage):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_host_waits_per_step(stage):
-    for counts in run_ranks(_count, 2, stage, timeout=120):
+    for counts in run_ranks(_count, 2, stage, {}, timeout=120):
         assert counts[1:] == [MEASURED[stage]] * (STEPS - 1), f"stage {stage}: host waits per step {counts}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_host_waits_do_not_grow_with_buckets(stage):
+    for counts in run_ranks(_count, 2, stage, dict(bucket_bytes=256), timeout=120):
+        assert [c[2] for c in counts] == [MEASURED[stage][2]] * STEPS, f"stage {stage}: host waits per step {counts}"
