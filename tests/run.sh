@@ -7,6 +7,8 @@
 # packages. Then it runs the C++ tests (ctest), the GPU script's dry run
 # where a CUDA compiler is (tests/gpu.sh --dry-run) and the Python tests
 # (pytest); GPU tests skip without a GPU. Extra arguments go to pytest.
+# Last, the checked subset runs again under the checking backend
+# (ZEROCORE_BACKEND=checking, tests/README.md).
 #
 #   PYTHON=python3.12 bash tests/run.sh       # another interpreter
 #   bash tests/run.sh -k engine -x            # a subset of the Python tests
@@ -38,3 +40,12 @@ fi
 # From the repository root `python/zerocore` is not on the path, so the
 # tests import the installed package.
 "$venv/python" -m pytest -q -p no:cacheprovider tests "$@"
+
+# The checked subset under the checking backend: every comm queue's
+# collectives, every wait for them and the schedules' slots are checked
+# (a violation raises StreamOrderError on its rank), with the same
+# references. Stages 0-3, offload, divergent units, partitioned activation
+# checkpoints, coalesced units, and the host waits a step makes.
+ZEROCORE_BACKEND=checking "$venv/python" -m pytest -q -p no:cacheprovider \
+  tests/test_engine_equivalence.py tests/test_offload.py tests/test_divergent_units.py tests/test_moe_example.py \
+  tests/test_activation_checkpoint.py tests/test_coalesced_units.py tests/test_host_waits.py

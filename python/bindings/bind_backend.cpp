@@ -13,6 +13,7 @@
 
 #include "bindings.h"
 #include "dlpack_tensor.h"
+#include "process_backend.h"
 #include "zerocore/backend/checking_backend.h"
 #include "zerocore/error.h"
 
@@ -135,6 +136,17 @@ void bind_backend(nb::module_& m) {
       .def("host_waits", [](BoundBackend& b) { return b.get().host_waits(); })
       .def("take_host_waits", [](BoundBackend& b) { return b.get().take_host_waits(); },
            "The host waits since the last call, resetting the count (once a step).");
+
+  m.def("process_backend", [] { return process_checker() ? "checking" : "cpu"; },
+        "The backend this process's comm queues and schedules run on (ZEROCORE_BACKEND).");
+  m.def(
+      "take_process_host_waits",
+      [] {
+        CheckingCpuBackend* checker = process_checker();
+        if (!checker) throw InvalidArgument("take_process_host_waits: run with ZEROCORE_BACKEND=checking to count");
+        return checker->take_host_waits();
+      },
+      "Blocking host waits of the process's checking backend since the last call, resetting the count.");
 }
 
 }  // namespace zerocore::bindings

@@ -73,6 +73,17 @@ void bind_collective_timeout(nb::module_& m) {
   });
 }
 
+// A collective's completion as Python holds it: the queue's backend event,
+// waited for through that backend (the process's, which outlives it).
+struct CollectiveEvent {
+  Backend* backend;
+  std::shared_ptr<StreamEvent> event;
+};
+
+CollectiveEvent completion(const CommQueue& q, std::shared_ptr<StreamEvent> event) {
+  return CollectiveEvent{&q.backend(), std::move(event)};
+}
+
 // `transport`, completing late where the environment asks
 // (ZEROCORE_LATE_COMPLETION: a test switch, see comm.h).
 std::unique_ptr<Transport> late_if_asked(std::unique_ptr<Transport> transport) {
@@ -98,11 +109,15 @@ void bind_comm(nb::module_& m) {
       .def_ro("numel", &CollectiveKey::numel)
       .def("__repr__", [](const CollectiveKey& k) { return "CollectiveKey(" + describe(k) + ")"; });
 
-  nb::class_<Event>(m, "Event", "Completion of one queued collective.")
-      .def("wait", &Event::wait, nb::call_guard<nb::gil_scoped_release>(),
-           "Blocks (without the GIL) until the collective completed (its data moved); raises its error if it "
-           "failed.")
-      .def("ready", &Event::ready, "True once the collective completed (or failed).");
+  nb::class_<CollectiveEvent>(m, "Event", "Completion of one queued collective.")
+      .def(
+          "wait", [](const CollectiveEvent& e) { e.backend->host_wait(*e.event); },
+          nb::call_guard<nb::gil_scoped_release>(),
+          "Blocks (without the GIL) until the collective completed (its data moved); raises its error if it "
+          "failed.")
+      .def(
+          "ready", [](const CollectiveEvent& e) { return e.backend->query(*e.event); },
+          "True once the collective completed (or failed).");
 
   nb::class_<BoundQueue>(m, "CommQueue",
                          "A group's comm stream: native threads issuing and completing its collectives in issue order "
@@ -128,28 +143,28 @@ void bind_comm(nb::module_& m) {
       .def(
           "all_gather",
           [](const BoundQueue& q, nb::handle key, nb::handle shard, nb::handle output, bool counted) {
-            return q.get().all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
-                                      tensor_from_dlpack(output, "output"), counted);
+            return completion(q.get(), q.get().all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
+                                      tensor_from_dlpack(output, "output"), counted));
           },
           "key"_a, "shard"_a, "output"_a, "counted"_a = true, "output (world_size x shard) <- every rank's shard.")
       .def(
           "reduce_scatter",
           [](const BoundQueue& q, nb::handle key, nb::handle input, nb::handle shard, bool counted) {
-            return q.get().reduce_scatter(to_key(key), tensor_from_dlpack(input, "input"),
-                                          tensor_from_dlpack(shard, "shard"), counted);
+            return completion(q.get(), q.get().reduce_scatter(to_key(key), tensor_from_dlpack(input, "input"),
+                                          tensor_from_dlpack(shard, "shard"), counted));
           },
           "key"_a, "input"_a, "shard"_a, "counted"_a = true,
           "shard <- this rank's block of the sum of every rank's input.")
       .def(
           "all_reduce",
           [](const BoundQueue& q, nb::handle key, nb::handle tensor, bool counted) {
-            return q.get().all_reduce(to_key(key), tensor_from_dlpack(tensor, "tensor"), counted);
+            return completion(q.get(), q.get().all_reduce(to_key(key), tensor_from_dlpack(tensor, "tensor"), counted));
           },
           "key"_a, "tensor"_a, "counted"_a = true, "tensor <- the sum of every rank's tensor.")
       .def(
           "broadcast",
           [](const BoundQueue& q, nb::handle key, nb::handle tensor, int root, bool counted) {
-            return q.get().broadcast(to_key(key), tensor_from_dlpack(tensor, "tensor"), root, counted);
+            return completion(q.get(), q.get().broadcast(to_key(key), tensor_from_dlpack(tensor, "tensor"), root, counted));
           },
           "key"_a, "tensor"_a, "root"_a, "counted"_a = true, "tensor <- rank root's tensor.")
       .def_prop_ro("fingerprint", [](const BoundQueue& q) { return q.get().fingerprint(); },

@@ -1,4 +1,5 @@
-// The CommQueue as Python holds it (zerocore._native.CommQueue), shared by
+// The CommQueue as Python holds it (zerocore._native.CommQueue), on the
+// process's backend (process_backend.h), shared by
 // the bindings that issue on it (the schedule's). Its threads take the GIL
 // to run a Python transport, so the queue is closed (drained, its threads
 // joined) with the GIL released. Native objects issuing on it hold a
@@ -11,6 +12,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "process_backend.h"
 #include "zerocore/comm/comm.h"
 
 namespace zerocore::bindings {
@@ -19,7 +21,7 @@ namespace zerocore::bindings {
 class BoundQueue {
  public:
   explicit BoundQueue(std::unique_ptr<Transport> transport)
-      : queue_(std::make_unique<CommQueue>(std::move(transport))) {}
+      : queue_(std::make_unique<CommQueue>(std::move(transport), process_backend())) {}
   ~BoundQueue() { close(); }
   BoundQueue(const BoundQueue&) = delete;
   BoundQueue& operator=(const BoundQueue&) = delete;

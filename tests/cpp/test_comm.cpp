@@ -58,8 +58,8 @@ void test_collectives(DType dtype) {
     auto e2 = q.reduce_scatter(key(CollectiveKind::kReduceScatter, 1, full), grads, grads.slice(r * shard, shard));
     auto e3 = q.all_reduce(key(CollectiveKind::kAllReduce, 2, full), summed);
     auto e4 = q.broadcast(key(CollectiveKind::kBroadcast, 3, full), root_value, 2);
-    e4->wait();  // in order: the earlier ones are done too
-    if (!(e1->ready() && e2->ready() && e3->ready())) ++bad;
+    q.backend().host_wait(*e4);  // in order: the earlier ones are done too
+    if (!(q.backend().query(*e1) && q.backend().query(*e2) && q.backend().query(*e3))) ++bad;
     for (int64_t i = 0; i < full; ++i) {
       const int owner = int(i / shard);
       if (at(gathered, i) != at(filled(full, owner, dtype), i % shard + owner * shard)) ++bad;
@@ -82,7 +82,7 @@ void test_mismatch_fails_everywhere() {
     // Rank 3 reduces another bucket of the same size: data would pair silently.
     auto e = q.all_reduce(key(CollectiveKind::kAllReduce, r == 3 ? 5 : 4, 8), t);
     try {
-      e->wait();
+      q.backend().host_wait(*e);
     } catch (const CollectiveMismatch& err) {
       ++mismatches;
       const std::string what = err.what();
@@ -92,7 +92,7 @@ void test_mismatch_fails_everywhere() {
       }
     }
     try {  // the ranks are out of step: later collectives fail, never pair
-      q.all_reduce(key(CollectiveKind::kAllReduce, 6, 8), t)->wait();
+      q.backend().host_wait(*q.all_reduce(key(CollectiveKind::kAllReduce, 6, 8), t));
     } catch (const CollectiveMismatch&) {
       ++later_failures;
     }
@@ -105,7 +105,7 @@ void test_bad_argument_fails_everywhere() {
   on_ranks([&](int r, CommQueue& q) {
     Tensor out = Tensor::empty({r == 1 ? 7 : 8}, DType::kFloat32), shard = Tensor::empty({2}, DType::kFloat32);
     try {
-      q.all_gather(key(CollectiveKind::kAllGather, 0, 8), shard, out)->wait();
+      q.backend().host_wait(*q.all_gather(key(CollectiveKind::kAllGather, 0, 8), shard, out));
     } catch (const InvalidArgument& err) {
       if (std::string(err.what()).find("rank 1:") != std::string::npos) ++errors;
     } catch (const CollectiveMismatch&) {
@@ -120,7 +120,7 @@ CommQueue solo_queue() { return CommQueue(InProcessGroup(1).transport(0)); }
 
 // Issues an all-reduce of `key` (a tensor of key.numel elements) and waits.
 void issue(CommQueue& q, const CollectiveKey& key, bool counted = true) {
-  q.all_reduce(key, Tensor::empty({key.numel}, DType::kFloat32), counted)->wait();
+  q.backend().host_wait(*q.all_reduce(key, Tensor::empty({key.numel}, DType::kFloat32), counted));
 }
 
 void test_fingerprint_equal_on_ranks_that_issued_the_same() {
@@ -130,7 +130,7 @@ void test_fingerprint_equal_on_ranks_that_issued_the_same() {
     Tensor t = filled(8, r, DType::kFloat32);
     q.all_reduce(key(CollectiveKind::kAllReduce, 0, 8), t);
     q.broadcast(CollectiveKey{CollectiveKind::kBroadcast, -1, 0, 8}, t, 0);  // control plane: not in the books
-    q.all_reduce(key(CollectiveKind::kAllReduce, 1, 8), t)->wait();
+    q.backend().host_wait(*q.all_reduce(key(CollectiveKind::kAllReduce, 1, 8), t));
     prints[size_t(r)] = q.fingerprint();
     const std::vector<CollectiveKey> expected{key(CollectiveKind::kAllReduce, 0, 8),
                                               key(CollectiveKind::kAllReduce, 1, 8)};
@@ -182,7 +182,7 @@ void test_stats_count_counted_data_plane_only() {
   q.reduce_scatter(key(CollectiveKind::kReduceScatter, 0, 8), full, full);
   q.all_reduce(key(CollectiveKind::kAllReduce, 0, 8), full);
   q.all_gather(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 8}, full, full);
-  q.broadcast(CollectiveKey{CollectiveKind::kBroadcast, -1, 0, 8}, full, 0)->wait();
+  q.backend().host_wait(*q.broadcast(CollectiveKey{CollectiveKind::kBroadcast, -1, 0, 8}, full, 0));
   CHECK((q.stats() == std::array<int64_t, 4>{8, 8, 8, 0}));
   CHECK(q.trace().size() == 4);  // the uncounted gather is still in the order contract
   q.reset_stats();
@@ -281,9 +281,9 @@ class GatedTransport : public Transport {
   bool open_ = false, fail_ = false;
 };
 
-bool fails_with(const std::shared_ptr<Event>& e, const char* message) {
+bool fails_with(CommQueue& q, const std::shared_ptr<StreamEvent>& e, const char* message) {
   try {
-    e->wait();
+    q.backend().host_wait(*e);
   } catch (const std::runtime_error& error) {
     return std::string(error.what()) == message;
   }
@@ -300,20 +300,73 @@ void test_events_complete_in_order(bool fail) {
   auto late = q.all_reduce(key(CollectiveKind::kAllReduce, 1, 4), t);
   auto on_return = q.all_reduce(key(CollectiveKind::kAllReduce, 2, 4), t);
   transport.wait_issued(2);  // both calls returned, the first not complete
-  CHECK(!late->ready() && !on_return->ready());
+  CHECK(!q.backend().query(*late) && !q.backend().query(*on_return));
   transport.open(fail);
   auto after = q.all_reduce(key(CollectiveKind::kAllReduce, 4, 4), t);
   if (!fail) {
-    on_return->wait();
-    after->wait();
-    CHECK(late->ready());
+    q.backend().host_wait(*on_return);
+    q.backend().host_wait(*after);
+    CHECK(q.backend().query(*late));
     return;
   }
-  CHECK(fails_with(late, "the peer went away") && fails_with(on_return, "the peer went away") &&
-        fails_with(after, "the peer went away"));
+  CHECK(fails_with(q, late, "the peer went away") && fails_with(q, on_return, "the peer went away") &&
+        fails_with(q, after, "the peer went away"));
 }
 
 }  // namespace
+
+// The comm queue on the checking backend, ranks as threads (each its own
+// backend, as each process its own): a gather whose shard compute wrote and
+// whose output compute then reads is clean with both waits (and gathers the
+// right data, late completion or not); without the comm stream's wait for
+// compute, or without the host's wait for the gather, the checker names the
+// buffer and both accesses.
+enum class Missing { kNone, kCommWaitsForCompute, kHostWaitsForGather };
+
+void test_queue_on_the_checking_backend(Missing missing) {
+  constexpr int64_t shard = 7, full = shard * kWorld;
+  std::atomic<int> bad{0}, named{0};
+  InProcessGroup group(kWorld, late_completion_from_env());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      CheckingCpuBackend backend(CheckingOptions{uint64_t(20 + r), 0, 300, false});
+      CommQueue q(group.transport(r), backend);
+      Stream& compute = backend.compute_stream();
+      const Tensor mine = backend.allocate(MemoryKind::kDevice, shard * 4, "shard")->view(0, DType::kFloat32, {shard});
+      const Tensor whole = backend.allocate(MemoryKind::kDevice, full * 4, "unit")->view(0, DType::kFloat32, {full});
+      backend.fill(compute, mine, float(r + 1));
+      if (missing != Missing::kCommWaitsForCompute) backend.wait(q.stream(), *backend.record(compute));
+      auto gathered = q.all_gather(CollectiveKey{CollectiveKind::kAllGather, 0, 0, full}, mine, whole);
+      if (missing != Missing::kHostWaitsForGather) backend.host_wait(*gathered);
+      backend.declare_access(compute, Access::read(whole), "forward reads the unit");
+      backend.host_wait(*gathered);
+      const std::vector<std::string> found = backend.violations();
+      if (missing == Missing::kNone) {
+        for (int64_t i = 0; i < full; ++i) {
+          if (whole.data_as<float>()[i] != float(i / shard + 1)) ++bad;
+        }
+        if (!found.empty()) ++bad;
+        return;
+      }
+      const std::string expect = missing == Missing::kCommWaitsForCompute
+                                     ? "buffer 'shard' (device): 'fill' on stream 'compute' writes"
+                                     : "buffer 'unit' (device): 'all_gather of group 0, bucket 0";
+      const std::string then = missing == Missing::kCommWaitsForCompute
+                                   ? "then 'all_gather of group 0, bucket 0 (28 elements)' on stream 'comm (rank "
+                                   : "then 'forward reads the unit' on stream 'compute' reads";
+      if (found.size() == 1 && found[0].find(expect) != std::string::npos &&
+          found[0].find(then) != std::string::npos) {
+        ++named;
+      } else {
+        for (const auto& f : found) std::fprintf(stderr, "rank %d: %s\n", r, f.c_str());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(bad == 0);
+  CHECK(named == (missing == Missing::kNone ? 0 : kWorld));
+}
 
 int main() {
   test_collectives(DType::kFloat32);
@@ -328,6 +381,9 @@ int main() {
   test_late_completion_reads_and_writes_late();
   test_events_complete_in_order(false);
   test_events_complete_in_order(true);
+  test_queue_on_the_checking_backend(Missing::kNone);
+  test_queue_on_the_checking_backend(Missing::kCommWaitsForCompute);
+  test_queue_on_the_checking_backend(Missing::kHostWaitsForGather);
   CHECK(describe(CollectiveKey{CollectiveKind::kReduceScatter, 2, 1, 1234567}) ==
         "reduce_scatter of group 2, bucket 1 (1,234,567 elements)");
   CHECK(describe(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 16}) == "control-plane all_gather (16 elements)");

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <functional>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -362,8 +364,73 @@ void test_divergent_units() {
 
 }  // namespace
 
+// The schedule on the checking backend (each rank its own, as each process
+// its own): compute's reads of every gathered unit, declared as the Python
+// hooks do, are ordered after their gathers and before the slot's next
+// gather, for three steps with prefetch. A hook that reads a unit after
+// releasing it, while the next unit is gathered into its slot, is named:
+// the slot pool, the gather and the read.
+void test_units_on_the_checking_backend(bool read_after_release) {
+  std::atomic<int> bad{0}, named{0};
+  InProcessGroup data(kWorld, late_completion_from_env()), rounds(kWorld, late_completion_from_env());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      CheckingCpuBackend backend(CheckingOptions{uint64_t(40 + r), 0, 200, false});
+      Stream& compute = backend.compute_stream();
+      CommQueue q(data.transport(r), backend), rq(rounds.transport(r), backend);
+      std::vector<UnitSpec> specs(4);
+      for (int u = 0; u < 4; ++u) specs[size_t(u)].groups.push_back(unit_group(u, 0, r, {20, 33}));
+      UnitSchedule s(q, rq, specs, DType::kFloat32, 4 * plan_of({20, 33}).total_elems());
+      auto use = [&](int u, const Tensor& buffer) {
+        backend.declare_access(compute, Access::read(buffer), "unit " + std::to_string(u) + " computes");
+        if (!holds_unit(s, specs, u, buffer)) ++bad;
+      };
+      for (int step = 0; step < 3; ++step) {
+        Tensor released;
+        for (int u = 0; u < 4; ++u) {
+          const Tensor buffer = s.pre_forward(u, true);
+          use(u, buffer);
+          if (read_after_release && step == 2 && u == 2) {
+            backend.declare_access(compute, Access::read(released), "a stale read of unit 1");
+          }
+          s.post_forward(u, true);
+          released = buffer;
+        }
+        s.end_forward();
+        s.begin_backward();
+        for (int u = 3; u >= 0; --u) {
+          use(u, s.pre_backward(u));
+          s.post_backward(u);
+        }
+        s.end_backward();
+        s.end_step();
+      }
+      s.release_all();
+      const std::vector<std::string> found = backend.violations();
+      if (!read_after_release) {
+        bad += int(found.size());
+        for (const auto& f : found) std::fprintf(stderr, "rank %d: %s\n", r, f.c_str());
+        return;
+      }
+      if (!found.empty() && found[0].find("buffer 'gathered units' (device): 'all_gather of group 30") !=
+                                std::string::npos &&
+          found[0].find("then 'a stale read of unit 1' on stream 'compute' reads") != std::string::npos) {
+        ++named;
+      } else {
+        for (const auto& f : found) std::fprintf(stderr, "rank %d: %s\n", r, f.c_str());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(bad == 0);
+  CHECK(named == (read_after_release ? kWorld : 0));
+}
+
 int main() {
   test_units();
+  test_units_on_the_checking_backend(false);
+  test_units_on_the_checking_backend(true);
   test_buckets();
   test_in_flight_reduction_gives_its_staging_back();
   test_grad_partitions_change_between_backwards();

@@ -59,6 +59,10 @@ std::shared_ptr<StreamEvent> CheckingCpuBackend::record(Stream& stream) {
   return record_with(stream, checker_->clock(index_of(stream)));
 }
 
+std::shared_ptr<StreamEvent> CheckingCpuBackend::record_done(Stream& stream, std::shared_ptr<Event> done) {
+  return std::make_shared<CpuEvent>(std::move(done), checker_->clock(index_of(stream)));
+}
+
 void CheckingCpuBackend::wait(Stream& stream, const StreamEvent& event) {
   CpuBackend::wait(stream, event);
   checker_->join(index_of(stream), static_cast<const CpuEvent&>(event).clock());

@@ -14,11 +14,16 @@
 namespace zerocore {
 
 struct CpuBackend::CpuStream : Stream {
-  CpuStream(std::string name, int index, bool own_thread)
-      : Stream(std::move(name)), index(index), queue(own_thread ? std::make_unique<WorkQueue>() : nullptr) {}
+  CpuStream(std::string name, int index) : Stream(std::move(name)), index(index) {}
   const int index;
-  const std::unique_ptr<WorkQueue> queue;  // none for the compute stream: its work runs inline
-  std::shared_ptr<Event> last;             // completes after everything queued so far
+  // None for the compute stream (its work runs inline) and for another
+  // stream until its first work.
+  std::unique_ptr<WorkQueue> queue;
+  std::shared_ptr<Event> last;  // completes after everything queued so far
+  WorkQueue& work_queue() {
+    if (!queue) queue = std::make_unique<WorkQueue>();
+    return *queue;
+  }
 };
 
 namespace {
@@ -39,7 +44,7 @@ const CpuEvent& cpu_event(const StreamEvent& event) {
 }
 }  // namespace
 
-CpuBackend::CpuBackend() { streams_.push_back(std::make_unique<CpuStream>("compute", kCompute, false)); }
+CpuBackend::CpuBackend() { streams_.push_back(std::make_unique<CpuStream>("compute", kCompute)); }
 
 CpuBackend::~CpuBackend() = default;  // each WorkQueue runs what it was given, then joins
 
@@ -52,7 +57,7 @@ Stream& CpuBackend::compute_stream() { return *streams_[kCompute]; }
 
 Stream& CpuBackend::create_stream(const std::string& name) {
   std::lock_guard<std::mutex> lock(mutex_);
-  streams_.push_back(std::make_unique<CpuStream>(name, int(streams_.size()), true));
+  streams_.push_back(std::make_unique<CpuStream>(name, int(streams_.size())));
   return *streams_.back();
 }
 
@@ -78,24 +83,29 @@ void CpuBackend::wait(Stream& stream, const StreamEvent& event) {
   const std::shared_ptr<Event>& done = cpu_event(event).done();
   if (done->ready()) return;
   CpuStream& s = cpu_stream(stream);
-  if (!s.queue) {
+  if (s.index == kCompute) {
     done->wait();  // the compute stream is the caller: it waits where it stands
     return;
   }
-  s.last = s.queue->enqueue([done] { done->wait(); });
+  s.last = s.work_queue().enqueue([done] { done->wait(); });
 }
 
 void CpuBackend::host_wait(const StreamEvent& event) { cpu_event(event).done()->wait(); }
+
+std::shared_ptr<StreamEvent> CpuBackend::record_done(Stream& stream, std::shared_ptr<Event> done) {
+  cpu_stream(stream);  // the stream must be this backend's
+  return std::make_shared<CpuEvent>(std::move(done), std::vector<uint64_t>{});
+}
 
 bool CpuBackend::query(const StreamEvent& event) { return cpu_event(event).done()->ready(); }
 
 void CpuBackend::enqueue(Stream& stream, const std::string&, const std::vector<Access>&, std::function<void()> body) {
   CpuStream& s = cpu_stream(stream);
-  if (!s.queue) {
+  if (s.index == kCompute) {
     body();
     return;
   }
-  s.last = s.queue->enqueue(std::move(body));
+  s.last = s.work_queue().enqueue(std::move(body));
 }
 
 void CpuBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {

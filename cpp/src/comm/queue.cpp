@@ -5,7 +5,9 @@
 // sets it itself when the collective was done on return and none before it
 // still completes: gloo's case, without a hand-off). Callers wait on events,
 // not on the queue: a call into the transport returning means only that the
-// collective is queued (NCCL), never that its data moved.
+// collective is queued (NCCL), never that its data moved. The queue's events
+// are its backend's (record_done over the completion flag), so the checking
+// backend orders the collective's declared accesses through them.
 // Issuing also keeps the order contract's books, under the same lock as the
 // queue, so the trace lists collectives in the order they run.
 #include <utility>
@@ -86,8 +88,10 @@ struct CommQueue::State {
   }
 };
 
-CommQueue::CommQueue(std::unique_ptr<Transport> transport)
+CommQueue::CommQueue(std::unique_ptr<Transport> transport, Backend& backend)
     : transport_(std::move(transport)),
+      backend_(backend),
+      stream_(backend.create_stream("comm (rank " + std::to_string(transport_->rank()) + ")")),
       rank_(transport_->rank()),
       world_size_(transport_->world_size()),
       state_(std::make_unique<State>()) {}
@@ -95,10 +99,13 @@ CommQueue::CommQueue(std::unique_ptr<Transport> transport)
 // The state (its queues first) goes before the transport its work uses.
 CommQueue::~CommQueue() = default;
 
-std::shared_ptr<Event> CommQueue::enqueue(const CollectiveKey& key, bool counted,
-                                          std::function<Completion(Transport&)> work) {
+std::shared_ptr<StreamEvent> CommQueue::enqueue(const CollectiveKey& key, bool counted,
+                                                const std::vector<Access>& accesses,
+                                                std::function<Completion(Transport&)> work) {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
+  const std::string op = describe(key);
+  for (const Access& a : accesses) backend_.declare_access(stream_, a, op);
   if (key.group >= 0) {
     s.fingerprint.add(int64_t(key.kind));
     s.fingerprint.add(key.group);
@@ -111,25 +118,26 @@ std::shared_ptr<Event> CommQueue::enqueue(const CollectiveKey& key, bool counted
   s.issuing.enqueue([&s, work = std::move(work), transport = transport_.get(), done]() mutable {
     s.issue(*transport, work, done);
   });
-  return done;
+  return backend_.record_done(stream_, std::move(done));
 }
 
-std::shared_ptr<Event> CommQueue::all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output,
-                                             bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { return t.all_gather(key, shard, output); });
+std::shared_ptr<StreamEvent> CommQueue::all_gather(const CollectiveKey& key, const Tensor& shard,
+                                                   const Tensor& output, bool counted) {
+  return enqueue(key, counted, {Access::read(shard), Access::write(output)}, [=](Transport& t) { return t.all_gather(key, shard, output); });
 }
 
-std::shared_ptr<Event> CommQueue::reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard,
-                                                 bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { return t.reduce_scatter(key, input, shard); });
+std::shared_ptr<StreamEvent> CommQueue::reduce_scatter(const CollectiveKey& key, const Tensor& input,
+                                                       const Tensor& shard, bool counted) {
+  return enqueue(key, counted, {Access::read(input), Access::write(shard)}, [=](Transport& t) { return t.reduce_scatter(key, input, shard); });
 }
 
-std::shared_ptr<Event> CommQueue::all_reduce(const CollectiveKey& key, const Tensor& tensor, bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { return t.all_reduce(key, tensor); });
+std::shared_ptr<StreamEvent> CommQueue::all_reduce(const CollectiveKey& key, const Tensor& tensor, bool counted) {
+  return enqueue(key, counted, {Access::write(tensor)}, [=](Transport& t) { return t.all_reduce(key, tensor); });
 }
 
-std::shared_ptr<Event> CommQueue::broadcast(const CollectiveKey& key, const Tensor& tensor, int root, bool counted) {
-  return enqueue(key, counted, [=](Transport& t) { return t.broadcast(key, tensor, root); });
+std::shared_ptr<StreamEvent> CommQueue::broadcast(const CollectiveKey& key, const Tensor& tensor, int root,
+                                                  bool counted) {
+  return enqueue(key, counted, {Access::write(tensor)}, [=](Transport& t) { return t.broadcast(key, tensor, root); });
 }
 
 uint64_t CommQueue::fingerprint() const {

@@ -22,22 +22,24 @@ BucketCollectives::BucketCollectives(CommQueue& comm, CollectiveKind kind, std::
 }
 
 void BucketCollectives::run() {
-  std::vector<std::shared_ptr<Event>> events;
+  // The queue completes in issue order: the last event covers them all
+  // (its error is the first failure's), one blocking wait a run.
+  std::shared_ptr<StreamEvent> last;
   for (const FlatBuffer& b : buffers_) {
     for (int i = 0; i < int(b.plan.buckets().size()); ++i) {
       const Bucket& bucket = b.plan.buckets()[size_t(i)];
       const Tensor whole = b.flat.slice(bucket.offset, bucket.numel);
       const CollectiveKey key{kind_, b.tag, i, bucket.numel};
       if (kind_ == CollectiveKind::kAllReduce) {
-        events.push_back(comm_.all_reduce(key, whole));
+        last = comm_.all_reduce(key, whole);
         continue;
       }
       const Tensor mine = b.flat.slice(b.plan.shard_offset(i, comm_.rank()), b.plan.shard_elems(i));
-      events.push_back(kind_ == CollectiveKind::kReduceScatter ? comm_.reduce_scatter(key, whole, mine)
-                                                               : comm_.all_gather(key, mine, whole));
+      last = kind_ == CollectiveKind::kReduceScatter ? comm_.reduce_scatter(key, whole, mine)
+                                                     : comm_.all_gather(key, mine, whole);
     }
   }
-  for (auto& e : events) e->wait();
+  if (last) comm_.backend().host_wait(*last);
 }
 
 }  // namespace zerocore

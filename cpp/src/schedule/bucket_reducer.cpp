@@ -1,11 +1,9 @@
 #include "zerocore/schedule/bucket_reducer.h"
 
 #include <algorithm>
-#include <cstring>
 #include <memory>
 #include <string>
 
-#include "zerocore/kernels/cpu_accumulate.h"
 #include "zerocore/error.h"
 
 namespace zerocore {
@@ -19,7 +17,10 @@ constexpr size_t kMaxInFlight = 1;
 
 BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype,
                              int staging_buffers, bool on_request, CommQueue* control)
-    : comm_(comm), control_(control ? *control : comm), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
+    : comm_(comm), control_(control ? *control : comm), backend_(comm.backend()), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
+  if (&control_.backend() != &backend_) {
+    throw InvalidArgument("BucketReducer: the control queue must be on the data queue's backend");
+  }
   int64_t largest = 0;
   for (int g = 0; g < int(groups_.size()); ++g) {
     const ReduceGroup& group = groups_[size_t(g)];
@@ -51,7 +52,8 @@ BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, D
       buckets_.push_back(state);
     }
   }
-  pool_ = SlotPool(reduce_dtype, largest, largest > 0 ? staging_buffers : 0);
+  pool_ = SlotPool(reduce_dtype, largest, largest > 0 ? staging_buffers : 0, backend_, MemoryKind::kDevice,
+                   "grad staging");
   // A control buffer, not an arena: it is no communication buffer of the plan.
   auto flags = std::make_shared<std::vector<float>>(buckets_.size());
   late_flags_ = Tensor(flags->data(), DType::kFloat32, Device{}, {int64_t(flags->size())}, flags);
@@ -60,7 +62,7 @@ BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, D
 BucketReducer::~BucketReducer() {
   for (InFlight& f : in_flight_) {
     try {
-      f.event->wait();
+      backend_.host_wait(*f.event);
     } catch (...) {  // the queue's error was raised to whoever waited first
     }
   }
@@ -114,8 +116,7 @@ int BucketReducer::take_staging(BucketState& b) {
       slot = pool_.try_acquire();
     }
     b.staging = slot >= 0 ? slot : pool_.acquire();
-    const Tensor& staging = pool_.slot(b.staging);
-    std::memset(staging.data(), 0, staging.nbytes());
+    backend_.fill(backend_.compute_stream(), pool_.slot(b.staging), 0.0f);
   }
   return b.staging;
 }
@@ -141,7 +142,11 @@ void BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
     BucketState& b = buckets_[size_t(piece.bucket)];
     const Tensor target = pool_.slot(take_staging(b)).slice(piece.staging_offset, piece.numel);
     const Tensor source = grad.slice(piece.param_offset, piece.numel);
-    if (source.data() != target.data()) accumulate(target, source);  // else autograd accumulated in place
+    if (source.data() != target.data()) {
+      backend_.accumulate(backend_.compute_stream(), target, source);
+    } else {  // autograd accumulated in place
+      backend_.declare_access(backend_.compute_stream(), Access::write(target), "autograd accumulates a grad");
+    }
     if (b.issued) {
       b.dirty = true;
     } else if (!reported_[size_t(group)][size_t(param)][i]) {
@@ -195,6 +200,7 @@ void BucketReducer::issue(int index) {
   const int64_t shard = plan.shard_elems(b.bucket);
   const Tensor staging = pool_.slot(take_staging(b));  // no grads here on this rank: zeros
   const CollectiveKey key{CollectiveKind::kReduceScatter, groups_[size_t(b.group)].tag, b.bucket, bucket.numel};
+  backend_.wait(comm_.stream(), *backend_.record(backend_.compute_stream()));  // the grads are in
   in_flight_.push_back(InFlight{index, b.staging,
                                 comm_.reduce_scatter(key, staging.slice(0, bucket.numel),
                                                      staging.slice(comm_.rank() * shard, shard))});
@@ -207,13 +213,13 @@ void BucketReducer::issue(int index) {
 void BucketReducer::complete_oldest() {
   InFlight f = in_flight_.front();
   in_flight_.pop_front();
-  f.event->wait();
+  backend_.host_wait(*f.event);
   const BucketState& b = buckets_[size_t(f.bucket)];
   const ReduceGroup& group = groups_[size_t(b.group)];
   const int64_t shard = group.plan.shard_elems(b.bucket);
-  accumulate(group.grad_part.slice(group.plan.partition_offset(b.bucket), shard),
-             pool_.slot(f.staging).slice(comm_.rank() * shard, shard));
-  pool_.release(f.staging);
+  backend_.accumulate(backend_.compute_stream(), group.grad_part.slice(group.plan.partition_offset(b.bucket), shard),
+                      pool_.slot(f.staging).slice(comm_.rank() * shard, shard));
+  pool_.release(f.staging, backend_.compute_stream());
 }
 
 void BucketReducer::end_backward() {
@@ -224,7 +230,8 @@ void BucketReducer::end_backward() {
     // buckets that got one anywhere, so all issue the same collectives.
     float* flags = late_flags_.data_as<float>();
     for (size_t i = 0; i < buckets_.size(); ++i) flags[i] = buckets_[i].dirty ? 1.0f : 0.0f;
-    control_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, late_flags_.numel()}, late_flags_)->wait();
+    backend_.host_wait(
+        *control_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, late_flags_.numel()}, late_flags_));
     for (size_t i = 0; i < buckets_.size(); ++i) {
       if (flags[i] > 0.0f) issue(int(i));
     }

@@ -11,11 +11,14 @@ namespace zerocore {
 
 UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitSpec> units, DType dtype,
                            int64_t prefetch_bytes, GradsFinal grads_final)
-    : comm_(comm), rounds_queue_(rounds), units_(std::move(units)), own_(units_.size()), state_(units_.size()),
+    : comm_(comm), rounds_queue_(rounds), backend_(comm.backend()), units_(std::move(units)), own_(units_.size()), state_(units_.size()),
       prefetch_bytes_(prefetch_bytes), dtype_(dtype), elem_bytes_(dtype_size(dtype)),
       grads_final_(std::move(grads_final)) {
   if (rounds.world_size() != comm.world_size() || rounds.rank() != comm.rank()) {
     throw InvalidArgument("UnitSchedule: the rounds' queue must connect the same ranks as the data queue");
+  }
+  if (&rounds.backend() != &comm.backend()) {
+    throw InvalidArgument("UnitSchedule: the rounds' queue must be on the data queue's backend");
   }
   int64_t largest = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -42,7 +45,7 @@ UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitS
   const int64_t slot_bytes = std::max<int64_t>(1, largest * int64_t(elem_bytes_));
   const int64_t window = prefetch_bytes <= 0 ? 0 : std::max<int64_t>(1, prefetch_bytes / slot_bytes);
   const int64_t pooled = std::count_if(units_.begin(), units_.end(), [](const UnitSpec& u) { return !u.own_slot; });
-  pool_ = SlotPool(dtype, largest, int(std::min(1 + window, pooled)));
+  pool_ = SlotPool(dtype, largest, int(std::min(1 + window, pooled)), backend_, MemoryKind::kDevice, "gathered units");
   // A control buffer, not an arena: it is no communication buffer of the plan.
   // + done, failed, backward, and one per count of free slots (0 to planned): the fewest any rank has.
   auto flags = std::make_shared<std::vector<float>>(units_.size() * kFlags + kGlobals + size_t(pool_.planned()) + 1);
@@ -52,14 +55,14 @@ UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitS
 UnitSchedule::~UnitSchedule() {
   if (posted_) {
     try {
-      posted_->wait();
+      backend_.host_wait(*posted_);
     } catch (...) {  // as below
     }
   }
   for (State& s : state_) {
     for (auto& e : s.pending) {
       try {
-        e->wait();
+        backend_.host_wait(*e);
       } catch (...) {  // the queue's error was raised to whoever waited first
       }
     }
@@ -94,9 +97,11 @@ size_t UnitSchedule::buffer_bytes() const {
   return bytes;
 }
 
-std::vector<std::shared_ptr<Event>> UnitSchedule::issue(int unit, const Tensor& out, bool counted) {
-  std::vector<std::shared_ptr<Event>> events;
+std::vector<std::shared_ptr<StreamEvent>> UnitSchedule::issue(int unit, const Tensor& out, bool counted) {
+  std::vector<std::shared_ptr<StreamEvent>> events;
   const UnitSpec& spec = units_[size_t(unit)];
+  // What compute last did with `out` (a slot's previous unit) is done.
+  backend_.wait(comm_.stream(), *backend_.record(backend_.compute_stream()));
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const UnitGroup& group = spec.groups[g];
     const int64_t base = group_offsets_[size_t(unit)][g];
@@ -132,7 +137,7 @@ void UnitSchedule::participate(int unit, Join how) {
   const bool pooled = !units_[size_t(unit)].own_slot;
   const int lent = pooled ? pool_.acquire() : -1;
   const Tensor out = pooled ? pool_.slot(lent).slice(0, elems) : Tensor::empty({elems}, dtype_);
-  for (auto& e : issue(unit, out, true)) e->wait();
+  for (auto& e : issue(unit, out, true)) backend_.host_wait(*e);
   if (pooled) pool_.release(lent);
 }
 
@@ -153,9 +158,9 @@ int UnitSchedule::evict_prefetched() {
 void UnitSchedule::wait(int unit) {
   State& s = state_[size_t(unit)];
   // Clear first: a failed gather is raised once, and the unit can still be released.
-  std::vector<std::shared_ptr<Event>> pending;
+  std::vector<std::shared_ptr<StreamEvent>> pending;
   pending.swap(s.pending);
-  for (auto& e : pending) e->wait();
+  for (auto& e : pending) backend_.host_wait(*e);
 }
 
 void UnitSchedule::release(int unit) {
@@ -198,8 +203,7 @@ void UnitSchedule::post(int need, int at, bool done, bool failed, bool backward)
   const bool at_done = at >= 0 && !units_[size_t(at)].own_slot && state_[size_t(at)].buffer.data() != nullptr;
   global[kGlobals + std::min(pool_.free_slots() + (at_done ? 1 : 0), pool_.planned())] = 1.0f;
   if (comm_.world_size() == 1) {  // one rank: its flags are the sums, nothing to agree on
-    posted_ = std::make_shared<Event>();
-    posted_->set();
+    posted_ = backend_.record(backend_.compute_stream());  // complete
   } else {
     posted_ = rounds_queue_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, round_flags_.numel()},
                                       round_flags_);
@@ -211,8 +215,8 @@ void UnitSchedule::post(int need, int at, bool done, bool failed, bool backward)
 UnitSchedule::Sums UnitSchedule::settle() {
   if (!posted_) return Sums{};
   const auto start = std::chrono::steady_clock::now();
-  const std::shared_ptr<Event> posted = std::move(posted_);
-  posted->wait();
+  const std::shared_ptr<StreamEvent> posted = std::move(posted_);
+  backend_.host_wait(*posted);
   round_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const int n = num_units();
   const float* flags = round_flags_.data_as<float>();
@@ -482,7 +486,7 @@ void UnitSchedule::gather_into(int unit, const Tensor& out) {
     throw InvalidArgument("UnitSchedule::gather_into: out must be " + std::to_string(unit_elems_[size_t(unit)]) +
                           " elements of " + dtype_name(dtype_));
   }
-  for (auto& e : issue(unit, out, false)) e->wait();
+  for (auto& e : issue(unit, out, false)) backend_.host_wait(*e);
 }
 
 }  // namespace zerocore

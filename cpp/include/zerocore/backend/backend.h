@@ -31,6 +31,8 @@
 
 namespace zerocore {
 
+class Event;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -52,6 +54,13 @@ class Backend {
   virtual void wait(Stream& stream, const StreamEvent& event) = 0;
   virtual void host_wait(const StreamEvent& event) = 0;
   virtual bool query(const StreamEvent& event) = 0;
+  // The event of work that `stream`'s owner runs itself in the stream's
+  // order: a CPU transport's collective, which the comm queue's threads
+  // issue and complete. Ordered after everything on `stream` so far, as
+  // record's, and complete once `done` is set (its error raised by the
+  // waits). On CUDA a collective is work on the stream (NCCL) and its
+  // event is record's.
+  virtual std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) = 0;
 
   // Work on `stream`, named in the checker's reports by what it is.
   // dst = src, byte for byte (same dtype and size), between any memory kinds.

@@ -57,6 +57,7 @@ class CheckingCpuBackend : public CpuBackend {
   void wait(Stream& stream, const StreamEvent& event) override;
   void host_wait(const StreamEvent& event) override;
   bool query(const StreamEvent& event) override;
+  std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) override;
 
   void enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
                std::function<void()> body) override;

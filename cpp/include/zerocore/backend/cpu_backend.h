@@ -6,7 +6,8 @@
 // compute: gloo collectives on the comm stream, the offload pipeline's
 // update and copies, while the caller goes on with the next unit. Events
 // are the queues' completion flags; an event of the compute stream is
-// complete when recorded.
+// complete when recorded. A stream's thread starts with its first work, so
+// a stream only named in events (a comm queue's) costs no thread.
 #pragma once
 #include <memory>
 #include <mutex>
@@ -46,6 +47,7 @@ class CpuBackend : public Backend {
   void wait(Stream& stream, const StreamEvent& event) override;
   void host_wait(const StreamEvent& event) override;
   bool query(const StreamEvent& event) override;
+  std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) override;
 
   void copy(Stream& stream, const Tensor& dst, const Tensor& src) override;
   void fill(Stream& stream, const Tensor& dst, float value) override;

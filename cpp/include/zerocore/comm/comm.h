@@ -9,12 +9,17 @@
 //   (InProcessGroup, ranks as threads) or leaves the check to its caller (a
 //   transport over torch.distributed or NCCL, where the queue's fingerprint
 //   of the keys travels in the engine's step control collective).
-// - CommQueue: the group's comm stream. One native thread issues collectives
-//   in issue order, a second completes them in the same order; each issue
-//   returns the Event of the collective's completion. The stream contract:
-//   nothing reads a collective's output, or reuses its input, before waiting
-//   for its event (or for a later one of the same queue, which completes
-//   after it); "the call returned" means nothing. The queue also keeps the
+// - CommQueue: the group's comm stream, a stream of a Backend. One native
+//   thread issues collectives in issue order, a second completes them in
+//   the same order; each issue declares the collective's accesses (input
+//   read, output written) on the stream and returns the backend event of
+//   its completion. The stream contract: nothing reads a collective's
+//   output, or reuses its input, before waiting for its event (or for a
+//   later one of the same queue, which completes after it) through the
+//   backend; "the call returned" means nothing. What the collective reads
+//   must be ordered before it: the comm stream waits for the writer's event
+//   (Backend::wait) before the issue. On the checking backend both are
+//   checked. The queue also keeps the
 //   order contract's books: a fingerprint and a bounded trace of the
 //   data-plane keys issued, and their volume.
 #pragma once
@@ -31,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "zerocore/backend/cpu_backend.h"
 #include "zerocore/runtime/event.h"
 #include "zerocore/tensor.h"
 
@@ -139,28 +145,31 @@ class CommQueue {
  public:
   static constexpr size_t kDefaultTraceLimit = 100000;
 
-  explicit CommQueue(std::unique_ptr<Transport> transport);
+  // Its comm stream is a new stream of `backend`, which must outlive it.
+  explicit CommQueue(std::unique_ptr<Transport> transport, Backend& backend = default_cpu_backend());
   ~CommQueue();  // issues and completes the queued collectives first
   CommQueue(const CommQueue&) = delete;
   CommQueue& operator=(const CommQueue&) = delete;
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  Backend& backend() const { return backend_; }
+  Stream& stream() const { return stream_; }
 
   // Each queues one collective behind those issued before it and returns
-  // the event of its completion. The tensors must stay alive, the output
+  // the event of its completion, for backend().wait or host_wait. The tensors must stay alive, the output
   // unread and the input unchanged until then. After a collective fails,
   // every later one fails with the same error.
   // A data-plane key (group >= 0) is folded into the fingerprint and trace
   // as it is issued, on the issuing thread, in queue order; its elements
   // are added to stats() unless `counted` is false (gathers that are not
   // training traffic).
-  std::shared_ptr<Event> all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output,
+  std::shared_ptr<StreamEvent> all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output,
                                     bool counted = true);
-  std::shared_ptr<Event> reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard,
+  std::shared_ptr<StreamEvent> reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard,
                                         bool counted = true);
-  std::shared_ptr<Event> all_reduce(const CollectiveKey& key, const Tensor& tensor, bool counted = true);
-  std::shared_ptr<Event> broadcast(const CollectiveKey& key, const Tensor& tensor, int root, bool counted = true);
+  std::shared_ptr<StreamEvent> all_reduce(const CollectiveKey& key, const Tensor& tensor, bool counted = true);
+  std::shared_ptr<StreamEvent> broadcast(const CollectiveKey& key, const Tensor& tensor, int root, bool counted = true);
 
   // The order contract. Ranks that issued the same data-plane keys in the
   // same order since the last restart_trace() hold the same fingerprint, so
@@ -180,9 +189,12 @@ class CommQueue {
  private:
   struct State;  // the threads, their work and the books
 
-  std::shared_ptr<Event> enqueue(const CollectiveKey& key, bool counted, std::function<Completion(Transport&)> work);
+  std::shared_ptr<StreamEvent> enqueue(const CollectiveKey& key, bool counted, const std::vector<Access>& accesses,
+                                       std::function<Completion(Transport&)> work);
 
   std::unique_ptr<Transport> transport_;
+  Backend& backend_;
+  Stream& stream_;
   int rank_ = 0;
   int world_size_ = 1;
   std::unique_ptr<State> state_;

@@ -96,7 +96,7 @@ class BucketReducer {
   };
   struct InFlight {
     int bucket, staging;
-    std::shared_ptr<Event> event;
+    std::shared_ptr<StreamEvent> event;
   };
 
   void check_grad_part(const ReduceGroup& group, const Tensor& grad_part) const;
@@ -111,6 +111,9 @@ class BucketReducer {
 
   CommQueue& comm_;
   CommQueue& control_;
+  // The queues' backend, kept: a reducer may outlive its queues (waiting
+  // for nothing then), never their backend.
+  Backend& backend_;
   std::vector<ReduceGroup> groups_;
   DType reduce_dtype_;
   std::vector<BucketState> buckets_;

@@ -151,7 +151,7 @@ class UnitSchedule {
   struct State {
     int slot = -1;      // pool slot; -1 for none (or the own buffer)
     Tensor buffer;      // where it is gathered; undefined when released
-    std::vector<std::shared_ptr<Event>> pending;
+    std::vector<std::shared_ptr<StreamEvent>> pending;
     bool held = false;  // a hook uses it (not merely prefetched)
     int open_backwards = 0;
     int marked = 0;           // post_backward calls still to come
@@ -194,7 +194,7 @@ class UnitSchedule {
   enum class Join { kNeed, kPrefetch, kLend };
   void participate(int unit, Join how);
   // The unit's all-gathers into `out`, one per bucket of each group.
-  std::vector<std::shared_ptr<Event>> issue(int unit, const Tensor& out, bool counted);
+  std::vector<std::shared_ptr<StreamEvent>> issue(int unit, const Tensor& out, bool counted);
   Tensor hold(int unit);
   void wait(int unit);
   void release(int unit);
@@ -203,6 +203,9 @@ class UnitSchedule {
 
   CommQueue& comm_;
   CommQueue& rounds_queue_;
+  // The queues' backend, kept: a schedule may outlive its queues (waiting
+  // for nothing then), never their backend.
+  Backend& backend_;
   std::vector<UnitSpec> units_;
   std::vector<int64_t> unit_elems_;
   std::vector<std::vector<int64_t>> group_offsets_;
@@ -220,7 +223,7 @@ class UnitSchedule {
   // and in the last step's: the same on every rank.
   std::vector<int> order_, last_order_;
   Tensor round_flags_;  // the round's control buffer
-  std::shared_ptr<Event> posted_;  // the round posted and not yet settled
+  std::shared_ptr<StreamEvent> posted_;  // the round posted and not yet settled
   bool posted_failed_ = false;
   int needed_ = -1;  // the unit this rank's hook waits for, while it settles the round that gathers it
   int64_t rounds_ = 0, blocking_rounds_ = 0;
