@@ -192,7 +192,7 @@ void test_order_mismatch_throws_on_every_rank() {
     ZeroStep step(ZeroStep::Parts{&data, &control, {FlatRun{0, param, grad, Tensor(), Tensor(), Tensor()}}, true});
     const Tensor x = filled(std::vector<float>(4, 1.0f));
     try {
-      data.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, 7, r, 4}, x)->wait();
+      data.backend().host_wait(*data.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, 7, r, 4}, x));
     } catch (const CollectiveMismatch&) {
     }
     try {

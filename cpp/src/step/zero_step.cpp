@@ -45,9 +45,9 @@ const Exchanged& ZeroStep::exchange(int64_t changes, std::optional<double> local
   const double mine = local ? *local : sum_of_squares(grads_);
   std::vector<double> row = {mine, double(changes), double(parts_.data->fingerprint() >> 12)};
   const Tensor gathered = as_halves(rows_);
-  parts_.control->all_gather(CollectiveKey{CollectiveKind::kAllGather, -1, kNormsPurpose, gathered.numel()},
-                             as_halves(row), gathered)
-      ->wait();
+  const auto done = parts_.control->all_gather(
+      CollectiveKey{CollectiveKind::kAllGather, -1, kNormsPurpose, gathered.numel()}, as_halves(row), gathered);
+  parts_.control->backend().host_wait(*done);  // the step's one blocking wait: the host decides on the sums
   const double* rows = rows_.data();
   const int world = parts_.control->world_size();
   Exchanged out;
