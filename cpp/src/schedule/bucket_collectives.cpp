@@ -23,7 +23,10 @@ BucketCollectives::BucketCollectives(CommQueue& comm, CollectiveKind kind, std::
 
 void BucketCollectives::run() {
   // The queue completes in issue order: the last event covers them all
-  // (its error is the first failure's), one blocking wait a run.
+  // (its error is the first failure's). What reads the result (the update,
+  // the next forward) runs on the compute stream, so the compute stream
+  // waits for it: on CUDA the host goes on; on the CPU the caller is the
+  // compute stream and waits where it stands.
   std::shared_ptr<StreamEvent> last;
   for (const FlatBuffer& b : buffers_) {
     for (int i = 0; i < int(b.plan.buckets().size()); ++i) {
@@ -39,7 +42,7 @@ void BucketCollectives::run() {
                                                      : comm_.all_gather(key, mine, whole);
     }
   }
-  if (last) comm_.backend().host_wait(*last);
+  if (last) comm_.backend().wait(comm_.backend().compute_stream(), *last);
 }
 
 }  // namespace zerocore

@@ -213,7 +213,7 @@ void BucketReducer::issue(int index) {
 void BucketReducer::complete_oldest() {
   InFlight f = in_flight_.front();
   in_flight_.pop_front();
-  backend_.host_wait(*f.event);
+  backend_.wait(backend_.compute_stream(), *f.event);  // the add below runs on the compute stream
   const BucketState& b = buckets_[size_t(f.bucket)];
   const ReduceGroup& group = groups_[size_t(b.group)];
   const int64_t shard = group.plan.shard_elems(b.bucket);

@@ -160,7 +160,9 @@ void UnitSchedule::wait(int unit) {
   // Clear first: a failed gather is raised once, and the unit can still be released.
   std::vector<std::shared_ptr<StreamEvent>> pending;
   pending.swap(s.pending);
-  for (auto& e : pending) backend_.host_wait(*e);
+  // The compute stream reads the unit's params (and a released slot's next
+  // gather is ordered behind compute by the comm stream's own wait).
+  for (auto& e : pending) backend_.wait(backend_.compute_stream(), *e);
 }
 
 void UnitSchedule::release(int unit) {
