@@ -234,8 +234,7 @@ class FlatGroup:
         planned at wrap."""
         rebound = []
         for i, (p, view, names) in enumerate(zip(self.params, self._param_views(self.full, keep_views), self.names)):
-            if p.data_ptr() == view.data_ptr() and p.stride() == view.stride() and p.shape == view.shape \
-                    and p.dtype == view.dtype:
+            if param_guards.same_binding(p, view):
                 continue
             if p.shape != view.shape or p.dtype != view.dtype:
                 raise RuntimeError(
@@ -246,7 +245,8 @@ class FlatGroup:
                     "shape or dtype: model = engine.close(), change it, and wrap the model again.")
             values = p.detach()
             if values.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
-                values = values.clone()  # it views the engine's buffer too (p.data = p.data.t()): copy_ must not read what it writes
+                # It views the engine's buffer too (p.data = p.data.t()): copy_ must not read what it writes.
+                values = values.clone()
             view.copy_(values)
             param_guards.restore(p, view)
             rebound.append(i)

@@ -52,15 +52,18 @@ def _is_data_getter(func) -> bool:
     return _name(func) == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data
 
 
+def same_binding(a, b) -> bool:
+    """Whether tensors a and b are the same elements of the same memory."""
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
 def _rebinds_data(func, args) -> bool:
     """Whether a call sets its first argument's .data to other memory, a
     shape or a dtype; setting it to what it is (`p.data = p.data`, or the
     `param.data = param.to(...)` of module.to() when that changes nothing)
     changes nothing."""
-    if _name(func) != "__set__" or getattr(func, "__self__", None) is not torch.Tensor.data:
-        return False
-    p, new = args[0], args[1]
-    return (new.data_ptr(), new.shape, new.stride(), new.dtype) != (p.data_ptr(), p.shape, p.stride(), p.dtype)
+    is_setter = _name(func) == "__set__" and getattr(func, "__self__", None) is torch.Tensor.data
+    return is_setter and not same_binding(args[0], args[1])
 
 
 def _written(args, kwargs):
