@@ -1,9 +1,9 @@
 """torch.compile with the engine trains as eager does (fp32, 2 ranks, to
-fp32 rounding): a compiled engine at every stage, and at stage 3 a compiled
-train step, a compiled module (model.compile() after wrap, torch.compile(
-model) before it) and compiled blocks (block.compile() or torch.compile(
-block) before wrap), with the engine's hooks and native calls outside the
-graphs. What cannot work raises saying what to do instead.
+fp32 rounding): a compiled engine and compiled blocks (block.compile() or
+torch.compile(block) before wrap) at every stage, and at stage 3 a compiled
+train step and a compiled module (model.compile() after wrap,
+torch.compile(model) before it), with the engine's hooks and native calls
+outside the graphs. What cannot work raises saying what to do instead.
 
 Most runs use the aot_eager backend (AOTAutograd's compiled forward and
 backward, which is what the hooks and saved-tensor packing meet, without
@@ -113,6 +113,12 @@ def test_compiled_modules_match_eager():
     # are on the wrapper module, outside its graph.
     check_against_eager([run(3, mode, fullgraph=mode == "torch.compile(block) before wrap") for mode in MODES[2:]] +
                         [run(2, "model.compile() after wrap")])
+
+
+def test_compiled_blocks_match_eager_at_stages_0_to_2():
+    # Blocks hold no hooks of the engine below stage 3: fullgraph=True holds.
+    check_against_eager([run(stage, mode, fullgraph=True) for stage in (0, 1, 2)
+                         for mode in ("block.compile() before wrap", "torch.compile(block) before wrap")])
 
 
 def test_inductor_matches_eager_at_stage_3():

@@ -1,11 +1,12 @@
 """A stuck peer ends in zerocore.CollectiveTimeoutError on every live rank
 within the timeout (Config.timeout, or else the group's own) plus a few
 seconds, naming the collective, and the engine fails at once on further
-use; a dead peer fails at once. 2-rank worlds: rank 1 stops responding in
-forward, backward or the step of step STALL, until rank 0 is done (or
-TIMEOUT + 8 s), then raises _Stalled."""
+use; a dead peer fails at once. 2- and 4-rank worlds: rank 1 stops
+responding in forward, backward or the step of step STALL, until every
+live rank is done (or TIMEOUT + 8 s), then raises _Stalled."""
 import datetime
 import multiprocessing
+import threading
 import re
 import time
 
@@ -45,24 +46,31 @@ def _train_step(engine, rank, world, step):
     engine.zero_grad()
 
 
-def _stuck_peer(rank, world, released, stage, where, offload, inherit):
+def _all_live_ranks_done(done):
+    """Waits, at most TIMEOUT + 8 s, until every rank is here: rank 1 stays
+    stuck until then, so that no live rank sees it leave (a dead peer)."""
+    try:
+        done.wait(TIMEOUT + 8)
+    except threading.BrokenBarrierError:
+        pass
+
+
+def _stuck_peer(rank, world, done, stage, where, offload, inherit):
     """Trains until a collective raises. Rank 1 stalls at step STALL, in
-    `where`; rank 0 reports how long the failing step took, the error, and
-    what a further step raised (and how fast)."""
-    config, group = {"stage": stage, "bucket_bytes": 2048}, None
+    `where`; every other rank reports how long the failing step took, the
+    error, and what a further step raised (and how fast)."""
+    config, group = {"stage": stage, "bucket_bytes": 2048, **OFFLOAD[offload]}, None
     if inherit:  # the engine's groups take the timeout of the group it is given
-        group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=TIMEOUT))
+        group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=TIMEOUT))
     else:  # Config.timeout overrides the default group's 60 s
         config["timeout"] = TIMEOUT
-    if offload:
-        config["offload_optimizer"] = "cpu"
     model = make()
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config, group=group)
     step = 0
 
     def stall(*_):
         if rank == 1 and step == STALL:
-            released.wait(TIMEOUT + 8)
+            _all_live_ranks_done(done)
             raise _Stalled(where)
 
     if where == "forward":
@@ -87,39 +95,54 @@ def _stuck_peer(rank, world, released, stage, where, offload, inherit):
                 return out
         return {"step": None}
     finally:
-        released.set()
+        if rank != 1:
+            _all_live_ranks_done(done)
 
 
-CASES = [(stage, where, False, False) for stage in (1, 2, 3) for where in ("forward", "backward", "step")] + [
-    (2, "step", True, False),  # offload_optimizer
-    (3, "backward", True, False),
-    (3, "forward", False, True),  # the timeout of the group given to wrap
-    (1, "step", False, True),
+OFFLOAD = {None: {}, "optimizer": {"offload_optimizer": "cpu"},
+           # the delay from step 0 on: step STALL's collectives run beside step 0's update on the host
+           "optimizer, delayed": {"offload_optimizer": "cpu", "delayed_update": True, "delayed_update_warmup": 0},
+           "optimizer and params": {"offload_optimizer": "cpu", "offload_params": "cpu"}}
+# (world, stage, where rank 1 stalls, offload, inherit the given group's timeout)
+CASES = [(2, stage, where, None, False) for stage in (1, 2, 3) for where in ("forward", "backward", "step")] + [
+    (2, 2, "step", "optimizer", False),
+    (2, 3, "backward", "optimizer", False),
+    (2, 2, "step", "optimizer, delayed", False),
+    (2, 3, "backward", "optimizer, delayed", False),
+    (2, 3, "forward", "optimizer and params", False),
+    (2, 3, "step", "optimizer and params", False),
+    (2, 3, "forward", None, True),  # the timeout of the group given to wrap
+    (2, 1, "step", None, True),
+    (4, 3, "backward", None, False),  # every live rank raises, not only rank 1's neighbours
+    (4, 2, "step", None, True),
 ]
 
 
-@pytest.mark.parametrize("stage,where,offload,inherit", CASES)
-def test_a_stuck_peer_raises_within_the_timeout(stage, where, offload, inherit):
-    released = multiprocessing.get_context("fork").Event()
-    results = run_ranks(_stuck_peer, 2, released, stage, where, offload, inherit, raise_errors=False,
+@pytest.mark.parametrize("world,stage,where,offload,inherit", CASES)
+def test_a_stuck_peer_raises_within_the_timeout(world, stage, where, offload, inherit):
+    done = multiprocessing.get_context("fork").Barrier(world)
+    results = run_ranks(_stuck_peer, world, done, stage, where, offload, inherit, raise_errors=False,
                         timeout=TIMEOUT + 40)
-    stuck, live = results[1], results[0]
-    assert isinstance(stuck, RankError), stuck
-    assert isinstance(live, dict), live
-    assert live["step"] == STALL, live
-    assert TIMEOUT * 0.9 <= live["seconds"] <= TIMEOUT + 5, live
-    # It names the collective: its kind, and its params or what a control one is for.
-    assert re.search(r"^zerocore: the (all_gather|reduce_scatter|all_reduce|broadcast) of the params \S+"
-                     r"|^zerocore: the control \w+ of (stage 3's round|the step's norm exchange|backward's)",
-                     live["error"]), live["error"]
-    assert f"timed out after {TIMEOUT:g} s waiting for rank(s) [1]" in live["error"], live["error"]
-    if where == "step":  # rank 1 stalls before the step's one control collective
-        assert "control all_gather of the step's norm exchange" in live["error"], live["error"]
-    # The engine is left failing at once (with the first timeout of the
-    # queue it reaches: another may have timed out beside this one).
-    kind, message, seconds = live["again"]
-    assert kind == "CollectiveTimeoutError" and f"timed out after {TIMEOUT:g} s" in message and seconds < 1.5, \
-        live["again"]
+    assert isinstance(results[1], RankError), results[1]
+    for rank, live in enumerate(results):
+        if rank == 1:
+            continue
+        assert isinstance(live, dict), (rank, live)
+        assert live["step"] == STALL, (rank, live)
+        assert TIMEOUT * 0.9 <= live["seconds"] <= TIMEOUT + 5, (rank, live)
+        # It names the collective: its kind, and its params or what a control one is for.
+        assert re.search(r"^zerocore: the (all_gather|reduce_scatter|all_reduce|broadcast) of the params \S+"
+                         r"|^zerocore: the control \w+ of (stage 3's round|the step's norm exchange|backward's)",
+                         live["error"]), (rank, live["error"])
+        peers = [r for r in range(world) if r != rank]
+        assert f"timed out after {TIMEOUT:g} s waiting for rank(s) {peers}" in live["error"], (rank, live["error"])
+        if where == "step":  # rank 1 stalls before the step's one control collective
+            assert "control all_gather of the step's norm exchange" in live["error"], (rank, live["error"])
+        # The engine is left failing at once (with the first timeout of the
+        # queue it reaches: another may have timed out beside this one).
+        kind, message, seconds = live["again"]
+        assert kind == "CollectiveTimeoutError" and f"timed out after {TIMEOUT:g} s" in message and seconds < 1.5, \
+            (rank, live["again"])
 
 
 def _dead_peer(rank, world):

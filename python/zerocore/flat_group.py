@@ -212,14 +212,45 @@ class FlatGroup:
         sharded group, where its unit is gathered). keep_views: the buffer
         lives as long as the engine (a pool slot), so its views are made once
         and kept; a temporary buffer's are not, or they would keep it alive."""
+        for p, v in zip(self.params, self._param_views(flat, keep_views)):
+            param_guards.restore(p, v)
+        self.full = flat
+
+    def _param_views(self, flat: torch.Tensor, keep=True) -> list:
+        """Per param, its view of `flat` (see bind for keep)."""
         views = self._views.get(flat.data_ptr())
         if views is None:
             views = [self.view(flat, "param", i).view(shape) for i, shape in enumerate(self.shapes)]
-            if keep_views:
+            if keep:
                 self._views[flat.data_ptr()] = views
-        for p, v in zip(self.params, views):
-            param_guards.restore(p, v)
-        self.full = flat
+        return views
+
+    def take_rebound(self, keep_views=True) -> list:
+        """Params bound to self.full whose .data the user rebound since
+        (`p.data = t`, `p.set_(t)`): their values go into their place in
+        self.full, as an in-place write's would, and they view it again, so
+        training, which reads and updates self.full, goes on from them.
+        Returns their indices. A new shape or dtype raises: the layout was
+        planned at wrap."""
+        rebound = []
+        for i, (p, view, names) in enumerate(zip(self.params, self._param_views(self.full, keep_views), self.names)):
+            if param_guards.same_binding(p, view):
+                continue
+            if p.shape != view.shape or p.dtype != view.dtype:
+                raise RuntimeError(
+                    f"zerocore: {names[0]}.data was set to a tensor of shape {tuple(p.shape)} and dtype {p.dtype} "
+                    f"after zerocore.wrap, which laid this param out as shape {tuple(view.shape)} and dtype "
+                    f"{view.dtype}. To set its values, assign a tensor of that shape and dtype (`p.data = "
+                    f"t.to({view.dtype})`) or write them in place (`p.copy_(t)` under torch.no_grad()); to change its "
+                    "shape or dtype: model = engine.close(), change it, and wrap the model again.")
+            values = p.detach()
+            if values.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+                # It views the engine's buffer too (p.data = p.data.t()): copy_ must not read what it writes.
+                values = values.clone()
+            view.copy_(values)
+            param_guards.restore(p, view)
+            rebound.append(i)
+        return rebound
 
     def unbind(self):
         """Sharded: the params point at placeholders with no memory again,
@@ -361,6 +392,7 @@ class FlatGroup:
         """After the user edited params in place (gathered_params): carry the
         elements of this rank's blocks that changed into the shard and the
         fp32 master, leaving unchanged elements' master precision intact."""
+        self.take_rebound(keep_views=not self.sharded)  # a sharded group's gathered buffer is a temporary
         now = torch.empty_like(before)
         self.partition_from_flat(self.full, now)
         changed = now != before
@@ -377,16 +409,20 @@ class FlatGroup:
         self._versions = [p._version for p in self.params]
 
     def carry_param_writes(self):
-        """Params held whole that the user wrote in place since the last
-        call (model.load_state_dict, p.fill_, nn.init.*): this rank's
-        stretches of them go to the fp32 master, which the step updates and
-        which would otherwise give the old values back. The params' version
-        counters, which only writes through the param itself advance, tell
-        which were written."""
-        if self.sharded or self.master is None:
+        """Params held whole that the user wrote since the last call, in
+        place (model.load_state_dict, p.fill_, nn.init.*) or by rebinding
+        their .data (take_rebound): this rank's stretches of them go to the
+        fp32 master, which the step updates and which would otherwise give
+        the old values back. The params' version counters, which only
+        writes through the param itself advance, tell which were written in
+        place."""
+        if self.sharded:
+            return
+        rebound = set(self.take_rebound())
+        if self.master is None:
             return
         for i, p in enumerate(self.params):
-            if p._version != self._versions[i]:
+            if p._version != self._versions[i] or i in rebound:
                 for seg in self.store.segments_of(i):
                     self.view("master", "segment", seg).copy_(self.view("full", "segment", seg))
                 self._versions[i] = p._version

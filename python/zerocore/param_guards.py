@@ -7,7 +7,10 @@ its own buffers, guarded so that none of it is silently wrong.
   a subclass of its own (ReleasedParam) whose in-place writes raise, and so
   do writes through its .data: such a write could never reach the shards,
   so `weight.fill_(1.0)` or `nn.init.normal_(weight)` would otherwise
-  vanish without a word. Reads pass (counting params, shapes, dtypes).
+  vanish without a word. So does rebinding its .data (`p.data = t`), for
+  the same reason; where params are held whole, a rebinding reaches the
+  engine as an in-place write would (FlatGroup.take_rebound). Reads pass
+  (counting params, shapes, dtypes).
   Binding the param to a gathered buffer gives it its own class back, so
   none of this runs in forward or backward.
 - model.state_dict() and model.load_state_dict() on a module with released
@@ -49,6 +52,20 @@ def _is_data_getter(func) -> bool:
     return _name(func) == "__get__" and getattr(func, "__self__", None) is torch.Tensor.data
 
 
+def same_binding(a, b) -> bool:
+    """Whether tensors a and b are the same elements of the same memory."""
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
+def _rebinds_data(func, args) -> bool:
+    """Whether a call sets its first argument's .data to other memory, a
+    shape or a dtype; setting it to what it is (`p.data = p.data`, or the
+    `param.data = param.to(...)` of module.to() when that changes nothing)
+    changes nothing."""
+    is_setter = _name(func) == "__set__" and getattr(func, "__self__", None) is torch.Tensor.data
+    return is_setter and not same_binding(args[0], args[1])
+
+
 def _written(args, kwargs):
     """The tensor a call writes into, if it writes: its first argument,
     given by position or, as torch.nn.init's functions take it, by name."""
@@ -62,9 +79,9 @@ def _plain(func, args, kwargs):
         return func(*args, **(kwargs or {}))
 
 
-def _write_error(func, name) -> RuntimeError:
+def _write_error(what: str) -> RuntimeError:
     return RuntimeError(
-        f"zerocore: {_name(func)} on {name}, a stage-3 param that is released: this rank holds only its shard, "
+        f"zerocore: {what}, a stage-3 param that is released: this rank holds only its shard, "
         "so the write could not reach the training state and would be lost. Edit params inside `with "
         "engine.gathered_params():` on every rank (edits go to the shards), or set them with "
         "engine.load_state_dict(...) on every rank.")
@@ -78,7 +95,9 @@ class ReleasedParam(torch.nn.Parameter):
         target = _written(args, kwargs)
         if isinstance(target, ReleasedParam):
             if _writes(func, kwargs):
-                raise _write_error(func, target._zerocore_name)
+                raise _write_error(f"{_name(func)} on {target._zerocore_name}")
+            if _rebinds_data(func, args):
+                raise _write_error(f"setting the .data of {target._zerocore_name}")
             if _is_data_getter(func):  # p.data.fill_(...) must raise as p.fill_(...) does
                 return _ReleasedData.of(_plain(func, args, kwargs), target._zerocore_name)
         return _plain(func, args, kwargs)
@@ -97,7 +116,7 @@ class _ReleasedData(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         target = _written(args, kwargs)
         if isinstance(target, _ReleasedData) and _writes(func, kwargs):
-            raise _write_error(func, target._zerocore_name)
+            raise _write_error(f"{_name(func)} on {target._zerocore_name}")
         return _plain(func, args, kwargs)
 
 
@@ -117,7 +136,8 @@ def release(p, placeholder, name: str):
         p._zerocore_class = type(p)
         p._zerocore_name = name
         p.__class__ = _released_class(type(p))
-    p.data = placeholder
+    with torch._C.DisableTorchFunctionSubclass():  # the engine's own rebinding, which the guard refuses users
+        p.data = placeholder
 
 
 def restore(p, data):
