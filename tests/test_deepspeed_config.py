@@ -4,6 +4,7 @@ what it names; a run configured from JSON equals the same run configured by
 hand; where semantics could drift (batch-size resolution, loss scaling, the
 schedulers' learning rates) zerocore is compared with DeepSpeed itself, on
 its CPU accelerator."""
+import json
 import math
 import os
 import warnings
@@ -52,6 +53,7 @@ FULL = {
 def test_every_key_maps_onto_what_it_names():
     with pytest.warns(UserWarning, match="change nothing") as record:
         ds = DeepSpeedConfig(FULL, world_size=2)
+    assert len(record) == 1  # every key that changes nothing, in one warning
     ignored = str(record[0].message)
     for key in ("steps_per_print", "wall_clock_breakdown", "zero_optimization.overlap_comm",
                 "zero_optimization.offload_param.pin_memory", "zero_optimization.sub_group_size"):
@@ -241,19 +243,33 @@ def test_batch_keys_resolve_as_deepspeeds(deepspeed, world):
                 assert got == expected, (given, world)
 
 
-@pytest.mark.parametrize("hysteresis,consecutive", [(1, False), (2, False), (3, True)])
-def test_dynamic_loss_scale_follows_deepspeeds_step_by_step(deepspeed, hysteresis, consecutive, gen):
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+@pytest.mark.parametrize("fp16", [
+    {"initial_scale_power": 10, "loss_scale_window": 3, "hysteresis": 1, "min_loss_scale": 4},
+    {"initial_scale_power": 10, "loss_scale_window": 3, "hysteresis": 2, "min_loss_scale": 4},
+    {"initial_scale_power": 10, "loss_scale_window": 3, "hysteresis": 3, "consecutive_hysteresis": True,
+     "min_loss_scale": 4},
+    {},  # DeepSpeed's defaults
+    {"loss_scale": 128},  # a fixed scale
+], ids=["hysteresis 1", "hysteresis 2", "consecutive hysteresis 3", "defaults", "fixed scale"])
+def test_loss_scale_follows_deepspeeds_step_by_step(deepspeed, fp16, gen):
+    """The same fp16 block, read by DeepSpeed (its config parser and the
+    loss scaler its engine makes from it) and by zerocore: the same scale
+    after every step of random overflows, and, with dynamic scaling, an
+    error at the same step once the scale is at its minimum."""
+    from deepspeed.runtime.config import DeepSpeedConfig as Reference
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
 
-    fp16 = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 3, "hysteresis": hysteresis,
-            "consecutive_hysteresis": consecutive, "min_loss_scale": 4}
-    ours = LossScaler(DeepSpeedConfig({"train_batch_size": 1, "fp16": fp16}).config.loss_scale, "fp16")
-    ref = DynamicLossScaler(init_scale=2.0**10, scale_window=3, min_scale=4, delayed_shift=hysteresis,
-                            consecutive_hysteresis=consecutive)
+    config = {"train_batch_size": 1, "fp16": {"enabled": True, **fp16}}
+    parsed = Reference(json.loads(json.dumps(config)), mpu=_DataParallel(1)).float16_config
+    dynamic = parsed.loss_scale == 0  # as DeepSpeedEngine.dynamic_loss_scale decides
+    ref = CreateLossScaler(torch.half, parsed.loss_scale, dynamic, parsed.dynamic_loss_scale_args())
+    ours = LossScaler(DeepSpeedConfig(config).config.loss_scale, "fp16")
+    assert ours.dynamic == dynamic
     # Random outcomes, then overflows until both reach the minimum scale.
     overflows = (torch.rand(200, generator=gen) < 0.3).tolist() + [True] * 40
     raised = []
     for step, overflow in enumerate(overflows):
+        assert ours.scale == ref.cur_scale, f"step {step}"
         for scaler, update in ((ours, ours.update), (ref, ref.update_scale)):
             try:
                 update(overflow)
@@ -261,9 +277,10 @@ def test_dynamic_loss_scale_follows_deepspeeds_step_by_step(deepspeed, hysteresi
                 raised.append((scaler is ours, step, "minimum" in str(e)))
         if raised:
             break
-        assert ours.scale == ref.cur_scale, f"step {step}"
-    # Both reach the minimum scale and raise there, at the same step.
-    assert sorted(raised) == [(False, raised[0][1], True), (True, raised[0][1], True)]
+    if dynamic:  # both reach the minimum scale and raise there, at the same step
+        assert sorted(raised) == [(False, raised[0][1], True), (True, raised[0][1], True)]
+    else:
+        assert raised == [] and ours.scale == 128
 
 
 SCHEDULES = [
