@@ -7,6 +7,9 @@ its CPU accelerator."""
 import json
 import math
 import os
+import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -17,7 +20,7 @@ from zerocore import DeepSpeedConfig, DeepSpeedConfigError, DynamicLossScale
 from zerocore.deepspeed_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerocore.loss_scale import LossScaler, NonFiniteGradientError
 from dist_harness import run_ranks
-from models import assert_state_close, engine_train, lm_batch, local, make
+from models import assert_state_close, engine_train, make
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -50,7 +53,7 @@ FULL = {
 }
 
 
-def test_every_key_maps_onto_what_it_names():
+def test_every_key_maps_onto_what_it_names(tmp_path):
     with pytest.warns(UserWarning, match="change nothing") as record:
         ds = DeepSpeedConfig(FULL, world_size=2)
     assert len(record) == 1  # every key that changes nothing, in one warning
@@ -65,8 +68,10 @@ def test_every_key_maps_onto_what_it_names():
                                             consecutive_hysteresis=True, deepspeed_growth=True)
     assert (c.bucket_bytes, c.prefetch_bytes, c.persist_threshold) == (4000, 6000, 50)  # fp32 reduce, fp16 params
     assert (c.offload_optimizer, c.offload_params) == ("cpu", "cpu")
-    with pytest.warns(UserWarning, match="change nothing"):
-        assert zerocore.Config.from_deepspeed(FULL, world_size=2) == c
+    (tmp_path / "ds_config.json").write_text(json.dumps(FULL))
+    for source in (FULL, tmp_path / "ds_config.json", str(tmp_path / "ds_config.json")):  # a dict or a JSON file
+        with pytest.warns(UserWarning, match="change nothing"):
+            assert zerocore.Config.from_deepspeed(source, world_size=2) == c
     opt = ds.optimizer([torch.nn.Parameter(torch.zeros(3))])
     assert type(opt) is torch.optim.AdamW
     group = opt.param_groups[0]
@@ -327,35 +332,24 @@ def test_loss_scale_settings_round_trip_through_a_checkpoint(tmp_path):
     assert scaler.scale == 2.0**15
 
 
-def _readme_example(rank, world, folder):
-    """The README's DeepSpeed example, as written, with a model, a loss and
-    batches of its own."""
-    import json
-    import re
-
-    import torch.nn.functional as F
-
+def test_the_readme_example_runs_as_written(tmp_path):
+    """The README's DeepSpeed example, as written: its shell block (the
+    config, then torchrun on 2 ranks) with its Python block as train.py."""
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     section = readme[readme.index("## DeepSpeed configs"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    os.chdir(folder)
-    if rank == 0:
-        with open("ds_config.json", "w") as f:
-            json.dump({**RUN, "fp16": {"enabled": False}}, f)
-    torch.distributed.barrier()
-    model = make()
-    x, y = lm_batch(0, 0, world)
-    batches = [local(x, rank, world)] * 4
-    targets = local(y, rank, world)
-    namespace = {"zerocore": zerocore, "model": model, "batches": batches,
-                 "loss_fn": lambda logits: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))}
-    exec(code, namespace)
-    return namespace["engine"].step_count, namespace["ds"].micro_batch_size
-
-
-def test_the_readme_example_runs_as_written(tmp_path):
-    for steps, micro in run_ranks(_readme_example, 2, str(tmp_path)):
-        assert (steps, micro) == (2, 2)
+    section = section[:section.index("\n## ")]
+    [shell], [script] = (re.findall(rf"^```{language}\n(.*?)^```", section, re.M | re.S)
+                         for language in ("bash", "python"))
+    (tmp_path / "train.py").write_text(script)
+    package = os.path.dirname(os.path.dirname(zerocore.__file__))
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+               PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run(["bash", "-e", "-c", shell], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # 8 micro-batches, 2 a step; WarmupLR's first two steps at its start, 0 (DeepSpeed's count from -1).
+    steps = re.findall(r"^step (\d): loss [\d.]+, lr (\S+)$", run.stdout, re.M)
+    assert steps == [("1", "0.00e+00"), ("2", "1.00e-02"), ("3", "1.00e-02"), ("4", "1.00e-02")], run.stdout
 
 
 def test_auto_is_resolved_where_it_changes_no_result():
