@@ -386,11 +386,18 @@ def _zerocore_command():
     return str(beside) if beside.is_file() else shutil.which("zerocore")
 
 
-def test_console_script_runs():
-    command = _zerocore_command()
-    if command is None:
+@pytest.mark.parametrize("how", ["zerocore", "python -m zerocore"])
+def test_the_command_runs(how):
+    """The installed console script and `python -m zerocore`, each in a
+    process of its own: --help, and the paper's row."""
+    command = [sys.executable, "-m", "zerocore"] if how != "zerocore" else [_zerocore_command()]
+    if command == [None]:
         pytest.skip("no zerocore console script installed (pip install . puts one beside python)")
-    run = subprocess.run([command, *PAPER_ARGS], capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(zerocore.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    usage = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: zerocore"), usage.stdout + usage.stderr
+    run = subprocess.run([*command, *PAPER_ARGS], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0 and re.search(r"^ +64 +3 +none +1\.88 ", run.stdout, re.M), run.stdout + run.stderr
 
 
