@@ -364,3 +364,25 @@ def test_auto_is_resolved_where_it_changes_no_result():
                                                     "stage3_param_persistence_threshold": "auto"}}, world_size=2)
     assert (ds.train_batch_size, ds.micro_batch_size, ds.gradient_accumulation_steps) == (6, 3, 1)
     assert ds.config == zerocore.Config(stage=3)
+
+
+def test_zerocore_needs_neither_deepspeed_nor_transformers(tmp_path):
+    """DeepSpeed is a test dependency only and transformers an optional
+    extra (zerocore[hf]): with neither importable, zerocore imports, reads a
+    DeepSpeed config with its blocks, and estimates a Hugging Face
+    config.json."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 12,
+                                                      "n_head": 12, "n_positions": 1024, "vocab_size": 50257}))
+    script = f"""
+import sys
+sys.modules.update(deepspeed=None, transformers=None, accelerate=None)  # importing any of them fails
+import torch, warnings, zerocore
+warnings.simplefilter("ignore")
+ds = zerocore.DeepSpeedConfig({FULL!r}, world_size=2)
+ds.scheduler(ds.optimizer([torch.nn.Parameter(torch.zeros(2))]))
+print(ds.config.stage, zerocore.estimate({str(tmp_path / "config.json")!r}).model.trainable)
+"""
+    package = os.path.dirname(os.path.dirname(zerocore.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["3", "124439808"], run.stdout + run.stderr
