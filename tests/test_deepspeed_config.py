@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zerocore
-from zerocore import DeepSpeedConfig, DeepSpeedConfigError, DynamicLossScale
+from zerocore import Config, DeepSpeedConfig, DeepSpeedConfigError, DynamicLossScale
 from zerocore.deepspeed_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerocore.loss_scale import LossScaler, NonFiniteGradientError
 from dist_harness import run_ranks
@@ -66,7 +66,8 @@ def test_every_key_maps_onto_what_it_names(tmp_path):
     assert (c.stage, c.dtype, c.reduce_dtype, c.max_grad_norm) == (3, "fp16", "fp32", 1.0)
     assert c.loss_scale == DynamicLossScale(initial=2.0**12, window=500, hysteresis=3, min_scale=2.0,
                                             consecutive_hysteresis=True, deepspeed_growth=True)
-    assert (c.bucket_bytes, c.prefetch_bytes, c.persist_threshold) == (4000, 6000, 50)  # fp32 reduce, fp16 params
+    # fp32 reduce, fp16 params; DeepSpeed keeps params of at most 50 elements whole, zerocore those of fewer than 51
+    assert (c.bucket_bytes, c.prefetch_bytes, c.persist_threshold) == (4000, 6000, 51)
     assert (c.offload_optimizer, c.offload_params) == ("cpu", "cpu")
     (tmp_path / "ds_config.json").write_text(json.dumps(FULL))
     for source in (FULL, tmp_path / "ds_config.json", str(tmp_path / "ds_config.json")):  # a dict or a JSON file
@@ -154,7 +155,7 @@ def _offloaded_by_hand(model):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
     return opt, WarmupDecayLR(opt, total_num_steps=8, warmup_num_steps=3, warmup_max_lr=0.05,
                               warmup_type="linear"), zerocore.Config(
-        stage=3, dtype="bf16", prefetch_bytes=200, persist_threshold=40, offload_optimizer="cpu",
+        stage=3, dtype="bf16", prefetch_bytes=200, persist_threshold=41, offload_optimizer="cpu",
         offload_params="cpu")
 
 
@@ -190,6 +191,31 @@ def _from_json_and_by_hand(rank, world, case):
         state = engine_train(engine, rank, world, 8, ds.gradient_accumulation_steps, scheduler=scheduler)
         out.append((state, engine.loss_scale, engine.step_count))
     return out, ds.micro_batch_size
+
+
+def _whole(rank, world, threshold):
+    """The params a stage-3 engine keeps whole for DeepSpeed's threshold."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = Config.from_deepspeed({"train_batch_size": world,
+                                        "zero_optimization": {"stage": 3,
+                                                              "stage3_param_persistence_threshold": threshold}})
+    model = torch.nn.Sequential(torch.nn.Linear(10, 5), torch.nn.Linear(5, 3))
+    engine = zerocore.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    whole = sorted(name for g in engine.groups if not g.sharded for names in g.names for name in names)
+    engine.close()
+    return whole
+
+
+@pytest.mark.parametrize("threshold", [0, 4, 5, 15, 49, 50])
+def test_persistence_threshold_keeps_whole_what_deepspeed_keeps_whole(threshold):
+    """DeepSpeed keeps a param whole when it has at most
+    stage3_param_persistence_threshold elements (partition_parameters.py:
+    ds_numel <= threshold), none at 0; the params here have 50, 5, 15 and 3."""
+    model = torch.nn.Sequential(torch.nn.Linear(10, 5), torch.nn.Linear(5, 3))
+    expected = sorted(n for n, p in model.named_parameters() if p.numel() <= threshold)
+    for whole in run_ranks(_whole, 2, threshold):
+        assert whole == expected
 
 
 @pytest.mark.parametrize("case", RUNS)
