@@ -131,7 +131,8 @@ POWER = 15  # high enough for the first steps to overflow in fp16, so that hyste
 RUN = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1}},
        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2}},
-       "fp16": {"enabled": True, "initial_scale_power": POWER, "loss_scale_window": 2, "hysteresis": 2},
+       "fp16": {"enabled": True, "initial_scale_power": POWER, "loss_scale_window": 2, "hysteresis": 2,
+                "consecutive_hysteresis": True, "min_loss_scale": 2},
        "zero_optimization": {"stage": 2, "reduce_bucket_size": 300}}
 
 
@@ -139,7 +140,8 @@ def _fp16_by_hand(model):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     return opt, WarmupCosineLR(opt, total_num_steps=6, warmup_num_steps=2), zerocore.Config(
         stage=2, dtype="fp16", bucket_bytes=600, max_grad_norm=0.05,
-        loss_scale=DynamicLossScale(initial=2.0**POWER, window=2, hysteresis=2, deepspeed_growth=True))
+        loss_scale=DynamicLossScale(initial=2.0**POWER, window=2, hysteresis=2, consecutive_hysteresis=True,
+                                    min_scale=2.0, deepspeed_growth=True))
 
 
 OFFLOADED = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
@@ -170,8 +172,23 @@ def _plain_by_hand(model):
     return opt, WarmupLR(opt, warmup_num_steps=4), zerocore.Config(stage=1, reduce_dtype="fp32", bucket_bytes=400)
 
 
+FIXED_SCALE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+               "fp16": {"enabled": True, "loss_scale": 256},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}},
+               "zero_optimization": {"stage": 2, "contiguous_gradients": True,
+                                     "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+
+
+def _fixed_scale_by_hand(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # torch_adam: torch's defaults
+    return opt, WarmupLR(opt, warmup_num_steps=3, warmup_type="linear"), zerocore.Config(
+        stage=2, dtype="fp16", loss_scale=256.0, offload_optimizer="cpu")
+
+
 RUNS = {"stage 2, fp16": (RUN, _fp16_by_hand), "stage 3 offloaded, bf16": (OFFLOADED, _offloaded_by_hand),
-        "stage 1, fp32": (PLAIN, _plain_by_hand)}
+        "stage 1, fp32": (PLAIN, _plain_by_hand), "stage 2 offloaded, fp16 fixed scale": (FIXED_SCALE,
+                                                                                           _fixed_scale_by_hand)}
 
 
 def _from_json_and_by_hand(rank, world, case):
@@ -226,6 +243,8 @@ def test_a_run_from_json_equals_the_run_configured_by_hand(case):
         assert (scale, steps) == (hand_scale, hand_steps)
         if case == "stage 2, fp16":
             assert 0 < steps < 8, "some steps overflowed and some were applied"
+        if case.endswith("fixed scale"):
+            assert (scale, steps) == (256, 8)  # no step overflowed
         assert_state_close(from_json, by_hand, rtol=0, atol=0, what=f"{case}: from JSON")
 
 
