@@ -6,9 +6,12 @@ accumulation and clipping; a run resumed from a save_steps checkpoint goes
 on bitwise as the uninterrupted one; save_model's folder loads with
 from_pretrained and gives the engine's logits. Tiny GPT-2 (tied embeddings)
 and Llama models built from configs, random token ids: nothing downloaded."""
+import json
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -257,21 +260,21 @@ def test_ranks_the_trainer_would_not_see_are_refused(tmp_path):
     run_ranks(_unlaunched, WORLD, str(tmp_path))
 
 
-def _readme_example(rank, world, folder):
-    """The README's Hugging Face example, as written, on ranks launched as
-    torchrun launches them."""
-    launched(rank, world)
+def test_the_readme_example_runs_as_written(tmp_path):
+    """The README's Hugging Face example, as written: train.py, launched
+    with the torchrun command the README gives."""
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     section = readme[readme.index("## Hugging Face Trainer"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    os.chdir(folder)
-    namespace = {}
-    exec(code, namespace)
-    return namespace["trainer"].state.global_step, sorted(os.listdir("out/checkpoint-2"))
-
-
-def test_the_readme_example_runs_as_written(tmp_path):
-    for global_step, files in run_ranks(_readme_example, WORLD, str(tmp_path)):
-        assert global_step == 4 and CHECKPOINT_DIR in files
+    command = re.search(r"run with `(torchrun [^`]*train\.py)`", section).group(1)
+    (tmp_path / "train.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    package = os.path.dirname(os.path.dirname(zerocore.__file__))
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
+               PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run(["bash", "-e", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(tmp_path / "out" / "checkpoint-4" / "trainer_state.json") as f:
+        assert json.load(f)["global_step"] == 4
+    assert CHECKPOINT_DIR in os.listdir(tmp_path / "out" / "checkpoint-2")
     model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out" / "final"))
     assert model.config.num_hidden_layers == 2
