@@ -3,7 +3,8 @@ every key of DeepSpeed's documented schema that zerocore reads maps onto
 what it names; a run configured from JSON equals the same run configured by
 hand; where semantics could drift (batch-size resolution, loss scaling, the
 schedulers' learning rates) zerocore is compared with DeepSpeed itself, on
-its CPU accelerator."""
+its CPU accelerator; and a config trains as deepspeed.initialize's engine
+trains it on 2 gloo ranks."""
 import json
 import math
 import os
@@ -250,15 +251,17 @@ def test_a_run_from_json_equals_the_run_configured_by_hand(case):
 
 # Against DeepSpeed itself --------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def deepspeed():
+@pytest.fixture
+def deepspeed(monkeypatch):
     ds = pytest.importorskip("deepspeed")
     import deepspeed.runtime.config as ds_config
     import deepspeed.runtime.fp16.loss_scaler as ds_scaler
 
     # Outside deepspeed.init_distributed, DeepSpeed asks its comm layer for
-    # this process's rank; the tests give it one.
-    ds_config.dist.get_rank = ds_scaler.dist.get_rank = lambda *a, **k: 0
+    # this process's rank; these tests, in one process, give it one (and
+    # take it back after, for the ranks of test_trains_as_deepspeed).
+    for module in (ds_config, ds_scaler):
+        monkeypatch.setattr(module.dist, "get_rank", lambda *a, **k: 0)
     return ds
 
 
@@ -362,6 +365,72 @@ def test_schedulers_give_deepspeeds_learning_rates_step_by_step(deepspeed, kind,
                                                                                                       expected)
         ours.step()
         ref.step()
+
+
+# The same JSON config trained by deepspeed.initialize's engine on 2 gloo
+# ranks (its CPU accelerator) and by zerocore: accumulation, clipping that
+# bites, torch's AdamW with weight decay and WarmupDecayLR's rates.
+TRAIN = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.1,
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
+         "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2,
+                                                           "warmup_max_lr": 1e-2}},
+         "zero_optimization": {"reduce_bucket_size": 500}}
+
+
+def _zerocore_and_deepspeed(rank, world, stage):
+    import deepspeed as ds_runtime
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    config = {**TRAIN, "zero_optimization": {**TRAIN["zero_optimization"], "stage": stage}}
+    out = {}
+    for who in ("zerocore", "deepspeed"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        samples = torch.Generator().manual_seed(1 + rank)
+        if who == "deepspeed":
+            engine, opt, _, scheduler = ds_runtime.initialize(model=model, model_parameters=model.parameters(),
+                                                              config=json.loads(json.dumps(config)))
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ds = DeepSpeedConfig(config)
+            opt = ds.optimizer(model.parameters())
+            scheduler = ds.scheduler(opt)
+            engine = zerocore.wrap(model, opt, ds.config)
+        rates, norms = [], []
+        for micro in range(12):
+            x = torch.randn(2, 8, generator=samples)
+            loss = torch.nn.functional.mse_loss(engine(x), x[:, :4].sin())
+            if who == "deepspeed":  # its engine divides by the accumulation steps and steps on the boundary
+                engine.backward(loss)
+                engine.step()
+                if (micro + 1) % config["gradient_accumulation_steps"] == 0:
+                    norms.append(float(engine.get_global_grad_norm()))
+            else:
+                engine.backward(loss / ds.gradient_accumulation_steps)
+                if (micro + 1) % ds.gradient_accumulation_steps == 0:
+                    if engine.step():
+                        scheduler.step()
+                    engine.zero_grad()
+            rates.append(opt.param_groups[0]["lr"])
+        if who == "deepspeed":
+            with ds_runtime.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):
+                state = {n: p.detach().clone() for n, p in model.named_parameters()}
+        else:
+            state = engine.full_state_dict()
+            engine.close()
+        out[who] = state, rates, norms
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_trains_as_deepspeed(stage):
+    pytest.importorskip("deepspeed")
+    for ranks in run_ranks(_zerocore_and_deepspeed, 2, stage, timeout=300):
+        (ours, our_rates, _), (theirs, their_rates, their_norms) = ranks["zerocore"], ranks["deepspeed"]
+        assert our_rates == their_rates
+        assert len(their_norms) == 6 and max(their_norms) > TRAIN["gradient_clipping"]  # the clipping bites
+        assert_state_close(ours, theirs, rtol=1e-5, atol=1e-7, what=f"stage {stage} against DeepSpeed")
 
 
 def test_loss_scale_settings_round_trip_through_a_checkpoint(tmp_path):
