@@ -20,6 +20,7 @@ import zerocore
 from zerocore import Config, DeepSpeedConfig, DeepSpeedConfigError, DynamicLossScale
 from zerocore.deepspeed_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerocore.loss_scale import LossScaler, NonFiniteGradientError
+import readme
 from dist_harness import run_ranks
 from models import assert_state_close, engine_train, make
 
@@ -449,21 +450,13 @@ def test_loss_scale_settings_round_trip_through_a_checkpoint(tmp_path):
 def test_the_readme_example_runs_as_written(tmp_path):
     """The README's DeepSpeed example, as written: its shell block (the
     config, then torchrun on 2 ranks) with its Python block as train.py."""
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## DeepSpeed configs"):]
-    section = section[:section.index("\n## ")]
-    [shell], [script] = (re.findall(rf"^```{language}\n(.*?)^```", section, re.M | re.S)
-                         for language in ("bash", "python"))
+    text = readme.section("DeepSpeed configs")
+    [shell], [script] = readme.blocks(text, "bash"), readme.blocks(text, "python")
     (tmp_path / "train.py").write_text(script)
-    package = os.path.dirname(os.path.dirname(zerocore.__file__))
-    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
-               PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run(["bash", "-e", "-c", shell], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = readme.run_shell(shell, tmp_path)
     # 8 micro-batches, 2 a step; WarmupLR's first two steps at its start, 0 (DeepSpeed's count from -1).
-    steps = re.findall(r"^step (\d): loss [\d.]+, lr (\S+)$", run.stdout, re.M)
-    assert steps == [("1", "0.00e+00"), ("2", "1.00e-02"), ("3", "1.00e-02"), ("4", "1.00e-02")], run.stdout
+    steps = re.findall(r"^step (\d): loss [\d.]+, lr (\S+)$", out, re.M)
+    assert steps == [("1", "0.00e+00"), ("2", "1.00e-02"), ("3", "1.00e-02"), ("4", "1.00e-02")], out
 
 
 def test_auto_is_resolved_where_it_changes_no_result():
@@ -496,7 +489,6 @@ ds = zerocore.DeepSpeedConfig({FULL!r}, world_size=2)
 ds.scheduler(ds.optimizer([torch.nn.Parameter(torch.zeros(2))]))
 print(ds.config.stage, zerocore.estimate({str(tmp_path / "config.json")!r}).model.trainable)
 """
-    package = os.path.dirname(os.path.dirname(zerocore.__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", script], env=readme.environment(), capture_output=True, text=True,
+                         timeout=120)
     assert run.returncode == 0 and run.stdout.split() == ["3", "124439808"], run.stdout + run.stderr

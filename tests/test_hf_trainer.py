@@ -10,8 +10,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -21,6 +19,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 import zerocore  # noqa: E402
+import readme  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from zerocore.integrations.hf import CHECKPOINT_DIR, ZeroTrainer  # noqa: E402
 
@@ -263,16 +262,11 @@ def test_ranks_the_trainer_would_not_see_are_refused(tmp_path):
 def test_the_readme_example_runs_as_written(tmp_path):
     """The README's Hugging Face example, as written: train.py, launched
     with the torchrun command the README gives."""
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## Hugging Face Trainer"):]
-    command = re.search(r"run with `(torchrun [^`]*train\.py)`", section).group(1)
-    (tmp_path / "train.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
-    package = os.path.dirname(os.path.dirname(zerocore.__file__))
-    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]),
-               PYTHONPATH=os.pathsep.join([package, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run(["bash", "-e", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = readme.section("Hugging Face Trainer")
+    command = re.search(r"run with `(torchrun [^`]*train\.py)`", text).group(1)
+    [script] = readme.blocks(text, "python")
+    (tmp_path / "train.py").write_text(script)
+    readme.run_shell(command, tmp_path)
     with open(tmp_path / "out" / "checkpoint-4" / "trainer_state.json") as f:
         assert json.load(f)["global_step"] == 4
     assert CHECKPOINT_DIR in os.listdir(tmp_path / "out" / "checkpoint-2")
