@@ -4,7 +4,6 @@ of wrapped models, Hugging Face configs, the inverse query, the command line
 and the README's examples as written."""
 import json
 import math
-import os
 import random
 import re
 import shutil
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 import zerocore
+import readme
 from dist_harness import run_ranks
 from models import Block, TinyLM
 from zerocore import sizing
@@ -386,35 +386,27 @@ def _zerocore_command():
     return str(beside) if beside.is_file() else shutil.which("zerocore")
 
 
-def test_console_script_runs():
-    command = _zerocore_command()
-    if command is None:
+@pytest.mark.parametrize("how", ["zerocore", "python -m zerocore"])
+def test_the_command_runs(how):
+    """The installed console script and `python -m zerocore`, each in a
+    process of its own: --help, and the paper's row."""
+    command = [sys.executable, "-m", "zerocore"] if how != "zerocore" else [_zerocore_command()]
+    if command == [None]:
         pytest.skip("no zerocore console script installed (pip install . puts one beside python)")
-    run = subprocess.run([command, *PAPER_ARGS], capture_output=True, text=True, timeout=120)
+    env = readme.environment()
+    usage = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: zerocore"), usage.stdout + usage.stderr
+    run = subprocess.run([*command, *PAPER_ARGS], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0 and re.search(r"^ +64 +3 +none +1\.88 ", run.stdout, re.M), run.stdout + run.stderr
 
 
-def _readme_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    return text[text.index("## Will it fit?"):text.index("\n## ", text.index("## Will it fit?") + 1)]
-
-
-def _blocks(section: str, language: str) -> list:
-    return re.findall(rf"^```{language}\n(.*?)^```", section, re.M | re.S)
-
-
 def test_readme_examples_run_as_written(tmp_path, capsys, monkeypatch):
-    section = _readme_section()
-    [bash], [shown], [python] = _blocks(section, "bash"), _blocks(section, "text"), _blocks(section, "python")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(zerocore.__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")]))
+    section = readme.section("Will it fit?")
+    [bash], [shown], [python] = (readme.blocks(section, language) for language in ("bash", "text", "python"))
     command = _zerocore_command()
     shim = "" if command else f'zerocore() {{ "{sys.executable}" -m zerocore "$@"; }}\n'
     prefix = f'PATH="{Path(command).parent}:$PATH"\n' if command else shim
-    run = subprocess.run(["bash", "-e", "-c", prefix + bash], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    out = run.stdout
+    out = readme.run_shell(prefix + bash, tmp_path)
     for line in shown.splitlines():  # the paper's row, as the README shows it
         assert line in out.splitlines(), (line, out)
     assert "6,738,415,616 trainable params" in out  # the Llama config the README writes

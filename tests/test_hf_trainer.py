@@ -6,6 +6,7 @@ accumulation and clipping; a run resumed from a save_steps checkpoint goes
 on bitwise as the uninterrupted one; save_model's folder loads with
 from_pretrained and gives the engine's logits. Tiny GPT-2 (tied embeddings)
 and Llama models built from configs, random token ids: nothing downloaded."""
+import json
 import math
 import os
 import re
@@ -18,6 +19,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 import zerocore  # noqa: E402
+import readme  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from zerocore.integrations.hf import CHECKPOINT_DIR, ZeroTrainer  # noqa: E402
 
@@ -257,21 +259,16 @@ def test_ranks_the_trainer_would_not_see_are_refused(tmp_path):
     run_ranks(_unlaunched, WORLD, str(tmp_path))
 
 
-def _readme_example(rank, world, folder):
-    """The README's Hugging Face example, as written, on ranks launched as
-    torchrun launches them."""
-    launched(rank, world)
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("## Hugging Face Trainer"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    os.chdir(folder)
-    namespace = {}
-    exec(code, namespace)
-    return namespace["trainer"].state.global_step, sorted(os.listdir("out/checkpoint-2"))
-
-
 def test_the_readme_example_runs_as_written(tmp_path):
-    for global_step, files in run_ranks(_readme_example, WORLD, str(tmp_path)):
-        assert global_step == 4 and CHECKPOINT_DIR in files
+    """The README's Hugging Face example, as written: train.py, launched
+    with the torchrun command the README gives."""
+    text = readme.section("Hugging Face Trainer")
+    command = re.search(r"run with `(torchrun [^`]*train\.py)`", text).group(1)
+    [script] = readme.blocks(text, "python")
+    (tmp_path / "train.py").write_text(script)
+    readme.run_shell(command, tmp_path)
+    with open(tmp_path / "out" / "checkpoint-4" / "trainer_state.json") as f:
+        assert json.load(f)["global_step"] == 4
+    assert CHECKPOINT_DIR in os.listdir(tmp_path / "out" / "checkpoint-2")
     model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out" / "final"))
     assert model.config.num_hidden_layers == 2

@@ -29,7 +29,9 @@ DeepSpeed's semantics kept here:
   consecutive_hysteresis and its rule for when the scale grows; any other
   value a fixed scale.
 - Sizes in elements: reduce_bucket_size and stage3_prefetch_bucket_size
-  become bytes at the reduce and training dtypes' widths.
+  become bytes at the reduce and training dtypes' widths;
+  stage3_param_persistence_threshold keeps params of at most that many
+  elements whole, as DeepSpeed does.
 """
 from __future__ import annotations
 
@@ -208,14 +210,18 @@ class DeepSpeedConfig:
                 fields[field] = device
         reduce_width = {"fp32": 4}.get(fields.get("reduce_dtype", fields.get("dtype", "fp32")), 2)
         width = {"fp32": 4}.get(fields.get("dtype", "fp32"), 2)
-        for names, field, scale in ((("reduce_bucket_size",), "bucket_bytes", reduce_width),
-                                    (("stage3_prefetch_bucket_size", "prefetch_bucket_size"), "prefetch_bytes", width),
-                                    (("stage3_param_persistence_threshold", "param_persistence_threshold"),
-                                     "persist_threshold", 1)):
+        # DeepSpeed keeps a param of at most the persistence threshold's
+        # elements whole (partition_parameters.py: ds_numel <= threshold);
+        # zerocore one of fewer than its persist_threshold.
+        for names, field, to_zerocore in (
+                (("reduce_bucket_size",), "bucket_bytes", lambda n: n * reduce_width),
+                (("stage3_prefetch_bucket_size", "prefetch_bucket_size"), "prefetch_bytes", lambda n: n * width),
+                (("stage3_param_persistence_threshold", "param_persistence_threshold"), "persist_threshold",
+                 lambda n: n + 1 if n > 0 else 0)):
             for name in names:
                 value = zero.pop(name, None)
                 if value is not None and value != "auto":  # "auto": zerocore's own default (changes no result)
-                    fields[field] = int(_given(f"zero_optimization.{name}", value)) * scale
+                    fields[field] = to_zerocore(int(_given(f"zero_optimization.{name}", value)))
         for key, value in zero.items():
             if key in _NO_EFFECT_ZERO:
                 self._ignore(f"zero_optimization.{key}", _NO_EFFECT_ZERO[key])
