@@ -54,9 +54,13 @@ trap 'rm -rf "$scratch"' EXIT
     [[ "$collected" =~ ^([0-9]+)/[0-9]+\ tests\ collected ]] && (( BASH_REMATCH[1] > 0 )) ||
       { echo "gpu.sh --dry-run: no GPU test collected" >&2; exit 1; }
     "$PYTHON" bench/gpu_adam_bench.py --help > /dev/null
+    "$PYTHON" bench/gpu_gpt_bench.py --dry-run
+    "$PYTHON" bench/gpu_gpt_bench.py --mode offload --dry-run
   else
     "$PYTHON" -c 'import zerocore.cuda as c; assert c.is_available(), "zerocore was built without usable CUDA kernels"'
     "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests
     "$PYTHON" bench/gpu_adam_bench.py
+    "$PYTHON" bench/gpu_gpt_bench.py
+    "$PYTHON" bench/gpu_gpt_bench.py --mode offload --budget 90
   fi
 } 2>&1 | tee "$results"
