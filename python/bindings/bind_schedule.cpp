@@ -124,7 +124,6 @@ void bind_schedule(nb::module_& m) {
            "Releases every unit no hook holds (their params changed).")
       .def("gather_into", unlocked(&UnitSchedule::gather_into), "unit"_a, "out"_a,
            "The unit's full flat params into out (a zerocore.Tensor), uncounted and outside the pool.")
-      .def("buffer", [](const UnitSchedule& self, int unit) { return maybe(self.buffer(unit)); }, "unit"_a, "Where the unit is gathered; None when released.")
       .def("gathered", &UnitSchedule::gathered, "unit"_a)
       .def("unit_elems", &UnitSchedule::unit_elems, "unit"_a)
       .def("group_offset", &UnitSchedule::group_offset, "unit"_a, "group"_a)

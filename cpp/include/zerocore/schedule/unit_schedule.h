@@ -113,11 +113,11 @@ class UnitSchedule {
   // (and settle the previous one), wait (a stream wait) for the unit's
   // gather and bind it (valid until its release). Each declares the compute
   // stream's reads of the unit's params through Backend::declare_access:
-  // the pre hooks the first read (after its gather), the post hooks and
-  // the end of a pass the last (before its slot can be gathered into
-  // again), so the checking backend names a hook that reads a unit not
-  // ordered after its gather, or a slot gathered into while compute still
-  // reads it. marks_post_backward: post_backward(unit) will be called once
+  // the pre hooks the first read (after its gather), the post hooks the
+  // last (before its slot can be gathered into again; a unit kept to the
+  // end of the backward has no post-backward point, and only its first), so
+  // the checking backend names a hook that reads a unit not ordered after
+  // its gather, or a slot written while compute still reads it. marks_post_backward: post_backward(unit) will be called once
   // this forward's backward has gone through the unit (its inputs need
   // grad).
   Binding pre_forward(int unit, bool marks_post_backward);
