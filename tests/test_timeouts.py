@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zerocore
+from backward_call import CallInBackward
 from dist_harness import RankError, run_ranks
 from models import lm_batch, lm_loss, local, make
 from zerocore import _native
@@ -25,18 +26,6 @@ STALL = 1  # the step in which rank 1 stops responding
 
 class _Stalled(Exception):
     pass
-
-
-class _StallInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, stall):
-        ctx.stall = stall
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.stall()
-        return grad, None
 
 
 def _train_step(engine, rank, world, step):
@@ -76,7 +65,7 @@ def _stuck_peer(rank, world, done, stage, where, offload, inherit):
     if where == "forward":
         model.blocks[1].register_forward_pre_hook(stall)
     elif where == "backward":
-        model.blocks[1].register_forward_hook(lambda m, args, out: _StallInBackward.apply(out, stall))
+        model.blocks[1].register_forward_hook(lambda m, args, out: CallInBackward.apply(out, stall))
     else:  # the step: between its reduction and its norm exchange
         sum_of_squares = engine.update.grad_sum_of_squares
         engine.update.grad_sum_of_squares = lambda calls: stall() or sum_of_squares(calls)

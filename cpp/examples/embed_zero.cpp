@@ -196,7 +196,7 @@ class ZeroMlp {
   int reduce_group(int unit) const { return int(layers_.size()) - 1 - unit; }  // the reducer's groups are in backward order
 
   std::vector<float> forward(const Layer& l, const std::vector<float>& x, int rows) {
-    const Tensor flat = schedule_ ? schedule_->pre_forward(unit(l), /*marks_post_backward=*/true) : l.params;
+    const Tensor flat = schedule_ ? schedule_->pre_forward(unit(l), /*marks_post_backward=*/true).buffer : l.params;
     const float* w = l.store.param_view(flat, kWeight).data_as<float>();
     const float* b = l.store.param_view(flat, kBias).data_as<float>();
     std::vector<float> y(size_t(rows) * l.out);
@@ -213,7 +213,7 @@ class ZeroMlp {
 
   // Hands the unit's grads to the reducer and returns the input grads.
   std::vector<float> backward(const Layer& l, const std::vector<float>& x, const std::vector<float>& dy, int rows) {
-    const Tensor flat = schedule_ ? schedule_->pre_backward(unit(l)) : l.params;
+    const Tensor flat = schedule_ ? schedule_->pre_backward(unit(l)).buffer : l.params;
     const float* w = l.store.param_view(flat, kWeight).data_as<float>();
     std::memset(l.grads.data(), 0, l.grads.nbytes());
     float* gw = l.store.param_view(l.grads, kWeight).data_as<float>();

@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -41,6 +42,27 @@ std::vector<Spec> specs(const nb::list& items, const char* what) {
 // A tensor, or None where it is undefined.
 nb::object maybe(const Tensor& t) { return t.data() ? nb::cast(t) : nb::none(); }
 
+// A hook's Binding as Python takes it: ((address, buffer) to bind the
+// unit's params to, or None when they view it already; [released units]).
+nb::tuple binding(const UnitSchedule::Binding& b) {
+  nb::object bind = nb::none();
+  if (b.rebind) bind = nb::make_tuple(reinterpret_cast<uintptr_t>(b.buffer.data()), b.buffer);
+  return nb::make_tuple(bind, b.released);
+}
+
+// A unit hook: one call, the GIL released while it may wait for a round.
+template <class... Args>
+auto hook(UnitSchedule::Binding (UnitSchedule::*method)(Args...)) {
+  return [method](UnitSchedule& self, Args... args) {
+    UnitSchedule::Binding b;
+    {
+      nb::gil_scoped_release release;
+      b = (self.*method)(args...);
+    }
+    return binding(b);
+  };
+}
+
 // A member call with the GIL released.
 template <class Class, class Result, class... Args>
 auto unlocked(Result (Class::*method)(Args...)) {
@@ -71,13 +93,30 @@ void bind_schedule(nb::module_& m) {
           nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(),
           "rounds: a queue over another communicator of the same ranks, for the rounds. units: per unit (own_slot, [(tag, LayoutPlan, shard tensor) per flat group]). grads_final(unit, "
           "reduce): called in backward, alike on every rank, once a unit's grads are complete everywhere.")
-      .def("pre_forward", unlocked(&UnitSchedule::pre_forward), "unit"_a, "marks_post_backward"_a,
-           "The unit is about to run forward: its buffer, gathered.")
-      .def("post_forward", unlocked(&UnitSchedule::post_forward), "unit"_a, "backward_follows"_a)
+      .def("pre_forward", hook(&UnitSchedule::pre_forward), "unit"_a, "marks_post_backward"_a,
+           "The unit is about to run forward: (bind, released), bind being (address, buffer) where its params "
+           "must view the buffer it is gathered in, or None when they view it already; released: the units "
+           "whose params must stop viewing theirs.")
+      .def("post_forward", hook(&UnitSchedule::post_forward), "unit"_a, "backward_follows"_a,
+           "(None, released), as pre_forward.")
       .def("begin_backward", unlocked(&UnitSchedule::begin_backward))
-      .def("pre_backward", unlocked(&UnitSchedule::pre_backward), "unit"_a,
-           "The unit's backward begins: its buffer, gathered.")
-      .def("post_backward", unlocked(&UnitSchedule::post_backward), "unit"_a)
+      .def("pre_backward", hook(&UnitSchedule::pre_backward), "unit"_a,
+           "The unit's backward begins: (bind, released), as pre_forward.")
+      .def("post_backward", hook(&UnitSchedule::post_backward), "unit"_a, "(None, released), as pre_forward.")
+      .def("take_released", &UnitSchedule::take_released,
+           "The units released since the last hook or call, whose params must stop viewing their buffers.")
+      .def("unbind_all", &UnitSchedule::unbind_all, "Every unit's params stopped viewing its buffer.")
+      .def(
+          "read",
+          [](UnitSchedule& self, int unit) {
+            Tensor buffer;
+            {
+              nb::gil_scoped_release release;  // may wait for the unit's gather
+              buffer = self.read(unit);
+            }
+            return maybe(buffer);
+          },
+          "unit"_a, "The unit's buffer for a read outside its hooks (its gather waited for), or None.")
       .def("end_forward", unlocked(&UnitSchedule::end_forward), "failed"_a = false)
       .def("end_backward", unlocked(&UnitSchedule::end_backward), "failed"_a = false)
       .def("end_step", unlocked(&UnitSchedule::end_step))
@@ -85,7 +124,6 @@ void bind_schedule(nb::module_& m) {
            "Releases every unit no hook holds (their params changed).")
       .def("gather_into", unlocked(&UnitSchedule::gather_into), "unit"_a, "out"_a,
            "The unit's full flat params into out (a zerocore.Tensor), uncounted and outside the pool.")
-      .def("buffer", [](const UnitSchedule& self, int unit) { return maybe(self.buffer(unit)); }, "unit"_a, "Where the unit is gathered; None when released.")
       .def("gathered", &UnitSchedule::gathered, "unit"_a)
       .def("unit_elems", &UnitSchedule::unit_elems, "unit"_a)
       .def("group_offset", &UnitSchedule::group_offset, "unit"_a, "group"_a)

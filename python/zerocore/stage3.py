@@ -6,7 +6,11 @@ a unit's grads are reduced); this
 module holds only what must be Python: the module and autograd hooks that
 tell it what happened, the binding of each unit's nn.Parameters to the
 buffer it is gathered in, and the saved-tensor hooks that keep what
-autograd saved pointing at the right bytes.
+autograd saved pointing at the right bytes. Each hook is one native call,
+which returns what to bind and what to release (the schedule knows what
+the params view), and declares the compute stream's reads of the unit's
+params to the backend, so the checking backend orders them against the
+gathers.
 
 A unit is a module whose params are gathered together: by default the
 modules held directly by the outermost nn.ModuleList/nn.Sequential
@@ -105,6 +109,8 @@ class Unit:
         self.modules = modules
         self.groups = groups  # FlatGroups of sharded params
         self.schedule = None  # set by UnitScheduler
+        self.elems = 0  # of its buffer, and its groups' (start, end) in it: set by UnitScheduler
+        self.spans = []
 
     @property
     def gathered(self) -> bool:
@@ -136,12 +142,19 @@ class UnitScheduler:
     def __init__(self, units, schedule, on_unit_backward=None):
         self.units = units
         self.native = schedule
-        for u in units:
+        for u in units:  # asked once: a hook then binds without calling back into the schedule
             u.schedule = schedule
+            u.elems = schedule.unit_elems(u.index)
+            starts = [schedule.group_offset(u.index, i) for i in range(len(u.groups))]
+            u.spans = [(start, start + g.plan.total_elems) for start, g in zip(starts, u.groups)]
         self.on_unit_backward = on_unit_backward or (lambda unit: None)
         self.in_backward = False
-        self.bound = {}  # unit index -> address of the buffer its params view
-        self.at = {}  # buffer address -> the unit bound there (for saved tensors)
+        # What the native schedule handed back (each hook is one call that
+        # returns what to bind and release): unit index -> address of the
+        # buffer its params view, and address -> the unit bound there (for
+        # saved tensors).
+        self.bound = {}
+        self.at = {}
         self.flats = {}  # (address, elements) -> a torch view of a buffer (pool buffers live as long as the engine)
         self.saved_views = SavedParamViews(self)
         self.saving = False  # saved_views is on: from the root's forward pre-hook to its post-hook
@@ -155,43 +168,55 @@ class UnitScheduler:
                 self.handles.append(m.register_forward_hook(self._post_forward(u, position)))
 
     # Binding ---------------------------------------------------------------
-    def _flat(self, buffer) -> torch.Tensor:
-        key = (buffer.data_ptr, buffer.numel)  # units of different sizes share a pool slot
+    def _flat(self, address, unit, buffer) -> torch.Tensor:
+        key = (address, unit.elems)  # units of different sizes share a pool slot
         flat = self.flats.get(key)
         if flat is None:
             flat = self.flats[key] = zerocore.to_torch(buffer)
         return flat
 
-    def _bind(self, unit, buffer):
-        if self.bound.get(unit.index) == buffer.data_ptr:
-            return
-        flat = self._flat(buffer)
-        for i, g in enumerate(unit.groups):
-            offset = self.native.group_offset(unit.index, i)
-            g.bind(flat[offset:offset + g.plan.total_elems])
-        self.bound[unit.index] = buffer.data_ptr
-        self.at[buffer.data_ptr] = unit
+    def _apply(self, unit, binding):
+        """Takes what a hook of `unit` returned: (bind, released). The
+        released units' params point at placeholders; `unit`'s view the
+        buffer in bind = (address, buffer), unless they view it already."""
+        bind, released = binding
+        self._unbind(released)
+        if bind is not None:
+            address, buffer = bind
+            flat = self._flat(address, unit, buffer)
+            for g, (start, end) in zip(unit.groups, unit.spans):
+                g.bind(flat[start:end])
+            self.bound[unit.index] = address
+            self.at[address] = unit
+
+    def _unbind(self, released):
+        """Points the params of units the schedule released at placeholders."""
+        for index in released:
+            unit = self.units[index]
+            for g in unit.groups:
+                g.unbind()
+            address = self.bound.pop(index)
+            if self.at.get(address) is unit:
+                del self.at[address]
 
     def _unbind_released(self):
-        """Points the params of units the schedule released at placeholders."""
-        for index, address in list(self.bound.items()):
-            buffer = self.native.buffer(index)
-            if buffer is None or buffer.data_ptr != address:
-                for g in self.units[index].groups:
-                    g.unbind()
-                del self.bound[index]
-                if self.at.get(address) is self.units[index]:
-                    del self.at[address]
+        """After a call that may release many units (the end of a pass, the
+        step) or that raised."""
+        self._unbind(self.native.take_released())
 
     def buffer_of(self, unit) -> torch.Tensor:
         """The torch view of the buffer `unit` is gathered in (backward's
-        unpacking of saved views)."""
-        buffer = self.native.buffer(unit.index)
+        unpacking of saved views): the one its params view, or, for a unit
+        not bound (unpacked outside its own backward), the schedule's."""
+        address = self.bound.get(unit.index)
+        if address is not None:
+            return self.flats[(address, unit.elems)]
+        buffer = self.native.read(unit.index)
         if buffer is None:
             raise RuntimeError(f"zerocore: backward needs params of unit {unit.index} "
                                f"({type(unit.modules[0]).__name__}), which is not gathered; was the graph of an "
                                "earlier step kept (retain_graph) past engine.step()?")
-        return self._flat(buffer)
+        return self._flat(buffer.data_ptr, unit, buffer)
 
     # Forward ---------------------------------------------------------------
     # A coalesced unit is one unit to the schedule: its first module's
@@ -212,9 +237,7 @@ class UnitScheduler:
             flat, spec = tree_flatten((args, kwargs))
             need = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             marks = bool(need) and torch.is_grad_enabled()
-            buffer = self.native.pre_forward(unit.index, marks)
-            self._unbind_released()
-            self._bind(unit, buffer)
+            self._apply(unit, self.native.pre_forward(unit.index, marks))
             if len(unit.modules) > 1:
                 self.open_run = (unit, position - 1, None)
             if not marks:
@@ -263,8 +286,7 @@ class UnitScheduler:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors and not self.in_backward:  # a recomputation's backward is the one already running
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-        self.native.post_forward(unit.index, bool(tensors))
-        self._unbind_released()
+        self._apply(unit, self.native.post_forward(unit.index, bool(tensors)))
         if unit.index == 0 and not self.in_backward:  # the end of the forward, however it was called
             self.end_forward()
 
@@ -274,28 +296,28 @@ class UnitScheduler:
         done-round (a failure waits for the other ranks to hear of it)."""
         self.open_run = None  # a forward that raised inside a coalesced unit: the schedule releases it
         self._save_param_views(False)
-        self.native.end_forward(failed)
-        self._unbind_released()
+        try:
+            self.native.end_forward(failed)
+        finally:
+            self._unbind_released()
 
     # Backward --------------------------------------------------------------
     def begin_backward(self):
-        self.in_backward = True
+        """Raises (PeerFailed) if another rank's forward failed."""
         self.native.begin_backward()
+        self.in_backward = True
 
     def _pre_backward(self, unit):
         def hook(_grad):
             if not self.in_backward:
                 raise outside_engine_backward()
-            buffer = self.native.pre_backward(unit.index)
-            self._unbind_released()
-            self._bind(unit, buffer)
+            self._apply(unit, self.native.pre_backward(unit.index))
             self.on_unit_backward(unit)
         return hook
 
     def _post_backward(self, unit):
         def hook():
-            self.native.post_backward(unit.index)
-            self._unbind_released()
+            self._apply(unit, self.native.post_backward(unit.index))
         return hook
 
     def end_backward(self, failed=False):
@@ -318,17 +340,17 @@ class UnitScheduler:
         """Every unit into a temporary buffer of its own, outside the pool
         (gathered_params; not counted as training traffic)."""
         for u in (u for u in self.units if u.groups):
-            buffer = zerocore.empty([self.native.unit_elems(u.index)], NATIVE_NAMES[u.groups[0].dtype])
+            buffer = zerocore.empty([u.elems], NATIVE_NAMES[u.groups[0].dtype])
             self.native.gather_into(u.index, buffer)
             flat = zerocore.to_torch(buffer)
-            for i, g in enumerate(u.groups):
-                offset = self.native.group_offset(u.index, i)
-                g.bind(flat[offset:offset + g.plan.total_elems], keep_views=False)
+            for g, (start, end) in zip(u.groups, u.spans):
+                g.bind(flat[start:end], keep_views=False)
 
     def free_all(self):
         """After gathered_params: every unit's params may have been edited,
         so nothing gathered before stays."""
         self.native.release_all()
+        self.native.unbind_all()
         for u in self.units:
             for g in u.groups:
                 g.unbind()

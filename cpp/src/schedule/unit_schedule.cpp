@@ -12,6 +12,7 @@ namespace zerocore {
 UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitSpec> units, DType dtype,
                            int64_t prefetch_bytes, GradsFinal grads_final)
     : comm_(comm), rounds_queue_(rounds), backend_(comm.backend()), units_(std::move(units)), own_(units_.size()), state_(units_.size()),
+      bound_(units_.size(), nullptr),
       prefetch_bytes_(prefetch_bytes), dtype_(dtype), elem_bytes_(dtype_size(dtype)),
       grads_final_(std::move(grads_final)) {
   if (rounds.world_size() != comm.world_size() || rounds.rank() != comm.rank()) {
@@ -179,6 +180,41 @@ Tensor UnitSchedule::hold(int unit) {
   State& s = state_[size_t(unit)];
   s.held = true;
   return s.buffer;
+}
+
+void UnitSchedule::declare_read(int unit, const char* what) {
+  const Tensor& buffer = state_[size_t(unit)].buffer;
+  if (buffer.data() == nullptr) return;
+  backend_.declare_access(backend_.compute_stream(), Access::read(buffer),
+                          "unit " + std::to_string(unit) + "'s " + what);
+}
+
+// Binding ---------------------------------------------------------------------
+
+std::vector<int> UnitSchedule::take_released() {
+  std::vector<int> released;
+  for (int u = 0; u < num_units(); ++u) {
+    const void*& bound = bound_[size_t(u)];
+    if (bound != nullptr && bound != state_[size_t(u)].buffer.data()) {
+      released.push_back(u);
+      bound = nullptr;
+    }
+  }
+  return released;
+}
+
+UnitSchedule::Binding UnitSchedule::bind(int unit, const Tensor& buffer) {
+  Binding b{buffer, bound_[size_t(unit)] != buffer.data(), take_released()};
+  bound_[size_t(unit)] = buffer.data();
+  return b;
+}
+
+Tensor UnitSchedule::read(int unit) {
+  check(unit);
+  if (!gathered(unit)) return Tensor();
+  wait(unit);
+  declare_read(unit, "params read by backward (a saved view)");
+  return state_[size_t(unit)].buffer;
 }
 
 // Rounds ----------------------------------------------------------------------
@@ -382,7 +418,12 @@ Tensor UnitSchedule::acquire(int unit) {
   return hold(unit);
 }
 
-Tensor UnitSchedule::pre_forward(int unit, bool marks_post_backward) {
+// A hook's declarations come where its state is whole (its round posted,
+// nothing half released), so a StreamOrderError they raise fails the pass
+// as any error of the hook would, and the other ranks hear of it in the
+// failed pass's round.
+
+UnitSchedule::Binding UnitSchedule::pre_forward(int unit, bool marks_post_backward) {
   check(unit);
   if (!in_backward_ && !in_forward_) {
     in_forward_ = true;
@@ -392,11 +433,13 @@ Tensor UnitSchedule::pre_forward(int unit, bool marks_post_backward) {
   State& s = state_[size_t(unit)];
   s.marks.push_back(marks_post_backward);
   if (marks_post_backward) ++s.marked;
-  return buffer;
+  declare_read(unit, "forward reads its params");
+  return bind(unit, buffer);
 }
 
-void UnitSchedule::post_forward(int unit, bool backward_follows) {
+UnitSchedule::Binding UnitSchedule::post_forward(int unit, bool backward_follows) {
   check(unit);
+  declare_read(unit, "forward ends reading its params");
   State& s = state_[size_t(unit)];
   const bool marked = !s.marks.empty() && s.marks.back();
   if (!s.marks.empty()) s.marks.pop_back();
@@ -411,20 +454,31 @@ void UnitSchedule::post_forward(int unit, bool backward_follows) {
     s.held = false;
     if (!units_[size_t(unit)].own_slot) release(unit);
   }
+  return Binding{Tensor(), false, take_released()};
 }
 
-void UnitSchedule::begin_backward() { in_backward_ = true; }
+void UnitSchedule::begin_backward() {
+  // The forward's join ends here, not at the first backward hook: a rank
+  // whose forward failed is heard of before this rank's backward starts
+  // (PeerFailed, naming the forward), so no rank goes into a backward, and
+  // its reductions, that a failed rank will never join.
+  finish_join();
+  in_backward_ = true;
+}
 
-Tensor UnitSchedule::pre_backward(int unit) {
+UnitSchedule::Binding UnitSchedule::pre_backward(int unit) {
   check(unit);
   State& s = state_[size_t(unit)];
   ++s.open_backwards;
   s.ran = true;
-  return acquire(unit);
+  Tensor buffer = acquire(unit);
+  declare_read(unit, "backward reads its params");
+  return bind(unit, buffer);
 }
 
-void UnitSchedule::post_backward(int unit) {
+UnitSchedule::Binding UnitSchedule::post_backward(int unit) {
   check(unit);
+  declare_read(unit, "backward ends reading its params");
   State& s = state_[size_t(unit)];
   s.marked = std::max(0, s.marked - 1);
   s.open_backwards = std::max(0, s.open_backwards - 1);
@@ -432,6 +486,7 @@ void UnitSchedule::post_backward(int unit) {
     s.held = false;
     release(unit);
   }
+  return Binding{Tensor(), false, take_released()};
 }
 
 void UnitSchedule::end_forward(bool failed) {

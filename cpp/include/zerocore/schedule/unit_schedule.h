@@ -46,6 +46,7 @@
 // ranks need at once do not fit, an unused prefetch is evicted, then the
 // pool grows (once: a slot is kept).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -96,17 +97,48 @@ class UnitSchedule {
   UnitSchedule(const UnitSchedule&) = delete;
   UnitSchedule& operator=(const UnitSchedule&) = delete;
 
-  // The hooks. pre_forward and pre_backward post a round (and settle the
-  // previous one) and return the buffer the unit is gathered in (valid until
-  // its release). marks_post_backward: post_backward(unit) will be called
-  // once this forward's backward has gone through the unit (its inputs
-  // need grad).
-  Tensor pre_forward(int unit, bool marks_post_backward);
+  // What a hook hands back to its caller, whose params view the buffers
+  // (Python binds each unit's nn.Parameters to its buffer): the buffer the
+  // hook's unit is gathered in (the pre hooks), whether the caller's params
+  // do not view it yet, and the units released (or moved) since the caller
+  // last heard, whose params must stop viewing their old buffers. So a hook
+  // is one call, and the caller never asks where a unit is.
+  struct Binding {
+    Tensor buffer;
+    bool rebind = false;
+    std::vector<int> released;
+  };
+
+  // The hooks, one call each. pre_forward and pre_backward post a round
+  // (and settle the previous one), wait (a stream wait) for the unit's
+  // gather and bind it (valid until its release). Each declares the compute
+  // stream's reads of the unit's params through Backend::declare_access:
+  // the pre hooks the first read (after its gather), the post hooks the
+  // last (before its slot can be gathered into again; a unit kept to the
+  // end of the backward has no post-backward point, and only its first), so
+  // the checking backend names a hook that reads a unit not ordered after
+  // its gather, or a slot written while compute still reads it. marks_post_backward: post_backward(unit) will be called once
+  // this forward's backward has gone through the unit (its inputs need
+  // grad).
+  Binding pre_forward(int unit, bool marks_post_backward);
   // backward_follows: the unit's outputs need grad (it produces grads).
-  void post_forward(int unit, bool backward_follows);
+  Binding post_forward(int unit, bool backward_follows);
+  // Completes the forward's join first: throws PeerFailed if a rank's
+  // forward failed.
   void begin_backward();
-  Tensor pre_backward(int unit);
-  void post_backward(int unit);
+  Binding pre_backward(int unit);
+  Binding post_backward(int unit);
+  // The units released since the caller last heard (by a hook's Binding
+  // or by this call), forgotten as bound: after the calls that release
+  // many (end_forward, end_backward, end_step, release_all) or one that
+  // raised. unbind_all: the caller dropped every binding (gathered_params'
+  // end), so the next hook binds afresh.
+  std::vector<int> take_released();
+  void unbind_all() { std::fill(bound_.begin(), bound_.end(), nullptr); }
+  // The unit's buffer for a read by compute outside its hooks (backward
+  // unpacking a saved view of its params): its gather waited for and the
+  // read declared; undefined when it is not gathered.
+  Tensor read(int unit);
   // Rounds until every rank has ended its forward (backward), then releases
   // every unit (and hands every unit not yet final to grads_final). A rank
   // whose pass raised says `failed`: every other rank then throws
@@ -196,6 +228,9 @@ class UnitSchedule {
   // The unit's all-gathers into `out`, one per bucket of each group.
   std::vector<std::shared_ptr<StreamEvent>> issue(int unit, const Tensor& out, bool counted);
   Tensor hold(int unit);
+  Binding bind(int unit, const Tensor& buffer);
+  // The compute stream reads the unit's gathered params (`what` they are read for).
+  void declare_read(int unit, const char* what);
   void wait(int unit);
   void release(int unit);
   int evict_prefetched();
@@ -212,6 +247,7 @@ class UnitSchedule {
   std::vector<Tensor> own_;  // per unit: its own buffer, or undefined
   SlotPool pool_;
   std::vector<State> state_;
+  std::vector<const void*> bound_;  // per unit: the buffer the caller's params view, as last handed back
   int64_t prefetch_bytes_ = 0;
   DType dtype_ = DType::kFloat32;
   size_t elem_bytes_ = 4;

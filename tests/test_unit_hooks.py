@@ -1,0 +1,73 @@
+"""Stage 3's unit hooks, one native call each (issue 20, item 5): a hook
+calls the native UnitSchedule once, and that call returns what to bind and
+what to release, so Python never asks where a unit is gathered. Every
+attribute Python takes from the schedule object in a step is counted (each
+is a call into the runtime), and so are the torch views of its buffers
+made, on 2 ranks, in the steps after the first (which makes the views of
+the pool's slots, kept from then on)."""
+import collections
+
+import torch
+
+import zerocore
+from dist_harness import run_ranks
+from models import lm_batch, lm_loss, local, make
+
+STEPS = 3
+HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward")
+
+
+class Counting:
+    """The native schedule, every attribute asked of it counted."""
+
+    def __init__(self, native):
+        self.native = native
+        self.calls = collections.Counter()
+
+    def __getattr__(self, name):
+        self.calls[name] += 1
+        return getattr(self.native, name)
+
+
+def _calls_a_step(rank, world, layers):
+    model = make(layers=layers)
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3})
+    counting = engine.scheduler.native = Counting(engine.scheduler.native)
+    # Unit forwards, counted by hooks of the test's own on the unit modules.
+    forwards = collections.Counter()
+    for u in engine.units:
+        u.modules[0].register_forward_pre_hook(lambda m, args, i=u.index: forwards.update([i]))
+    steps = []
+    for step in range(STEPS):
+        counting.calls.clear()
+        forwards.clear()
+        views = len(engine.scheduler.flats)
+        x, y = lm_batch(step, 0, world)
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        engine.step()
+        engine.zero_grad()
+        steps.append((dict(counting.calls), sum(forwards.values()), len(engine.scheduler.flats) - views))
+    return steps[1:], len(engine.units)
+
+
+def test_a_unit_hook_is_one_native_call():
+    by_layers = {}
+    for layers in (2, 6):
+        for steps, units in run_ranks(_calls_a_step, 2, layers):
+            for calls, forwards, views in steps:
+                assert units == layers + 1
+                assert forwards == units  # each unit's forward runs once
+                # One call per forward hook, at most one per backward hook.
+                assert calls["pre_forward"] == calls["post_forward"] == forwards, calls
+                assert calls["post_backward"] <= calls["pre_backward"] <= forwards, calls
+                assert views == 0  # the slots' torch views are kept
+                # Nothing else per unit: the rest is the same whatever the number of units.
+                by_layers.setdefault(layers, set()).add(
+                    tuple(sorted((k, n) for k, n in calls.items() if k not in HOOKS)))
+    assert len(by_layers[2]) == 1 and by_layers[2] == by_layers[6], by_layers
+    rest = dict(next(iter(by_layers[2])))
+    # Per pass and per step: begin_backward, end_forward (by the root's
+    # post-hook, and again, doing nothing, as the engine's forward ends),
+    # end_backward, end_step, and after each but begin_backward the units
+    # it released.
+    assert rest == {"begin_backward": 1, "end_forward": 2, "end_backward": 1, "end_step": 1, "take_released": 4}, rest
