@@ -27,6 +27,12 @@ void BucketCollectives::run() {
   // the next forward) runs on the compute stream, so the compute stream
   // waits for it: on CUDA the host goes on; on the CPU the caller is the
   // compute stream and waits where it stands.
+  // What the compute stream (the host) did to the buffers is done before
+  // the comm stream reads or writes them: the grads accumulated, the params
+  // written by the update or copied up by offload's copy stream (which the
+  // host waited for).
+  Backend& backend = comm_.backend();
+  backend.wait(comm_.stream(), *backend.record(backend.compute_stream()));
   std::shared_ptr<StreamEvent> last;
   for (const FlatBuffer& b : buffers_) {
     for (int i = 0; i < int(b.plan.buckets().size()); ++i) {
@@ -42,7 +48,7 @@ void BucketCollectives::run() {
                                                      : comm_.all_gather(key, mine, whole);
     }
   }
-  if (last) comm_.backend().wait(comm_.backend().compute_stream(), *last);
+  if (last) backend.wait(backend.compute_stream(), *last);
 }
 
 }  // namespace zerocore
