@@ -157,27 +157,30 @@ void bind_comm(nb::module_& m) {
           "all_gather",
           [](const BoundQueue& q, nb::handle key, nb::handle shard, nb::handle output, bool counted) {
             return completion(q.get(), behind_compute(q).all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
-                                      tensor_from_dlpack(output, "output"), counted));
+                                                                    tensor_from_dlpack(output, "output"), counted));
           },
           "key"_a, "shard"_a, "output"_a, "counted"_a = true, "output (world_size x shard) <- every rank's shard.")
       .def(
           "reduce_scatter",
           [](const BoundQueue& q, nb::handle key, nb::handle input, nb::handle shard, bool counted) {
-            return completion(q.get(), behind_compute(q).reduce_scatter(to_key(key), tensor_from_dlpack(input, "input"),
-                                          tensor_from_dlpack(shard, "shard"), counted));
+            return completion(q.get(),
+                              behind_compute(q).reduce_scatter(to_key(key), tensor_from_dlpack(input, "input"),
+                                                               tensor_from_dlpack(shard, "shard"), counted));
           },
           "key"_a, "input"_a, "shard"_a, "counted"_a = true,
           "shard <- this rank's block of the sum of every rank's input.")
       .def(
           "all_reduce",
           [](const BoundQueue& q, nb::handle key, nb::handle tensor, bool counted) {
-            return completion(q.get(), behind_compute(q).all_reduce(to_key(key), tensor_from_dlpack(tensor, "tensor"), counted));
+            return completion(q.get(),
+                              behind_compute(q).all_reduce(to_key(key), tensor_from_dlpack(tensor, "tensor"), counted));
           },
           "key"_a, "tensor"_a, "counted"_a = true, "tensor <- the sum of every rank's tensor.")
       .def(
           "broadcast",
           [](const BoundQueue& q, nb::handle key, nb::handle tensor, int root, bool counted) {
-            return completion(q.get(), behind_compute(q).broadcast(to_key(key), tensor_from_dlpack(tensor, "tensor"), root, counted));
+            return completion(q.get(), behind_compute(q).broadcast(to_key(key), tensor_from_dlpack(tensor, "tensor"),
+                                                                   root, counted));
           },
           "key"_a, "tensor"_a, "root"_a, "counted"_a = true, "tensor <- rank root's tensor.")
       .def_prop_ro("fingerprint", [](const BoundQueue& q) { return q.get().fingerprint(); },

@@ -239,8 +239,11 @@ void test_device_tensors_are_refused() {
     } catch (const TypeMismatch& e) {
       message = e.what();
     }
-    const std::string named = which == 0 ? "bucket 2's run 0 grad is on cuda:1" : "bucket 2's param copy's source is on cuda:1";
-    if (message.find(named) == std::string::npos) std::fprintf(stderr, "not named '%s': '%s'\n", named.c_str(), message.c_str());
+    const std::string named =
+        which == 0 ? "bucket 2's run 0 grad is on cuda:1" : "bucket 2's param copy's source is on cuda:1";
+    if (message.find(named) == std::string::npos) {
+      std::fprintf(stderr, "not named '%s': '%s'\n", named.c_str(), message.c_str());
+    }
     CHECK(message.find("OffloadOptimizer") != std::string::npos && message.find(named) != std::string::npos);
   }
 }
@@ -275,7 +278,8 @@ Outcome two_steps(B& backend, const Waits& waits, const Partition& values, const
     std::vector<Tensor> out;
     for (const Tensor& src : sources) {
       Tensor dst = Tensor::empty({src.numel()}, src.dtype());
-      backend.enqueue(comm, "all_gather", {Access::read(src)}, [dst, src] { std::memcpy(dst.data(), src.data(), src.nbytes()); });
+      backend.enqueue(comm, "all_gather", {Access::read(src)},
+                      [dst, src] { std::memcpy(dst.data(), src.data(), src.nbytes()); });
       out.push_back(dst);
     }
     backend.host_wait(*backend.record(comm));

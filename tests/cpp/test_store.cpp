@@ -257,7 +257,9 @@ void on_a_checking_backend() {
       message = e.what();
     }
     const std::string named = "buffer '" + kind + " of the flat group of fc.weight' (" + place + ")";
-    if (message.find(named) == std::string::npos) std::fprintf(stderr, "'%s' not in '%s'\n", named.c_str(), message.c_str());
+    if (message.find(named) == std::string::npos) {
+      std::fprintf(stderr, "'%s' not in '%s'\n", named.c_str(), message.c_str());
+    }
     CHECK(message.find(named) != std::string::npos);
   }
   CHECK(PartitionStore::memory_kind(Where::kHost) == MemoryKind::kHostPinned);

@@ -72,8 +72,8 @@ OffloadOptimizer::OffloadOptimizer(std::vector<OffloadBucket> buckets, Backend& 
 }
 
 OffloadOptimizer::~OffloadOptimizer() {
-  // The work holds its tensors, so nothing is freed under it; waiting keeps
-  // the streams' work from outliving the caller's view of it.
+  // As joining its own threads did: once the optimizer is gone, nothing of
+  // its work still touches the caller's buffers.
   try {
     wait();
   } catch (...) {  // NOLINT: an error was the caller's to see at wait(); a destructor cannot raise it
@@ -195,7 +195,9 @@ bool OffloadOptimizer::busy() const {
 }
 
 double OffloadOptimizer::grad_sum_of_squares() const {
-  for (const Tensor& g : grads_) backend_.declare_access(backend_.compute_stream(), Access::read(g), "host reads grads");
+  for (const Tensor& g : grads_) {
+    backend_.declare_access(backend_.compute_stream(), Access::read(g), "host reads grads");
+  }
   return sum_of_squares(grads_);
 }
 

@@ -22,17 +22,17 @@ BucketCollectives::BucketCollectives(CommQueue& comm, CollectiveKind kind, std::
 }
 
 void BucketCollectives::run() {
-  // The queue completes in issue order: the last event covers them all
-  // (its error is the first failure's). What reads the result (the update,
-  // the next forward) runs on the compute stream, so the compute stream
-  // waits for it: on CUDA the host goes on; on the CPU the caller is the
-  // compute stream and waits where it stands.
   // What the compute stream (the host) did to the buffers is done before
   // the comm stream reads or writes them: the grads accumulated, the params
   // written by the update or copied up by offload's copy stream (which the
   // host waited for).
   Backend& backend = comm_.backend();
   backend.wait(comm_.stream(), *backend.record(backend.compute_stream()));
+  // The queue completes in issue order: the last event covers them all
+  // (its error is the first failure's). What reads the result (the update,
+  // the next forward) runs on the compute stream, so the compute stream
+  // waits for it: on CUDA the host goes on; on the CPU the caller is the
+  // compute stream and waits where it stands.
   std::shared_ptr<StreamEvent> last;
   for (const FlatBuffer& b : buffers_) {
     for (int i = 0; i < int(b.plan.buckets().size()); ++i) {

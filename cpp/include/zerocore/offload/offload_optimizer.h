@@ -85,7 +85,8 @@ class OffloadOptimizer {
   // Queues every bucket's params_up, behind the updates queued before and
   // the compute stream (which read the params until now).
   void copy_params();
-  // Returns once everything queued has run; rethrows the first error. After an error every later call fails with it too.
+  // Returns once everything queued has run; rethrows the first error.
+  // After an error every later call fails with it too.
   void wait();
   bool busy() const;  // work queued and not yet complete
   // Each run's grad and its spare trade places: the grads the last
