@@ -68,7 +68,7 @@ struct Partition {
   void add(const Tensor& grad, const Tensor& param, const FlatRun& run) {
     device_grads.push_back(grad);
     device_params.push_back(param);
-    buckets.push_back(OffloadBucket{{run}, {TensorCopy{grad, run.grad}}, {TensorCopy{run.param_copy, param}}});
+    buckets.push_back(OffloadBucket{{run}, {TensorCopy{grad, run.grad}}, {TensorCopy{run.param_copy, param}}, {}});
   }
   // Independent copies of the host runs, for the plain calls.
   std::vector<FlatRun> runs_copy() const {
