@@ -84,6 +84,19 @@ CollectiveEvent completion(const CommQueue& q, std::shared_ptr<StreamEvent> even
   return CollectiveEvent{&q.backend(), std::move(event)};
 }
 
+// The queue, its comm stream ordered after everything the compute stream
+// did so far: a collective Python issues reads and writes torch tensors the
+// host's work produced (a partition the offload update wrote and the host
+// waited for, a buffer filled by torch), as torch.distributed's NCCL backend
+// waits for the current stream. The native schedules issue theirs directly,
+// each behind the waits it needs.
+CommQueue& behind_compute(const BoundQueue& bound) {
+  CommQueue& q = bound.get();
+  Backend& backend = q.backend();
+  backend.wait(q.stream(), *backend.record(backend.compute_stream()));
+  return q;
+}
+
 // `transport`, completing late where the environment asks
 // (ZEROCORE_LATE_COMPLETION: a test switch, see comm.h).
 std::unique_ptr<Transport> late_if_asked(std::unique_ptr<Transport> transport) {
@@ -143,28 +156,31 @@ void bind_comm(nb::module_& m) {
       .def(
           "all_gather",
           [](const BoundQueue& q, nb::handle key, nb::handle shard, nb::handle output, bool counted) {
-            return completion(q.get(), q.get().all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
-                                      tensor_from_dlpack(output, "output"), counted));
+            return completion(q.get(), behind_compute(q).all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
+                                                                    tensor_from_dlpack(output, "output"), counted));
           },
           "key"_a, "shard"_a, "output"_a, "counted"_a = true, "output (world_size x shard) <- every rank's shard.")
       .def(
           "reduce_scatter",
           [](const BoundQueue& q, nb::handle key, nb::handle input, nb::handle shard, bool counted) {
-            return completion(q.get(), q.get().reduce_scatter(to_key(key), tensor_from_dlpack(input, "input"),
-                                          tensor_from_dlpack(shard, "shard"), counted));
+            return completion(q.get(),
+                              behind_compute(q).reduce_scatter(to_key(key), tensor_from_dlpack(input, "input"),
+                                                               tensor_from_dlpack(shard, "shard"), counted));
           },
           "key"_a, "input"_a, "shard"_a, "counted"_a = true,
           "shard <- this rank's block of the sum of every rank's input.")
       .def(
           "all_reduce",
           [](const BoundQueue& q, nb::handle key, nb::handle tensor, bool counted) {
-            return completion(q.get(), q.get().all_reduce(to_key(key), tensor_from_dlpack(tensor, "tensor"), counted));
+            return completion(q.get(),
+                              behind_compute(q).all_reduce(to_key(key), tensor_from_dlpack(tensor, "tensor"), counted));
           },
           "key"_a, "tensor"_a, "counted"_a = true, "tensor <- the sum of every rank's tensor.")
       .def(
           "broadcast",
           [](const BoundQueue& q, nb::handle key, nb::handle tensor, int root, bool counted) {
-            return completion(q.get(), q.get().broadcast(to_key(key), tensor_from_dlpack(tensor, "tensor"), root, counted));
+            return completion(q.get(), behind_compute(q).broadcast(to_key(key), tensor_from_dlpack(tensor, "tensor"),
+                                                                   root, counted));
           },
           "key"_a, "tensor"_a, "root"_a, "counted"_a = true, "tensor <- rank root's tensor.")
       .def_prop_ro("fingerprint", [](const BoundQueue& q) { return q.get().fingerprint(); },

@@ -6,6 +6,7 @@
 #include "bindings.h"
 #include "dlpack_tensor.h"
 #include "flat_runs.h"
+#include "process_backend.h"
 #include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/kernels/cpu_reduce.h"
 #include "zerocore/error.h"
@@ -164,7 +165,8 @@ void bind_optim(nb::module_& m) {
 
   nb::class_<OffloadOptimizer>(m, "OffloadOptimizer",
                                "ZeRO-Offload's host step over a partition in buckets: grads down, the CPU "
-                               "optimizer and params up on two native queues (offload_optimizer.h).")
+                               "optimizer and params up on two streams of the process backend, ordered by its "
+                               "events (offload_optimizer.h).")
       .def(
           "__init__",
           [](OffloadOptimizer* self, const nb::list& buckets) {
@@ -178,7 +180,7 @@ void bind_optim(nb::module_& m) {
               out.push_back(OffloadBucket{nb::cast<const FlatRuns&>(b[0]).runs, copies(nb::cast<nb::list>(b[1]), "grad"),
                                           copies(nb::cast<nb::list>(b[2]), "param"), std::move(spares)});
             }
-            new (self) OffloadOptimizer(std::move(out));
+            new (self) OffloadOptimizer(std::move(out), process_backend());
           },
           "buckets"_a,
           "buckets: per bucket, (FlatRuns of its host runs, [(device grad, host grad)], [(host param, param "

@@ -488,6 +488,11 @@ class Engine:
         it on every rank. Before it, writes the user made to params held
         whole reach the fp32 masters (FlatGroup.carry_param_writes)."""
         self._carry_param_writes()
+        if self.scheduler and self.placement.optimizer_on_host and self.update.pending:
+            # Stage 3's end of step gathered the next forward's first units
+            # from the shards the params up replace: they go (their gathers
+            # done), and the next forward gathers the new params.
+            self.scheduler.free_all()
         if self.update.params_up() and self.param_gather:
             self.param_gather.run()
 

@@ -63,7 +63,8 @@ class FlatGroup:
             self.plan, rank=self.rank, dtype=NATIVE_NAMES[dtype], reduce_dtype=NATIVE_NAMES[reduce_dtype],
             trainable=trainable, sharded=sharded, partitions_grads=placement.partitions_grads,
             params_on_host=placement.params_on_host, optimizer_on_host=placement.optimizer_on_host,
-            delayed=delayed, state_names=list(state_names))
+            delayed=delayed, state_names=list(state_names),
+            name=f"the flat group of {names[0][0]}" if names else "an empty flat group")
         # The plan's and the store's lists, converted from native once.
         self.slots = self.plan.params
         self.buckets = self.plan.buckets

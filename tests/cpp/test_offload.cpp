@@ -2,9 +2,16 @@
 // copied down, one multi-run update, params copied up, bit for bit; copies
 // held back until asked for; grads copied down only once the update that
 // reads them is done; swapped grad buffers instead of copies; bad input
-// refused before anything is queued.
+// refused before anything is queued. On the checking backend: a step with
+// every wait has no violation and the plain backend's bits, and each wait
+// a caller of the pipeline could leave out (the host reading grads before
+// their copy, a gather reading params before they are up or before the
+// update that writes them, the update reading grads another stream copies
+// down) is named with both accesses and the buffer.
 #include <cstring>
+#include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "check.h"
@@ -24,6 +31,13 @@ Tensor zeros(int64_t n, DType dtype) {
   return t;
 }
 
+// A buffer of `backend` holding `values`, so the checking backend tracks it.
+Tensor placed(Backend& backend, MemoryKind kind, const char* name, const Tensor& values) {
+  Tensor t = backend.allocate(kind, values.nbytes(), name)->view(0, values.dtype(), {values.numel()});
+  std::memcpy(t.data(), values.data(), values.nbytes());
+  return t;
+}
+
 // A partition in three buckets: on the "device" bf16 grads and params, on
 // the host an fp32 master, moments, bf16 grads and the bf16 copy of the
 // new params. Large enough that an update outlasts queueing the next copy.
@@ -36,10 +50,25 @@ struct Partition {
       Tensor grad = random_tensor(rng, n, DType::kBFloat16), param = zeros(n, DType::kBFloat16);
       FlatRun run{0, random_tensor(rng, n, DType::kFloat32), zeros(n, DType::kBFloat16), zeros(n, DType::kFloat32),
                   zeros(n, DType::kFloat32), zeros(n, DType::kBFloat16)};
-      device_grads.push_back(grad);
-      device_params.push_back(param);
-      buckets.push_back(OffloadBucket{{run}, {TensorCopy{grad, run.grad}}, {TensorCopy{run.param_copy, param}}});
+      add(grad, param, run);
     }
+  }
+  // `values`' contents in buffers of `backend`: device and pinned host memory.
+  Partition(const Partition& values, Backend& backend) {
+    for (size_t i = 0; i < values.buckets.size(); ++i) {
+      const FlatRun& r = values.buckets[i].runs[0];
+      const MemoryKind host = MemoryKind::kHostPinned;
+      add(placed(backend, MemoryKind::kDevice, "device_grads", values.device_grads[i]),
+          placed(backend, MemoryKind::kDevice, "device_params", values.device_params[i]),
+          FlatRun{0, placed(backend, host, "master", r.param), placed(backend, host, "host_grads", r.grad),
+                  placed(backend, host, "exp_avg", r.state0), placed(backend, host, "exp_avg_sq", r.state1),
+                  placed(backend, host, "param_copy", r.param_copy)});
+    }
+  }
+  void add(const Tensor& grad, const Tensor& param, const FlatRun& run) {
+    device_grads.push_back(grad);
+    device_params.push_back(param);
+    buckets.push_back(OffloadBucket{{run}, {TensorCopy{grad, run.grad}}, {TensorCopy{run.param_copy, param}}, {}});
   }
   // Independent copies of the host runs, for the plain calls.
   std::vector<FlatRun> runs_copy() const {
@@ -196,6 +225,163 @@ void test_bad_input_is_refused_up_front() {
   for (size_t i = 0; i < before.size(); ++i) CHECK(same(part.buckets[i].runs[0], before[i]));
 }
 
+// The host update refuses device memory where it reads or writes.
+void test_device_tensors_are_refused() {
+  Partition part;
+  const Tensor on_gpu(part.buckets[2].runs[0].grad.data(), DType::kBFloat16, Device{DeviceType::kCUDA, 1},
+                      {part.buckets[2].runs[0].grad.numel()}, nullptr);
+  for (int which = 0; which < 2; ++which) {
+    std::vector<OffloadBucket> bad = part.buckets;
+    (which == 0 ? bad[2].runs[0].grad : bad[2].params_up[0].src) = on_gpu;
+    std::string message;
+    try {
+      OffloadOptimizer offload(bad);
+    } catch (const TypeMismatch& e) {
+      message = e.what();
+    }
+    const std::string named =
+        which == 0 ? "bucket 2's run 0 grad is on cuda:1" : "bucket 2's param copy's source is on cuda:1";
+    if (message.find(named) == std::string::npos) {
+      std::fprintf(stderr, "not named '%s': '%s'\n", named.c_str(), message.c_str());
+    }
+    CHECK(message.find("OffloadOptimizer") != std::string::npos && message.find(named) != std::string::npos);
+  }
+}
+
+// The waits a caller of the pipeline makes; `skip` names one left out.
+struct Waits {
+  std::string skip;
+  bool operator()(const char* name) const { return skip != name; }
+};
+
+// What two steps leave: the norm the host read, the params gathered after
+// each step, the host runs.
+struct Outcome {
+  double norm = 0;
+  std::vector<Tensor> gathered_up, gathered_host;
+  std::vector<FlatRun> runs;
+};
+
+// Two steps on `backend` over copies of `values`. Step 1 as stage 1: the
+// pipeline copies the grads down, the host reads their norm, the update
+// copies the params up, and a gather on the comm stream reads them. Step 2
+// as stage 3 with offload_params and a delayed update: another stream (the
+// reducer's) copies new grads down, the update leaves the params on the
+// host, and a gather reads the host copy.
+template <class B>
+Outcome two_steps(B& backend, const Waits& waits, const Partition& values, const std::vector<Tensor>& next_grads) {
+  Stream& compute = backend.compute_stream();
+  Stream& comm = backend.create_stream("comm");
+  Stream& grad_copy = backend.create_stream("grad copy");
+  auto order = [&](Stream& stream, Stream& after) { backend.wait(stream, *backend.record(after)); };
+  auto gather = [&](const std::vector<Tensor>& sources) {
+    std::vector<Tensor> out;
+    for (const Tensor& src : sources) {
+      Tensor dst = Tensor::empty({src.numel()}, src.dtype());
+      backend.enqueue(comm, "all_gather", {Access::read(src)},
+                      [dst, src] { std::memcpy(dst.data(), src.data(), src.nbytes()); });
+      out.push_back(dst);
+    }
+    backend.host_wait(*backend.record(comm));
+    return out;
+  };
+  Partition part(values, backend);
+  OffloadOptimizer offload(part.buckets, backend);
+  Outcome out;
+
+  offload.copy_grads();
+  offload.adam({adam_options()}, 1, 0.5, /*copy_params=*/true);  // bucket by bucket behind its grads
+  if (waits("a copy before the host reads")) offload.wait();
+  out.norm = offload.grad_sum_of_squares();
+  if (waits("params up before the gather")) {
+    offload.wait();
+    order(comm, compute);
+  }
+  out.gathered_up = gather(part.device_params);
+
+  order(grad_copy, compute);  // the host grads' last reader (the update) was waited for
+  for (size_t i = 0; i < next_grads.size(); ++i) backend.copy(grad_copy, part.buckets[i].runs[0].grad, next_grads[i]);
+  if (waits("grads down before the update")) order(compute, grad_copy);
+  offload.adam({adam_options()}, 2, 0.5, /*copy_params=*/false);
+  if (waits("the update before the gather")) {
+    offload.wait();
+    order(comm, compute);
+  }
+  std::vector<Tensor> host_params;
+  for (const OffloadBucket& b : part.buckets) host_params.push_back(b.runs[0].param_copy);
+  out.gathered_host = gather(host_params);
+  offload.wait();
+  for (const OffloadBucket& b : part.buckets) out.runs.push_back(copy_of(b.runs[0]));
+  return out;
+}
+
+bool same_outcome(const Outcome& a, const Outcome& b) {
+  bool ok = a.norm == b.norm && a.runs.size() == b.runs.size();
+  for (size_t i = 0; ok && i < a.runs.size(); ++i) {
+    ok = same(a.gathered_up[i], b.gathered_up[i]) && same(a.gathered_host[i], b.gathered_host[i]) &&
+         same(a.runs[i], b.runs[i]);
+  }
+  return ok;
+}
+
+void test_on_the_checking_backend() {
+  const Partition values;
+  std::vector<Tensor> next;
+  for (const Tensor& g : values.device_grads) next.push_back(random_tensor(rng, g.numel(), DType::kBFloat16));
+
+  // The same two steps in plain calls.
+  Outcome direct;
+  std::vector<FlatRun> plain = values.runs_copy();
+  std::vector<Tensor> grads;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    std::memcpy(plain[i].grad.data(), values.device_grads[i].data(), plain[i].grad.nbytes());
+    grads.push_back(plain[i].grad);
+  }
+  direct.norm = sum_of_squares(grads);
+  adam_update_runs({adam_options()}, 1, 0.5, plain);
+  for (const FlatRun& r : plain) direct.gathered_up.push_back(copy_of(r.param_copy));
+  for (size_t i = 0; i < plain.size(); ++i) std::memcpy(plain[i].grad.data(), next[i].data(), next[i].nbytes());
+  adam_update_runs({adam_options()}, 2, 0.5, plain);
+  for (const FlatRun& r : plain) direct.gathered_host.push_back(copy_of(r.param_copy));
+  direct.runs = plain;
+
+  CheckingCpuBackend checking(CheckingOptions{uint64_t(rng()), 0, 300, true});
+  CHECK(same_outcome(two_steps(checking, Waits{}, values, next), direct));
+  CHECK(checking.violations().empty());
+  CpuBackend cpu;
+  CHECK(same_outcome(two_steps(cpu, Waits{}, values, next), direct));
+
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"a copy before the host reads",
+       {"buffer 'host_grads' (host pinned)", "'copy' on stream 'offload copy' writes",
+        "'host reads grads' on stream 'compute' reads", "host_wait"}},
+      {"params up before the gather",
+       {"buffer 'device_params' (device)", "'copy' on stream 'offload copy' writes",
+        "'all_gather' on stream 'comm' reads", "make stream 'comm' wait"}},
+      {"grads down before the update",
+       {"buffer 'host_grads' (host pinned)", "'copy' on stream 'grad copy' writes",
+        "'adam_update' on stream 'offload update' reads"}},
+      {"the update before the gather",
+       {"buffer 'param_copy' (host pinned)", "'adam_update' on stream 'offload update' writes",
+        "'all_gather' on stream 'comm' reads"}},
+  };
+  for (const auto& [skip, parts] : cases) {
+    CheckingCpuBackend backend(CheckingOptions{uint64_t(rng()), 0, 300, true});
+    std::string message;
+    try {
+      two_steps(backend, Waits{skip}, values, next);
+    } catch (const StreamOrderError& e) {
+      message = e.what();
+    }
+    for (const std::string& part : parts) {
+      if (message.find(part) == std::string::npos) {
+        std::fprintf(stderr, "without '%s': '%s' not in '%s'\n", skip.c_str(), part.c_str(), message.c_str());
+        CHECK(false);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -204,5 +390,7 @@ int main() {
   test_grads_go_down_after_the_update_reading_them();
   test_swapped_grads_feed_the_update_without_a_copy();
   test_bad_input_is_refused_up_front();
+  test_device_tensors_are_refused();
+  test_on_the_checking_backend();
   return finish("test_offload");
 }

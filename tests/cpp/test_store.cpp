@@ -3,13 +3,16 @@
 // alone (aligned starts, constant buckets split evenly over the ranks), over
 // uneven sizes, empty params, padding, world sizes 1-4 and many buckets.
 // Buffers hold a label per element, so a view that lands one element off,
-// on padding or on another rank's block reads the wrong label.
+// on padding or on another rank's block reads the wrong label. The store's
+// buffers are its backend's, of the kind its placement puts them in, and
+// the checking backend checks accesses to them.
 #include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "check.h"
+#include "zerocore/backend/checking_backend.h"
 #include "zerocore/error.h"
 #include "zerocore/store/partition_store.h"
 
@@ -226,11 +229,49 @@ void errors() {
   CHECK(throws([&] { s.shard_view(part, 0, 0); }));
 }
 
+// Stage 2 with the optimizer offloaded, on the checking backend: each
+// buffer of the kind its place says, zeroed, and named in a violation.
+void on_a_checking_backend() {
+  const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 0}}, LayoutOptions{2, 4, 16});
+  StorePlacement p;
+  p.rank = 1;
+  p.dtype = p.reduce_dtype = DType::kBFloat16;
+  p.partitions_grads = p.optimizer_on_host = true;
+  p.state_names = {"exp_avg"};
+  CheckingCpuBackend backend(CheckingOptions{20, 0, 300, true});
+  PartitionStore store(plan, p, backend, "the flat group of fc.weight");
+  store.allocate();
+  for (const BufferSpec& b : store.buffers()) {
+    const Tensor t = store.buffer(b.kind);
+    for (int64_t i = 0; i < int64_t(t.nbytes()); ++i) CHECK(static_cast<const char*>(t.data())[i] == 0);
+  }
+  // Written on another stream, read by the host with no wait: named.
+  Stream& update = backend.create_stream("offload update");
+  backend.copy(update, store.buffer("master"), Tensor::zeros({plan.partition_elems()}, DType::kFloat32));
+  backend.fill(update, store.buffer("full"), 1.0f);
+  for (const auto& [kind, place] : {std::pair<std::string, std::string>{"master", "host pinned"}, {"full", "device"}}) {
+    std::string message;
+    try {
+      backend.declare_access(backend.compute_stream(), Access::read(store.buffer(kind)), "host reads");
+    } catch (const StreamOrderError& e) {
+      message = e.what();
+    }
+    const std::string named = "buffer '" + kind + " of the flat group of fc.weight' (" + place + ")";
+    if (message.find(named) == std::string::npos) {
+      std::fprintf(stderr, "'%s' not in '%s'\n", named.c_str(), message.c_str());
+    }
+    CHECK(message.find(named) != std::string::npos);
+  }
+  CHECK(PartitionStore::memory_kind(Where::kHost) == MemoryKind::kHostPinned);
+  CHECK(PartitionStore::memory_kind(Where::kDevice) == MemoryKind::kDevice);
+}
+
 }  // namespace
 
 int main() {
   sweep();
   placements();
   errors();
+  on_a_checking_backend();
   return zerocore::test::finish("test_store");
 }

@@ -22,6 +22,12 @@ BucketCollectives::BucketCollectives(CommQueue& comm, CollectiveKind kind, std::
 }
 
 void BucketCollectives::run() {
+  // What the compute stream (the host) did to the buffers is done before
+  // the comm stream reads or writes them: the grads accumulated, the params
+  // written by the update or copied up by offload's copy stream (which the
+  // host waited for).
+  Backend& backend = comm_.backend();
+  backend.wait(comm_.stream(), *backend.record(backend.compute_stream()));
   // The queue completes in issue order: the last event covers them all
   // (its error is the first failure's). What reads the result (the update,
   // the next forward) runs on the compute stream, so the compute stream
@@ -42,7 +48,7 @@ void BucketCollectives::run() {
                                                      : comm_.all_gather(key, mine, whole);
     }
   }
-  if (last) comm_.backend().wait(comm_.backend().compute_stream(), *last);
+  if (last) backend.wait(backend.compute_stream(), *last);
 }
 
 }  // namespace zerocore

@@ -60,8 +60,8 @@ std::vector<PartitionRun> merge_runs(const std::vector<Segment>& segments) {
 
 }  // namespace
 
-PartitionStore::PartitionStore(LayoutPlan plan, StorePlacement placement)
-    : plan_(std::move(plan)), placement_(std::move(placement)) {
+PartitionStore::PartitionStore(LayoutPlan plan, StorePlacement placement, Backend& backend, std::string name)
+    : plan_(std::move(plan)), placement_(std::move(placement)), backend_(&backend), name_(std::move(name)) {
   buffers_ = plan_buffers(plan_, placement_);
   segments_ = plan_.segments(placement_.rank);  // checks the rank
   segments_of_.resize(plan_.params().size());
@@ -85,7 +85,14 @@ const std::vector<int>& PartitionStore::segments_of(int param) const {
 
 void PartitionStore::allocate() {
   if (allocated()) throw InvalidArgument("store: allocate() was already called");
-  for (const BufferSpec& b : buffers_) tensors_.push_back(Tensor::zeros({b.elems}, b.dtype));
+  for (const BufferSpec& b : buffers_) {
+    tensors_.push_back(backend_->allocate(memory_kind(b.where), b.bytes(), b.kind + " of " + name_, /*zeroed=*/true)
+                           ->view(0, b.dtype, {b.elems}));
+  }
+}
+
+MemoryKind PartitionStore::memory_kind(Where where) {
+  return where == Where::kHost ? MemoryKind::kHostPinned : MemoryKind::kDevice;
 }
 
 const BufferSpec* PartitionStore::spec(const std::string& kind) const {

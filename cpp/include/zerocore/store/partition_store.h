@@ -23,6 +23,12 @@
 //
 // Views are also handed out into buffers the store does not own (a gather
 // pool slot, a temporary): anything of whole or partition size.
+//
+// The buffers are a backend's (backend/backend.h): device memory for what
+// lives where training runs, pinned host memory for what an offloaded
+// optimizer keeps on the host (the copies between the two are async), so
+// the checking backend knows each one by name and checks every access the
+// runtime makes to it.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "zerocore/backend/cpu_backend.h"
 #include "zerocore/dtype.h"
 #include "zerocore/layout.h"
 #include "zerocore/tensor.h"
@@ -91,7 +98,10 @@ struct Stretch {
 class PartitionStore {
  public:
   // Throws InvalidArgument when rank is outside the plan's world size.
-  PartitionStore(LayoutPlan plan, StorePlacement placement);
+  // The buffers come from `backend` (which must outlive them), named
+  // "<kind> of <name>" in the checker's reports.
+  PartitionStore(LayoutPlan plan, StorePlacement placement, Backend& backend = default_cpu_backend(),
+                 std::string name = "a flat group");
 
   const LayoutPlan& plan() const { return plan_; }
   const StorePlacement& placement() const { return placement_; }
@@ -105,8 +115,12 @@ class PartitionStore {
   // Indices into segments() of param's pieces, in partition order.
   const std::vector<int>& segments_of(int param) const;
 
-  // Allocates every planned buffer, zeroed, each in its own arena. Once.
+  // Allocates every planned buffer, zeroed (padding and grads must read
+  // as zeros; everything else is filled from the params before it is
+  // read), each a buffer of its own. Once.
   void allocate();
+  // The memory kind of a buffer kept `where`.
+  static MemoryKind memory_kind(Where where);
   bool allocated() const { return !tensors_.empty(); }
   bool has(const std::string& kind) const;
   // The buffer of `kind`; throws InvalidArgument naming the planned kinds
@@ -159,6 +173,8 @@ class PartitionStore {
 
   LayoutPlan plan_;
   StorePlacement placement_;
+  Backend* backend_;
+  std::string name_;
   std::vector<BufferSpec> buffers_;
   std::vector<Segment> segments_;
   std::vector<std::vector<int>> segments_of_;
