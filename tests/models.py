@@ -50,7 +50,11 @@ def lm_batch(step, micro, world, per_rank=2):
 
 
 def lm_loss(logits, targets):
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Cross entropy in fp32 for 16-bit logits, in the logits' own dtype
+    otherwise (a float64 reference stays float64)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def local(t, rank, world):

@@ -93,16 +93,38 @@ def _train(rank, world, model_fn, batch, accum, stages):
     return out
 
 
+def _reference(model_fn, batch, world, accum, dtype):
+    model = model_fn().to(dtype)
+    return reference_train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), STEPS, accum,
+                           world, batch=batch)
+
+
+def assert_as_close_as_torch(got, ref64, ref32, initial, what):
+    """Each param of `got` (an fp32 engine's) no further from float64 torch
+    than 4x single-process fp32 torch is, plus 1e-5 of the param's movement:
+    where few samples reach an expert, Adam amplifies fp32 rounding into a
+    share of the movement of up to 5e-4 for torch itself (measured), while a
+    lost, doubled or misrouted grad misses by a share of order 1."""
+    for k in ref64:
+        off = float((got[k].double() - ref64[k]).norm())
+        torch_off = float((ref32[k].double() - ref64[k]).norm())
+        moved = float((ref64[k] - initial[k].double()).norm())
+        assert off <= 4 * torch_off + 1e-5 * moved + 1e-7, (
+            f"{what} {k}: {off:.3g} from float64 torch, fp32 torch {torch_off:.3g}, movement {moved:.3g}")
+
+
 def check(model_fn, batch, world=2, accum=1):
-    """Stages 2 and 3 on `world` ranks against one process on the global batch."""
+    """Stages 2 and 3 on `world` ranks against one process on the global
+    batch (float64, with fp32's own distance from it as the yardstick), and
+    stage 3 against stage 2 (no units) closely."""
     results = run_ranks(_train, world, model_fn, batch, accum, (2, 3), timeout=90)
-    model = model_fn()
-    ref = reference_train(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), STEPS, accum,
-                          world, batch=batch)
+    initial = model_fn().state_dict()
+    ref64, ref32 = (_reference(model_fn, batch, world, accum, dtype) for dtype in (torch.float64, torch.float32))
     for rank, result in enumerate(results):
-        assert result["experts are units"] == len(model.blocks) * EXPERTS  # no units= given: the default policy
+        assert result["experts are units"] == 2 * EXPERTS  # DataRouted's 2 layers; no units= given: the default
         for stage in (2, 3):
-            assert_state_close(result[stage], ref, rtol=1e-5, atol=1e-6, what=f"stage {stage} rank {rank}")
+            assert_as_close_as_torch(result[stage], ref64, ref32, initial, what=f"stage {stage} rank {rank}")
+        assert_state_close(result[3], result[2], rtol=1e-5, atol=1e-6, what=f"stage 3 vs stage 2, rank {rank}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
