@@ -52,14 +52,16 @@ class CudaEvent : public StreamEvent {
 
   const CudaBackend* owner() const { return owner_; }
   bool pending() const { return done_ && !done_->ready(); }
+  // The CUDA event, once not pending.
+  cudaEvent_t recorded() const {
+    if (done_) std::call_once(recorded_, [this] { record(); });
+    return event_;
+  }
   // Blocks until `done` is set (raising the error it carries), then the
   // CUDA event: what every wait needs.
   cudaEvent_t resolved() const {
-    if (done_) {
-      done_->wait();
-      std::call_once(recorded_, [this] { record(); });
-    }
-    return event_;
+    if (done_) done_->wait();
+    return recorded();
   }
 
  private:
@@ -98,12 +100,26 @@ void release_on(int device, Free free) {
   }
 }
 
+// Host work in a stream's order: a host function (which may make no CUDA
+// call) runs it once the stream's work before it is done.
+void CUDART_CB run_host_work(void* arg) {
+  std::unique_ptr<std::function<void()>> work(static_cast<std::function<void()>*>(arg));
+  (*work)();
+}
+
+void launch_host_work(cudaStream_t stream, std::function<void()> work, const char* what) {
+  auto arg = std::make_unique<std::function<void()>>(std::move(work));
+  check(cudaLaunchHostFunc(stream, run_host_work, arg.get()), what);
+  arg.release();  // run_host_work owns it now
+}
+
 }  // namespace
 
 CudaBackend::CudaBackend(int device, void* compute_stream, CudaBackendOptions options)
     : device_(device), options_(options) {
   if (device < 0) throw InvalidArgument("CudaBackend: device index " + std::to_string(device) + " is negative");
   streams_.push_back(std::make_unique<CudaStream>("compute", kCompute, static_cast<cudaStream_t>(compute_stream)));
+  compute_ = streams_[kCompute].get();
 }
 
 CudaBackend::~CudaBackend() {
@@ -113,7 +129,7 @@ CudaBackend::~CudaBackend() {
   }
 }
 
-void CudaBackend::set_compute_stream(void* handle) { streams_[kCompute]->handle = static_cast<cudaStream_t>(handle); }
+void CudaBackend::set_compute_stream(void* handle) { compute_->handle = static_cast<cudaStream_t>(handle); }
 
 void* CudaBackend::handle(const Stream& stream) const { return cuda_stream(stream).handle.load(); }
 
@@ -148,7 +164,7 @@ std::shared_ptr<Buffer> CudaBackend::allocate(MemoryKind kind, size_t bytes, con
   return std::make_shared<Buffer>(MemoryKind::kHostPageable, Device{}, name, arena->data(), bytes, arena);
 }
 
-Stream& CudaBackend::compute_stream() { return *streams_[kCompute]; }
+Stream& CudaBackend::compute_stream() { return *compute_; }
 
 Stream& CudaBackend::create_stream(const std::string& name) {
   DeviceGuard guard(device_);
@@ -201,7 +217,7 @@ void CudaBackend::host_wait(const StreamEvent& event) {
 bool CudaBackend::query(const StreamEvent& event) {
   const CudaEvent& ce = cuda_event(event, this);
   if (ce.pending()) return false;
-  const cudaEvent_t e = ce.resolved();
+  const cudaEvent_t e = ce.recorded();  // a failed collective's error is host_wait's to raise
   DeviceGuard guard(device_);
   const cudaError_t err = cudaEventQuery(e);
   if (err == cudaErrorNotReady) {
@@ -243,6 +259,13 @@ void CudaBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {
   }
   if (dst.numel() == 0) return;
   DeviceGuard guard(device_);
+  if (dst.device().type == DeviceType::kCPU && src.device().type == DeviceType::kCPU) {
+    // cudaMemcpyAsync copies host to host at once, on the calling thread,
+    // not in the stream's order; a host function keeps the order.
+    launch_host_work(h, [d = dst.data(), s = src.data(), bytes = dst.nbytes()] { std::memcpy(d, s, bytes); },
+                     "cudaLaunchHostFunc(host to host copy)");
+    return;
+  }
   check(cudaMemcpyAsync(dst.data(), src.data(), dst.nbytes(), cudaMemcpyDefault, h), "cudaMemcpyAsync");
 }
 
@@ -290,19 +313,6 @@ void CudaBackend::enqueue(Stream& stream, const std::string&, const std::vector<
 
 void CudaBackend::declare_access(Stream&, const Access&, const std::string&) {}
 
-namespace {
-// A host range a host function overwrites with NaN in a stream's order.
-struct HostRange {
-  void* data;
-  size_t bytes;
-};
-void CUDART_CB poison_host(void* arg) {
-  const auto* range = static_cast<HostRange*>(arg);
-  std::memset(range->data, 0xFF, range->bytes);
-  delete range;
-}
-}  // namespace
-
 void CudaBackend::poison(Stream& stream, const Tensor& range) {
   const cudaStream_t h = cuda_stream(stream).handle.load();
   check_device("poison", "range", range, true);
@@ -312,10 +322,8 @@ void CudaBackend::poison(Stream& stream, const Tensor& range) {
     check(cudaMemsetAsync(range.data(), 0xFF, range.nbytes(), h), "cudaMemsetAsync(poison)");
     return;
   }
-  auto* arg = new HostRange{range.data(), range.nbytes()};
-  const cudaError_t err = cudaLaunchHostFunc(h, poison_host, arg);
-  if (err != cudaSuccess) delete arg;
-  check(err, "cudaLaunchHostFunc(poison)");
+  launch_host_work(h, [data = range.data(), bytes = range.nbytes()] { std::memset(data, 0xFF, bytes); },
+                   "cudaLaunchHostFunc(poison)");
 }
 
 }  // namespace zerocore

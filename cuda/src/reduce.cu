@@ -125,11 +125,14 @@ Scratch scratch_for(int device, cudaStream_t stream, int max_blocks) {
   return s;
 }
 
-// Whether a kernel can write `p`: anything but pageable host memory.
-bool kernel_writable(const void* p) {
+// Where a kernel writes `p`: itself for device memory, its device alias
+// for pinned host memory (the same address under unified addressing), null
+// for pageable host memory, which a kernel cannot write.
+double* kernel_pointer(double* p) {
   cudaPointerAttributes attributes{};
   cuda_detail::check(cudaPointerGetAttributes(&attributes, p), "cudaPointerGetAttributes");
-  return attributes.type != cudaMemoryTypeUnregistered;
+  if (attributes.type == cudaMemoryTypeUnregistered) return nullptr;
+  return attributes.devicePointer ? static_cast<double*>(attributes.devicePointer) : p;
 }
 
 }  // namespace
@@ -155,9 +158,11 @@ void cuda_sum_of_squares(const std::vector<Tensor>& xs, int device, double* sum,
   const Scratch scratch = scratch_for(device, cu_stream, max_blocks);
   const auto* table =
       static_cast<const Segment*>(cuda_detail::device_table(device, segs.data(), segs.size() * sizeof(Segment)));
-  const bool direct = kernel_writable(sum) && kernel_writable(finite);
+  double* const sum_at = kernel_pointer(sum);
+  double* const finite_at = kernel_pointer(finite);
+  const bool direct = sum_at && finite_at;
   sum_of_squares_kernel<<<cuda_detail::grid_size(device, chunks), kThreads, 0, cu_stream>>>(
-      table, int(segs.size()), chunks, scratch, direct ? sum : scratch.result, direct ? finite : scratch.result + 1);
+      table, int(segs.size()), chunks, scratch, direct ? sum_at : scratch.result, direct ? finite_at : scratch.result + 1);
   cuda_detail::check(cudaGetLastError(), "sum of squares kernel launch");
   if (!direct) {
     cuda_detail::check(cudaMemcpyAsync(sum, scratch.result, sizeof(double), cudaMemcpyDeviceToHost, cu_stream),

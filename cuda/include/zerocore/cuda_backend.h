@@ -13,7 +13,8 @@
 // - Events: cudaEvent_t without timing; wait is cudaStreamWaitEvent (the
 //   host goes on), host_wait cudaEventSynchronize, query cudaEventQuery.
 //   record_done: see below.
-// - Work: copy is cudaMemcpyAsync between any kinds; fill, accumulate, the
+// - Work: copy is cudaMemcpyAsync between any kinds (host to host: a
+//   memcpy in a host function, which keeps the stream's order); fill, accumulate, the
 //   sum of squares (into a mailbox) and the optimizer updates are the CUDA
 //   kernels, which instantiate kernels/element_math.h as the CPU ones do;
 //   enqueue runs its body on the calling thread, in program order: host
@@ -29,10 +30,12 @@
 // any native thread may drive it. A failed CUDA call raises naming the call
 // and CUDA's error (cuda/src/cuda_check.h). Nothing here synchronises the
 // device; the host blocks only in host_wait (the step's one wait, for the
-// mailbox), in a stream wait for a host-completed event (record_done), and
-// in a buffer's release (cudaFree synchronises, so memory is never freed
-// under work still using it). Making the backend touches no CUDA: a bad
-// device index is reported by the first call that does.
+// mailbox), in a stream wait for a host-completed event (record_done), in
+// copies to or from pageable memory (CUDA stages them synchronously), in
+// allocating a zeroed device buffer (once, at plan size) and in a buffer's
+// release (cudaFree synchronises, so memory is never freed under work still
+// using it). Making the backend touches no CUDA: a bad device index is
+// reported by the first call that does.
 //
 // Memory the caller gives (tensors not from allocate) must stay alive until
 // an event recorded after the work using it has completed, as with any
@@ -124,6 +127,7 @@ class CudaBackend : public Backend {
   const CudaBackendOptions options_;
   mutable std::mutex mutex_;  // the stream list
   std::vector<std::unique_ptr<CudaStream>> streams_;  // [0]: compute
+  CudaStream* compute_;  // streams_[0], read without the lock
 };
 
 }  // namespace zerocore
