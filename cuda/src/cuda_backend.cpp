@@ -129,7 +129,19 @@ CudaBackend::~CudaBackend() {
   }
 }
 
-void CudaBackend::set_compute_stream(void* handle) { compute_->handle = static_cast<cudaStream_t>(handle); }
+void CudaBackend::set_compute_stream(void* handle) {
+  const auto h = static_cast<cudaStream_t>(handle);
+  if (h) {  // a stream of another device would fail later, far from its cause
+    DeviceGuard guard(device_);
+    int device = -1;
+    check(cudaStreamGetDevice(h, &device), "cudaStreamGetDevice(compute stream)");
+    if (device != device_) {
+      throw InvalidArgument("set_compute_stream: the stream is on cuda:" + std::to_string(device) +
+                            ", not cuda:" + std::to_string(device_) + " (this backend's device)");
+    }
+  }
+  compute_->handle = h;
+}
 
 void* CudaBackend::handle(const Stream& stream) const { return cuda_stream(stream).handle.load(); }
 

@@ -63,13 +63,15 @@ struct CudaBackendOptions {
 class CudaBackend : public Backend {
  public:
   // A backend on CUDA device `device`, its compute stream `compute_stream`
-  // (a cudaStream_t).
+  // (a cudaStream_t; its device is checked by set_compute_stream only, as
+  // making the backend touches no CUDA).
   explicit CudaBackend(int device, void* compute_stream = nullptr, CudaBackendOptions options = {});
   ~CudaBackend() override;  // destroys its own streams (their work still runs)
 
   int device() const { return device_; }
   // The cudaStream_t the compute stream stands for from now on (torch's
   // current stream at the call); work already enqueued stays where it was.
+  // Throws InvalidArgument for a stream of another device.
   void set_compute_stream(void* handle);
   // The cudaStream_t of one of this backend's streams.
   void* handle(const Stream& stream) const;
