@@ -94,7 +94,11 @@ class CudaBackend : public Backend {
   // the host until `done` is set. A collective completed on the host (a
   // CPU transport's, `done` set when its data has moved) therefore costs a
   // host block where a stream waits for it: the CUDA path issues its
-  // collectives on the stream instead.
+  // collectives on the stream instead. Taken late, the record also covers
+  // what was issued on the stream after the collective and before the
+  // first wait (a prefetched gather): a waiter may wait longer than it
+  // must, never less. Recording on the issuing thread right after the issue
+  // would be exact; that belongs to the comm queue's CUDA wiring.
   std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) override;
 
   // Between any kinds: device tensors on this device, host tensors anywhere.
