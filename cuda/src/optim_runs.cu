@@ -16,13 +16,14 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "chunks.cuh"
 #include "cuda_check.h"
 #include "cuda_ops.cuh"
+#include "device_table.h"
 #include "launch.h"
 #include "zerocore/cuda_optim.h"
 #include "zerocore/error.h"
@@ -35,11 +36,9 @@ namespace {
 using cuda_detail::CudaOps;
 using cuda_detail::CudaPack4Ops;
 using cuda_detail::aligned;
+using cuda_detail::kChunk;
 using cuda_detail::kThreads;
 
-// Elements a block takes at a time; a multiple of the pack width, so every
-// chunk of an aligned run starts aligned.
-constexpr int64_t kChunk = 16 * kThreads;
 // Coefficients travel in the kernel's arguments (they change every step),
 // read in place (__grid_constant__: no per-thread copy); this many groups
 // fit well inside the 4 KiB argument space.
@@ -63,20 +62,6 @@ struct CoefTable {
   Coefs group[kMaxGroups];
 };
 
-// The run holding `chunk`: the last whose first_chunk <= chunk.
-__device__ int run_of(const DeviceRun* runs, int num_runs, int64_t chunk) {
-  int lo = 0, hi = num_runs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (runs[mid].first_chunk <= chunk) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
 struct AdamAt {
   template <class V, class G, class C>
   __device__ static void at(const AdamCoefs& c, const DeviceRun& r, const G* g, C* copy, int64_t i) {
@@ -98,7 +83,7 @@ __global__ void __launch_bounds__(kThreads)
                        const __grid_constant__ CoefTable<Coefs> coefs) {
   constexpr int kPack = CudaPack4Ops::width;
   for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
-    const DeviceRun r = runs[run_of(runs, num_runs, chunk)];
+    const DeviceRun r = runs[cuda_detail::entry_of(runs, num_runs, chunk)];
     const Coefs& c = coefs.group[r.group];
     const G* g = static_cast<const G*>(r.grad);
     C* copy = static_cast<C*>(r.copy);
@@ -114,26 +99,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The run table in device memory. A partition's runs are the same every
-// step (its arenas are allocated once), so each distinct table is uploaded
-// once, on the first step that uses it (a synchronous copy), and kept for
-// the life of the process: a few dozen bytes a run, and no allocation,
-// copy or host synchronisation on any later step.
-const DeviceRun* device_table(int device, const std::vector<DeviceRun>& runs) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, std::string>, DeviceRun*> tables;
-  const size_t bytes = runs.size() * sizeof(DeviceRun);
-  std::pair<int, std::string> key{device, std::string(reinterpret_cast<const char*>(runs.data()), bytes)};
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = tables.find(key);
-  if (it != tables.end()) return it->second;
-  DeviceRun* table = nullptr;
-  cuda_detail::check(cudaMalloc(reinterpret_cast<void**>(&table), bytes), "cudaMalloc(run table)");
-  cuda_detail::check(cudaMemcpy(table, runs.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy(run table)");
-  tables.emplace(std::move(key), table);
-  return table;
-}
-
 // One launch over `runs`, whose grads all have element type G and copies
 // type C.
 template <class Update, class G, class C, class Coefs>
@@ -141,9 +106,10 @@ void launch(const CoefTable<Coefs>& coefs, std::vector<DeviceRun> runs, int devi
   int64_t chunks = 0;
   for (DeviceRun& r : runs) {
     r.first_chunk = chunks;
-    chunks += (r.n + kChunk - 1) / kChunk;
+    chunks += cuda_detail::chunks_of(r.n);
   }
-  const DeviceRun* table = device_table(device, runs);
+  const auto* table =
+      static_cast<const DeviceRun*>(cuda_detail::device_table(device, runs.data(), runs.size() * sizeof(DeviceRun)));
   update_runs_kernel<Update, G, C, Coefs>
       <<<cuda_detail::grid_size(device, chunks), kThreads, 0, stream>>>(table, int(runs.size()), chunks, coefs);
   cuda_detail::check(cudaGetLastError(), "optimizer kernel launch");

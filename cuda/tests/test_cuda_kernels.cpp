@@ -26,20 +26,13 @@
 #include "zerocore/kernels/cpu_fill.h"
 #include "zerocore/error.h"
 #include "zerocore/half.h"
+#include "test_modes.h"
 
 using namespace zerocore;
 
 namespace {
 
-int failures = 0;
-
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                     \
-    }                                                                 \
-  } while (0)
+using cuda_tests::failures;
 
 template <typename E>
 bool throws(const std::function<void()>& f) {
@@ -261,20 +254,4 @@ void test_gpu() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const std::string mode = argc > 1 ? argv[1] : "args";
-  if (mode == "args") {
-    test_args();
-  } else if (mode == "gpu") {
-    if (cuda_device_count() == 0) {
-      std::printf("no CUDA device: skipped\n");
-      return 77;
-    }
-    test_gpu();
-  } else {
-    std::fprintf(stderr, "usage: %s [args|gpu]\n", argv[0]);
-    return 2;
-  }
-  if (failures) std::fprintf(stderr, "%d check(s) failed\n", failures);
-  return failures ? 1 : 0;
-}
+int main(int argc, char** argv) { return cuda_tests::run_mode(argc, argv, test_args, test_gpu); }

@@ -1,4 +1,4 @@
-// zerocore._native: the CPU runtime's Python face. Tensors cross as DLPack;
+// zerocore._native: the runtime's Python face (with CUDA, its CUDA backend too). Tensors cross as DLPack;
 // everything else is plain values.
 #include "bindings.h"
 #include "dlpack_tensor.h"
@@ -18,4 +18,7 @@ NB_MODULE(_native, m) {
   bind_schedule(m);
   bind_store(m);
   bind_step(m);
+#ifdef ZEROCORE_WITH_CUDA
+  bind_cuda_backend(m);
+#endif
 }

@@ -6,6 +6,10 @@ this module is imported, and it never touches CUDA at import time, so
 the package was built with the CUDA kernels, ``is_available()`` whether they
 can run here (a driver and at least one device).
 
+In a build with CUDA, ``zerocore._native.CudaBackend`` is the runtime's
+CUDA backend (docs/design.md, "The CUDA backend"); it lives in ``_native``
+beside the runtime objects that run on it.
+
 ``adam_`` has the semantics of ``zerocore.ops.adam_`` (torch.optim's Adam /
 AdamW) and rounds bit for bit like it, on 1-D contiguous CUDA tensors. It is
 queued on torch's current stream of the tensors' device, so it is ordered

@@ -88,7 +88,8 @@ class Backend {
   // example autograd reading a gathered unit's params.
   virtual void declare_access(Stream& stream, const Access& access, const std::string& op) = 0;
   // A released slot or staging buffer: overwritten with NaN in `stream`'s
-  // order (the stream of its last use), so a stale read shows.
+  // order (the stream of its last use), so a stale read shows. The checking
+  // and CUDA backends do; the plain CPU one does nothing.
   virtual void poison(Stream& stream, const Tensor& range) = 0;
 };
 

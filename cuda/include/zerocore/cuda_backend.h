@@ -1,0 +1,139 @@
+// The CUDA backend of the seam (backend/backend.h), for one device.
+//
+// - Memory: device buffers are cudaMalloc, pinned host buffers
+//   cudaHostAlloc, pageable ones the host's; each is one allocation made at
+//   plan size, never one a step. When pinning fails the buffer is pageable
+//   (its kind says so) and the process warns once on stderr: copies to and
+//   from it are then synchronous, not wrong.
+// - Streams: the compute stream is the caller's (torch's current stream,
+//   given as a cudaStream_t handle and settable, since torch's current
+//   stream can change between calls; nullptr is the legacy default stream);
+//   create_stream makes non-blocking streams of the backend's own (comm,
+//   copy), destroyed with it.
+// - Events: cudaEvent_t without timing; wait is cudaStreamWaitEvent (the
+//   host goes on), host_wait cudaEventSynchronize, query cudaEventQuery.
+//   record_done: see below.
+// - Work: copy is cudaMemcpyAsync between any kinds (host to host: a
+//   memcpy in a host function, which keeps the stream's order); fill, accumulate, the
+//   sum of squares (into a mailbox) and the optimizer updates are the CUDA
+//   kernels, which instantiate kernels/element_math.h as the CPU ones do;
+//   enqueue runs its body on the calling thread, in program order: host
+//   code that issues device work on the stream (an NCCL collective).
+//   declare_access does nothing; poison fills the range with NaN (all
+//   bytes 0xFF, a NaN in fp32, bf16 and fp16) in the stream's order.
+//
+// Every entry checks what it is given before touching CUDA: the stream and
+// event are this backend's, every tensor is on its device (or on the host,
+// where the op takes host memory), else InvalidArgument naming the op and
+// the tensor. Every entry that calls CUDA first makes the backend's device
+// current on the calling thread (and restores the caller's on return), so
+// any native thread may drive it. A failed CUDA call raises naming the call
+// and CUDA's error (cuda/src/cuda_check.h). Nothing here synchronises the
+// device; the host blocks only in host_wait (the step's one wait, for the
+// mailbox), in a stream wait for a host-completed event (record_done), in
+// copies to or from pageable memory (CUDA stages them synchronously), in
+// allocating a zeroed device buffer (once, at plan size) and in a buffer's
+// release (cudaFree synchronises, so memory is never freed under work still
+// using it). Making the backend touches no CUDA: a bad device index is
+// reported by the first call that does.
+//
+// Memory the caller gives (tensors not from allocate) must stay alive until
+// an event recorded after the work using it has completed, as with any
+// asynchronous CUDA work; the backend keeps no references.
+//
+// Not yet run on a GPU (tests/gpu.sh runs cuda/tests/test_cuda_backend.cpp).
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "zerocore/backend/backend.h"
+
+namespace zerocore {
+
+struct CudaBackendOptions {
+  // Pins `bytes` of host memory, setting *ptr; returns 0 (cudaSuccess) or
+  // the cudaError_t of the failure. nullptr: cudaHostAlloc. A test puts a
+  // failing one here to play the pageable fallback.
+  int (*pin_host)(void** ptr, size_t bytes) = nullptr;
+};
+
+class CudaBackend : public Backend {
+ public:
+  // A backend on CUDA device `device`, its compute stream `compute_stream`
+  // (a cudaStream_t; its device is checked by set_compute_stream only, as
+  // making the backend touches no CUDA).
+  explicit CudaBackend(int device, void* compute_stream = nullptr, CudaBackendOptions options = {});
+  ~CudaBackend() override;  // destroys its own streams (their work still runs)
+
+  int device() const { return device_; }
+  // The cudaStream_t the compute stream stands for from now on (torch's
+  // current stream at the call); work already enqueued stays where it was.
+  // Throws InvalidArgument for a stream of another device.
+  void set_compute_stream(void* handle);
+  // The cudaStream_t of one of this backend's streams.
+  void* handle(const Stream& stream) const;
+
+  std::shared_ptr<Buffer> allocate(MemoryKind kind, size_t bytes, const std::string& name,
+                                   bool zeroed = false) override;
+  Stream& compute_stream() override;
+  Stream& create_stream(const std::string& name) override;
+
+  std::shared_ptr<StreamEvent> record(Stream& stream) override;
+  void wait(Stream& stream, const StreamEvent& event) override;
+  void host_wait(const StreamEvent& event) override;
+  bool query(const StreamEvent& event) override;
+  // A collective issued on the stream (NCCL, by the comm queue's thread
+  // through enqueue) is work on the stream: its event is the stream's
+  // record, taken once `done` is set (the queue sets it once the collective
+  // is issued), so it covers the collective whichever thread issued it.
+  // Until then the event is pending: query says not complete, host_wait
+  // waits for `done` first (raising its error), and a stream wait blocks
+  // the host until `done` is set. A collective completed on the host (a
+  // CPU transport's, `done` set when its data has moved) therefore costs a
+  // host block where a stream waits for it: the CUDA path issues its
+  // collectives on the stream instead. Taken late, the record also covers
+  // what was issued on the stream after the collective and before the
+  // first wait (a prefetched gather): a waiter may wait longer than it
+  // must, never less. Recording on the issuing thread right after the issue
+  // would be exact; that belongs to the comm queue's CUDA wiring.
+  std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) override;
+
+  // Between any kinds: device tensors on this device, host tensors anywhere.
+  void copy(Stream& stream, const Tensor& dst, const Tensor& src) override;
+  // Device tensors of this device only.
+  void fill(Stream& stream, const Tensor& dst, float value) override;
+  void accumulate(Stream& stream, const Tensor& dst, const Tensor& src) override;
+  // xs on this device; the kernel writes the box (cuda_reduce.h).
+  void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
+                      int finite_slot) override;
+  void adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step, double grad_scale,
+                        const std::vector<FlatRun>& runs) override;
+  void sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
+                       const std::vector<FlatRun>& runs) override;
+  void enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
+               std::function<void()> body) override;
+
+  void declare_access(Stream& stream, const Access& access, const std::string& op) override;
+  // Device ranges by cudaMemsetAsync, host ranges by a host function in the
+  // stream's order.
+  void poison(Stream& stream, const Tensor& range) override;
+
+ private:
+  struct CudaStream;
+  CudaStream& cuda_stream(const Stream& stream) const;
+  // Throws InvalidArgument unless `t` is on this backend's device (or, with
+  // `host_ok`, on the host): "<op>: <what> is on cpu, not cuda:N".
+  void check_device(const char* op, const char* what, const Tensor& t, bool host_ok) const;
+  void check_runs(const char* op, const std::vector<FlatRun>& runs) const;
+
+  const int device_;
+  const CudaBackendOptions options_;
+  mutable std::mutex mutex_;  // the stream list
+  std::vector<std::unique_ptr<CudaStream>> streams_;  // [0]: compute
+  CudaStream* compute_;  // streams_[0], read without the lock
+};
+
+}  // namespace zerocore

@@ -1,0 +1,341 @@
+#include "zerocore/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <utility>
+
+#include "cuda_check.h"
+#include "zerocore/cuda_elementwise.h"
+#include "zerocore/cuda_optim.h"
+#include "zerocore/cuda_reduce.h"
+#include "zerocore/error.h"
+#include "zerocore/kernels/optim_args.h"
+#include "zerocore/runtime/arena.h"
+#include "zerocore/runtime/event.h"
+
+namespace zerocore {
+
+using cuda_detail::check;
+using cuda_detail::DeviceGuard;
+
+struct CudaBackend::CudaStream : Stream {
+  CudaStream(std::string name, int index, cudaStream_t handle) : Stream(std::move(name)), index(index), handle(handle) {}
+  const int index;
+  // The compute stream's changes with the caller's current stream.
+  std::atomic<cudaStream_t> handle;
+};
+
+namespace {
+
+constexpr int kCompute = 0;
+
+std::string where(const Tensor& t) {
+  return t.device().type == DeviceType::kCPU ? std::string("cpu") : "cuda:" + std::to_string(t.device().index);
+}
+
+// What a CudaBackend records. An event of record_done is pending until its
+// `done` is set; it is recorded on its stream then, by the first wait or
+// query that finds `done` set.
+class CudaEvent : public StreamEvent {
+ public:
+  CudaEvent(const CudaBackend* owner, cudaStream_t stream, std::shared_ptr<Event> done)
+      : owner_(owner), stream_(stream), done_(std::move(done)) {
+    DeviceGuard guard(owner->device());
+    check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    if (!done_) record();
+  }
+  ~CudaEvent() override { (void)cudaEventDestroy(event_); }
+
+  const CudaBackend* owner() const { return owner_; }
+  bool pending() const { return done_ && !done_->ready(); }
+  // The CUDA event, once not pending.
+  cudaEvent_t recorded() const {
+    if (done_) std::call_once(recorded_, [this] { record(); });
+    return event_;
+  }
+  // Blocks until `done` is set (raising the error it carries), then the
+  // CUDA event: what every wait needs.
+  cudaEvent_t resolved() const {
+    if (done_) done_->wait();
+    return recorded();
+  }
+
+ private:
+  void record() const {
+    DeviceGuard guard(owner_->device());
+    check(cudaEventRecord(event_, stream_), "cudaEventRecord");
+  }
+
+  const CudaBackend* owner_;
+  cudaStream_t stream_;
+  std::shared_ptr<Event> done_;
+  cudaEvent_t event_ = nullptr;
+  mutable std::once_flag recorded_;
+};
+
+int pin_with_cuda(void** ptr, size_t bytes) { return int(cudaHostAlloc(ptr, bytes, cudaHostAllocPortable)); }
+
+void warn_pageable_once(const std::string& name, size_t bytes, cudaError_t err) {
+  static std::once_flag warned;
+  std::call_once(warned, [&] {
+    std::fprintf(stderr,
+                 "zerocore: warning: could not pin %zu bytes of host memory for '%s' (%s: %s); using pageable "
+                 "memory instead, whose copies to and from the device are synchronous (warned once a process)\n",
+                 bytes, name.c_str(), cudaGetErrorName(err), cudaGetErrorString(err));
+  });
+}
+
+// Frees on `device` from a destructor: it must not throw, and a failure to
+// free is not worth losing the caller's state over.
+template <class Free>
+void release_on(int device, Free free) {
+  try {
+    DeviceGuard guard(device);
+    (void)free();
+  } catch (...) {
+  }
+}
+
+// Host work in a stream's order: a host function (which may make no CUDA
+// call) runs it once the stream's work before it is done.
+void CUDART_CB run_host_work(void* arg) {
+  std::unique_ptr<std::function<void()>> work(static_cast<std::function<void()>*>(arg));
+  (*work)();
+}
+
+void launch_host_work(cudaStream_t stream, std::function<void()> work, const char* what) {
+  auto arg = std::make_unique<std::function<void()>>(std::move(work));
+  check(cudaLaunchHostFunc(stream, run_host_work, arg.get()), what);
+  arg.release();  // run_host_work owns it now
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(int device, void* compute_stream, CudaBackendOptions options)
+    : device_(device), options_(options) {
+  if (device < 0) throw InvalidArgument("CudaBackend: device index " + std::to_string(device) + " is negative");
+  streams_.push_back(std::make_unique<CudaStream>("compute", kCompute, static_cast<cudaStream_t>(compute_stream)));
+  compute_ = streams_[kCompute].get();
+}
+
+CudaBackend::~CudaBackend() {
+  for (size_t i = 1; i < streams_.size(); ++i) {
+    const cudaStream_t h = streams_[i]->handle.load();
+    release_on(device_, [h] { return cudaStreamDestroy(h); });
+  }
+}
+
+void CudaBackend::set_compute_stream(void* handle) {
+  const auto h = static_cast<cudaStream_t>(handle);
+  if (h) {  // a stream of another device would fail later, far from its cause
+    DeviceGuard guard(device_);
+    int device = -1;
+    check(cudaStreamGetDevice(h, &device), "cudaStreamGetDevice(compute stream)");
+    if (device != device_) {
+      throw InvalidArgument("set_compute_stream: the stream is on cuda:" + std::to_string(device) +
+                            ", not cuda:" + std::to_string(device_) + " (this backend's device)");
+    }
+  }
+  compute_->handle = h;
+}
+
+void* CudaBackend::handle(const Stream& stream) const { return cuda_stream(stream).handle.load(); }
+
+std::shared_ptr<Buffer> CudaBackend::allocate(MemoryKind kind, size_t bytes, const std::string& name, bool zeroed) {
+  const int device = device_;
+  if (kind == MemoryKind::kDevice) {
+    DeviceGuard guard(device);
+    void* p = nullptr;
+    check(cudaMalloc(&p, bytes), ("cudaMalloc(" + std::to_string(bytes) + " bytes for '" + name + "')").c_str());
+    std::shared_ptr<void> storage(p, [device](void* q) { release_on(device, [q] { return cudaFree(q); }); });
+    if (zeroed) {
+      // At plan time, once: the host waits, so the zeros are there for
+      // whichever stream uses the buffer first.
+      check(cudaMemset(p, 0, bytes), "cudaMemset");
+      check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize(after zeroing)");
+    }
+    return std::make_shared<Buffer>(kind, Device{DeviceType::kCUDA, device}, name, p, bytes, std::move(storage));
+  }
+  if (kind == MemoryKind::kHostPinned) {
+    DeviceGuard guard(device);
+    void* p = nullptr;
+    const auto err = cudaError_t((options_.pin_host ? options_.pin_host : pin_with_cuda)(&p, bytes));
+    if (err == cudaSuccess) {
+      std::shared_ptr<void> storage(p, [device](void* q) { release_on(device, [q] { return cudaFreeHost(q); }); });
+      if (zeroed) std::memset(p, 0, bytes);
+      return std::make_shared<Buffer>(kind, Device{}, name, p, bytes, std::move(storage));
+    }
+    (void)cudaGetLastError();  // a failed allocation is not sticky; clear it
+    warn_pageable_once(name, bytes, err);
+  }
+  auto arena = HostArena::create(bytes, zeroed);
+  return std::make_shared<Buffer>(MemoryKind::kHostPageable, Device{}, name, arena->data(), bytes, arena);
+}
+
+Stream& CudaBackend::compute_stream() { return *compute_; }
+
+Stream& CudaBackend::create_stream(const std::string& name) {
+  DeviceGuard guard(device_);
+  cudaStream_t h = nullptr;
+  check(cudaStreamCreateWithFlags(&h, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  std::lock_guard<std::mutex> lock(mutex_);
+  streams_.push_back(std::make_unique<CudaStream>(name, int(streams_.size()), h));
+  return *streams_.back();
+}
+
+CudaBackend::CudaStream& CudaBackend::cuda_stream(const Stream& stream) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto* s = dynamic_cast<const CudaStream*>(&stream);
+  if (!s || size_t(s->index) >= streams_.size() || streams_[size_t(s->index)].get() != s) {
+    throw InvalidArgument("stream '" + stream.name() + "' belongs to another backend");
+  }
+  return *streams_[size_t(s->index)];
+}
+
+namespace {
+const CudaEvent& cuda_event(const StreamEvent& event, const CudaBackend* backend) {
+  const auto* e = dynamic_cast<const CudaEvent*>(&event);
+  if (!e || e->owner() != backend) throw InvalidArgument("an event recorded by another backend was given to a CUDA backend");
+  return *e;
+}
+}  // namespace
+
+std::shared_ptr<StreamEvent> CudaBackend::record(Stream& stream) {
+  return std::make_shared<CudaEvent>(this, cuda_stream(stream).handle.load(), nullptr);
+}
+
+std::shared_ptr<StreamEvent> CudaBackend::record_done(Stream& stream, std::shared_ptr<Event> done) {
+  if (!done) throw InvalidArgument("record_done: no completion flag given");
+  return std::make_shared<CudaEvent>(this, cuda_stream(stream).handle.load(), std::move(done));
+}
+
+void CudaBackend::wait(Stream& stream, const StreamEvent& event) {
+  const cudaStream_t h = cuda_stream(stream).handle.load();
+  const cudaEvent_t e = cuda_event(event, this).resolved();
+  DeviceGuard guard(device_);
+  check(cudaStreamWaitEvent(h, e, 0), "cudaStreamWaitEvent");
+}
+
+void CudaBackend::host_wait(const StreamEvent& event) {
+  const cudaEvent_t e = cuda_event(event, this).resolved();
+  DeviceGuard guard(device_);
+  check(cudaEventSynchronize(e), "cudaEventSynchronize");
+}
+
+bool CudaBackend::query(const StreamEvent& event) {
+  const CudaEvent& ce = cuda_event(event, this);
+  if (ce.pending()) return false;
+  const cudaEvent_t e = ce.recorded();  // a failed collective's error is host_wait's to raise
+  DeviceGuard guard(device_);
+  const cudaError_t err = cudaEventQuery(e);
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  check(err, "cudaEventQuery");
+  return true;
+}
+
+void CudaBackend::check_device(const char* op, const char* what, const Tensor& t, bool host_ok) const {
+  const Device mine{DeviceType::kCUDA, device_};
+  if (t.device() == mine || (host_ok && t.device().type == DeviceType::kCPU)) return;
+  throw InvalidArgument(std::string(op) + ": " + what + " is on " + where(t) + ", not cuda:" + std::to_string(device_) +
+                        (host_ok ? " or the host" : "") + " (this backend's device)");
+}
+
+void CudaBackend::check_runs(const char* op, const std::vector<FlatRun>& runs) const {
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const FlatRun& r = runs[i];
+    const std::pair<const char*, const Tensor*> arrays[] = {
+        {"param", &r.param}, {"grad", &r.grad}, {"state0", &r.state0}, {"state1", &r.state1}, {"param_copy", &r.param_copy}};
+    for (const auto& [name, t] : arrays) {
+      if (!is_given(*t)) continue;
+      const std::string what = "run " + std::to_string(i) + "'s " + name;
+      check_device(op, what.c_str(), *t, false);
+    }
+  }
+}
+
+void CudaBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {
+  const cudaStream_t h = cuda_stream(stream).handle.load();
+  check_device("copy", "dst", dst, true);
+  check_device("copy", "src", src, true);
+  if (dst.dtype() != src.dtype() || dst.numel() != src.numel()) {
+    throw InvalidArgument(std::string("copy: ") + std::to_string(src.numel()) + " " + dtype_name(src.dtype()) +
+                          " elements into " + std::to_string(dst.numel()) + " " + dtype_name(dst.dtype()) +
+                          " (a copy does not convert; use accumulate into zeros to cast)");
+  }
+  if (dst.numel() == 0) return;
+  DeviceGuard guard(device_);
+  if (dst.device().type == DeviceType::kCPU && src.device().type == DeviceType::kCPU) {
+    // cudaMemcpyAsync copies host to host at once, on the calling thread,
+    // not in the stream's order; a host function keeps the order.
+    launch_host_work(h, [d = dst.data(), s = src.data(), bytes = dst.nbytes()] { std::memcpy(d, s, bytes); },
+                     "cudaLaunchHostFunc(host to host copy)");
+    return;
+  }
+  check(cudaMemcpyAsync(dst.data(), src.data(), dst.nbytes(), cudaMemcpyDefault, h), "cudaMemcpyAsync");
+}
+
+void CudaBackend::fill(Stream& stream, const Tensor& dst, float value) {
+  const cudaStream_t h = cuda_stream(stream).handle.load();
+  check_device("fill", "dst", dst, false);
+  cuda_fill(dst, value, h);
+}
+
+void CudaBackend::accumulate(Stream& stream, const Tensor& dst, const Tensor& src) {
+  const cudaStream_t h = cuda_stream(stream).handle.load();
+  check_device("accumulate", "dst", dst, false);
+  check_device("accumulate", "src", src, false);
+  cuda_accumulate(dst, src, h);
+}
+
+void CudaBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
+                                 int finite_slot) {
+  const cudaStream_t h = cuda_stream(stream).handle.load();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    check_device("sum_of_squares", ("xs[" + std::to_string(i) + "]").c_str(), xs[i], false);
+  }
+  cuda_sum_of_squares(xs, device_, box.slot(sum_slot), box.slot(finite_slot), h);
+}
+
+void CudaBackend::adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
+                                   double grad_scale, const std::vector<FlatRun>& runs) {
+  const cudaStream_t h = cuda_stream(stream).handle.load();
+  check_runs("adam_update_runs", runs);
+  cuda_adam_update_runs(groups, step, grad_scale, runs, h);
+}
+
+void CudaBackend::sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,
+                                  double grad_scale, const std::vector<FlatRun>& runs) {
+  const cudaStream_t h = cuda_stream(stream).handle.load();
+  check_runs("sgd_update_runs", runs);
+  cuda_sgd_update_runs(groups, step, grad_scale, runs, h);
+}
+
+void CudaBackend::enqueue(Stream& stream, const std::string&, const std::vector<Access>&, std::function<void()> body) {
+  cuda_stream(stream);  // the stream must be this backend's
+  DeviceGuard guard(device_);
+  body();
+}
+
+void CudaBackend::declare_access(Stream&, const Access&, const std::string&) {}
+
+void CudaBackend::poison(Stream& stream, const Tensor& range) {
+  const cudaStream_t h = cuda_stream(stream).handle.load();
+  check_device("poison", "range", range, true);
+  if (range.numel() == 0) return;
+  DeviceGuard guard(device_);
+  if (range.device().type == DeviceType::kCUDA) {
+    check(cudaMemsetAsync(range.data(), 0xFF, range.nbytes(), h), "cudaMemsetAsync(poison)");
+    return;
+  }
+  launch_host_work(h, [data = range.data(), bytes = range.nbytes()] { std::memset(data, 0xFF, bytes); },
+                   "cudaLaunchHostFunc(poison)");
+}
+
+}  // namespace zerocore
