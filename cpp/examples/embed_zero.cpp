@@ -84,9 +84,9 @@ class ZeroMlp {
       for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan(), layers_[size_t(u)].params});
       param_gather_ = std::make_unique<BucketCollectives>(comm, CollectiveKind::kAllGather, full);
     }
+    // The step's exchange shares the rounds' queue: every rank issues on it in the same order.
     ZeroStep::Parts parts{&comm, &rounds, {}, /*partitioned=*/true, nullptr, param_gather_.get()};
     for (const Layer& l : layers_) parts.runs.insert(parts.runs.end(), l.runs.begin(), l.runs.end());
-    // The step's exchange shares the rounds' queue: every rank issues on it in the same order.
     parts.grad_reducer = reducer_.get();
     parts.units = schedule_.get();
     parts.loss_scaler = &scaler_;
