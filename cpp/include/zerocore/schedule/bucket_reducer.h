@@ -72,7 +72,7 @@ class BucketReducer {
   void reduce_groups(const std::vector<int>& groups);
   // These groups got no grad on any rank (the caller knows it from every
   // rank): their buckets are done without a collective. A grad staged here
-  // anyway is reduced at end_backward, as a late one.
+  // anyway is late (late(): the step's exchange has it reduced).
   void skip_groups(const std::vector<int>& groups);
   // Issues what is left (zeros for params that got no grad) and completes
   // every reduction into the partitions. Late grads stay staged (late()).
