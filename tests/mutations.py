@@ -47,16 +47,18 @@ class Mutation:
 
 ENGINE = "python/zerocore/engine.py"
 STEP = "cpp/src/step/zero_step.cpp"
-GRAD_SCALE = "double grad_scale = 1.0 / (parts_.data->world_size() * options.loss_scale);"
-NATIVE_STEP = "        applied, _, grad_scale = self.zero_step.step("
+GRAD_SCALE = "double grad_scale = 1.0 / (parts_.data->world_size() * loss_scale());"
+END_STEP = "  if (parts_.units != nullptr) parts_.units->end_step();"
 
 MUTATIONS = [
     Mutation("drop-world-average", "grads summed over ranks, not averaged: the 1/world factor is lost",
-             ((STEP, GRAD_SCALE, "double grad_scale = 1.0 / options.loss_scale;"),)),
+             ((STEP, GRAD_SCALE, "double grad_scale = 1.0 / loss_scale();"),)),
     Mutation("average-accumulation",
-             "accumulated grads averaged over the backward calls: the engine's contract (and torch's, calling "
-             "backward k times) is their sum, so a 1/accum factor is the bug here",
-             ((ENGINE, "loss_scale=self.scaler.scale,", "loss_scale=self.scaler.scale * self._backward_calls,"),)),
+             "accumulated grads scaled down by the backward calls: the engine's contract (and torch's, calling "
+             "backward k times) is their sum, so a 1/accum factor is the bug here; the native step does not know "
+             "the number of calls, so each call's loss is divided by its place in the step (1, 2, ...)",
+             ((ENGINE, "(loss * self.scaler.scale if self.scaler.enabled else loss).backward()",
+               "(loss * self.scaler.scale / (self._backward_calls + 1)).backward()"),)),
     Mutation("drop-accumulation", "each backward call drops the grads of the ones before it (only the last "
              "micro-batch counts)",
              ((ENGINE, "        self.reducer.before_backward()\n",
@@ -64,7 +66,8 @@ MUTATIONS = [
     Mutation("skip-unscale", "the loss scale is not divided out of the grads",
              ((STEP, GRAD_SCALE, "double grad_scale = 1.0 / parts_.data->world_size();"),)),
     Mutation("round-master", "the fp32 master is rounded to the 16-bit dtype after each update",
-             ((ENGINE, "        self.step_count += 1\n", "        self.step_count += 1\n        for g in self.groups:\n"
+             ((ENGINE, "        self.step_count += applied\n",
+               "        self.step_count += applied\n        for g in self.groups:\n"
                "            if g.master is not None:\n                g.master.copy_(g.master.to(g.dtype))\n"),)),
     Mutation("stale-root-unit", "stage 3: the root unit's own buffer is gathered once and never again, so "
              "forward and backward use its params from before the first step",
@@ -72,16 +75,15 @@ MUTATIONS = [
                "      if (!own || rounds_ <= 1) s.pending = issue(unit, s.buffer, true);\n"),)),
     Mutation("prefetch-before-update", "stage 3: the next forward's units are gathered (end_step's prefetch) "
              "before the update, so the units it prefetches are a step stale",
-             ((ENGINE, NATIVE_STEP, "        if self.scheduler:\n            self.scheduler.end_step()\n" + NATIVE_STEP),
-              (ENGINE, "        self._forget_reduction()\n        if self.scheduler:\n            self.scheduler.end_step()\n",
-               "        self._forget_reduction()\n        if self.scheduler and False:\n"
-               "            self.scheduler.end_step()\n"))),
+             ((STEP, END_STEP, "  // moved before the update"),
+              (STEP, "  const Exchanged agreed = exchange(options.changes);\n",
+               "  const Exchanged agreed = exchange(options.changes);\n" + END_STEP + "\n"))),
     Mutation("swap-buckets", "stages 2-3: the reduced grads of a group's first two buckets land in each "
              "other's place in the grad partition",
              (("cpp/src/schedule/bucket_reducer.cpp",
-               "  accumulate(group.grad_part.slice(group.plan.partition_offset(b.bucket), shard),",
-               "  const int into = b.bucket < 2 && group.plan.buckets().size() > 2 ? 1 - b.bucket : b.bucket;\n"
-               "  accumulate(group.grad_part.slice(group.plan.partition_offset(into), shard),"),)),
+               "group.grad_part.slice(group.plan.partition_offset(b.bucket), shard),",
+               "group.grad_part.slice(group.plan.partition_offset(\n"
+               "      b.bucket < 2 && group.plan.buckets().size() > 2 ? 1 - b.bucket : b.bucket), shard),"),)),
     Mutation("skip-clipping", "max_grad_norm is ignored",
              ((STEP, "  if (options.max_norm) grad_scale *=", "  if (false) grad_scale *="),),
              # With the older clipping test (AdamW, every step clipped), which a lost clip coefficient passes.
@@ -93,7 +95,7 @@ MUTATIONS = [
               ("cpp/src/kernels/optim.cpp", "return SgdCoefs{float(grad_scale), float(o.weight_decay),",
                "return SgdCoefs{float(grad_scale), float(-o.weight_decay),"))),
     Mutation("skip-overflow-check", "fp16: an inf/NaN grad is applied instead of skipping the step",
-             ((STEP, "  if (!std::isfinite(agreed.sum_of_squares)) return out;\n", ""),)),
+             ((STEP, "  out.applied = std::isfinite(agreed.sum_of_squares);", "  out.applied = true;"),)),
 ]
 
 

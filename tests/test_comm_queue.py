@@ -170,7 +170,10 @@ def _collectives_over_gloo(rank, world):
     out["sums"] = comm.sum_scalars([0.5, float(rank)])
     out["stats"] = dict(comm.stats)
     out["trace"] = comm.trace
-    out["total"] = comm.sum_checking_order([float(rank)])
+    # The native step's exchange over the control queue: the sums, and the fingerprints checked.
+    step = _native.ZeroStep(comm.queue, comm.control_queue, None, partitioned=True,
+                            local_sum_of_squares=lambda: float(rank + 1))
+    out["exchanged"] = step.exchange(rank)
     out["trace after check"] = comm.trace
     return out
 
@@ -186,7 +189,7 @@ def test_communicator_over_gloo():
         assert r["sums"] == [1.0, 1.0]
         assert r["stats"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 3}
         assert r["trace"] == [(0, 0, 0, 4), (1, 0, 1, 4), (2, 1, 0, 3)]  # the data plane only
-        assert r["total"] == [1.0] and r["trace after check"] == []
+        assert r["exchanged"] == (3.0, 1) and r["trace after check"] == []
 
 
 def _drop_communicators(group):

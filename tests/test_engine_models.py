@@ -9,7 +9,8 @@ from torch.utils.checkpoint import checkpoint
 
 import zerocore
 from dist_harness import run_ranks
-from models import DIM, VOCAB, Block, TinyLM, assert_state_close, engine_train, lm_batch, lm_loss, make, reference_train
+from models import (DIM, VOCAB, Block, LateGrads, TinyLM, assert_state_close, engine_train, lm_batch, lm_loss, make,
+                    reference_train)
 
 STAGES = (0, 1, 2, 3)
 STEPS = 4
@@ -146,6 +147,14 @@ class Checkpointed(TinyLM):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing(reentrant):
     check_against_reference(functools.partial(make, Checkpointed, reentrant=reentrant))
+
+
+def test_late_grads_over_accumulated_backwards():
+    """A param's second grad after its buckets were reduced (models.LateGrads),
+    in each of two accumulated backwards: the first's rides along with the
+    second's reduction, the second's is reduced in the step's exchange
+    (test_host_waits counts its second exchange)."""
+    check_against_reference(functools.partial(make, LateGrads), accum=2)
 
 
 class LoRALinear(nn.Module):

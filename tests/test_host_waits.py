@@ -13,7 +13,7 @@ import torch
 
 import zerocore
 from dist_harness import run_ranks
-from models import lm_batch, lm_loss, local, make
+from models import LateGrads, TinyLM, lm_batch, lm_loss, local, make
 from zerocore import _native
 
 pytestmark = pytest.mark.skipif(_native.process_backend() != "checking",
@@ -21,18 +21,22 @@ pytestmark = pytest.mark.skipif(_native.process_backend() != "checking",
 
 STEPS = 3
 # (forward, backward, engine.step()) host waits of a step after the first.
-# Stages 0-1: the step's control exchange, the one the host must read (the
-# norm, flags, the order fingerprint). Stage 2: that, and backward's
-# agreement on late grads (a control all-reduce whose flags the host reads:
-# folding it into the step's exchange is what is left for one a step).
-# Stage 3: the step's exchange and its round; the unit hooks settle rounds
-# (control-plane reads of the ranks' flags). The step's own waits do not
-# grow with the number of buckets (checked with small ones).
-MEASURED = {0: (0, 0, 1), 1: (0, 0, 1), 2: (0, 1, 1), 3: (3, 6, 2)}
+# Stages 0-2: the step's control exchange, the one the host must read (the
+# norm, flags, the order fingerprint, stage 2's late grads: before they rode
+# on it, stage 2's backward made one more, (0, 1, 1)). Stage 3: the step's
+# exchange and its end-of-step round (not folded into the exchange:
+# docs/design.md, the step); the unit hooks settle rounds (control-plane
+# reads of the ranks' flags), 6 in backward before the late grads' fold.
+# The step's own waits do not grow with the number of buckets (checked with
+# small ones).
+MEASURED = {0: (0, 0, 1), 1: (0, 0, 1), 2: (0, 0, 1), 3: (3, 5, 2)}
+# A step whose last backward left late grads (models.LateGrads at stage 2)
+# exchanges twice: once to agree on them, once for the sums after reducing them.
+MEASURED_LATE = (0, 0, 2)
 
 
-def _count(rank, world, stage, bucket_bytes):
-    model = make()
+def _count(rank, world, stage, bucket_bytes, model_class=TinyLM):
+    model = make(model_class)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zerocore.Config(stage=stage, **bucket_bytes))
     counts = []
     for step in range(STEPS):
@@ -53,6 +57,11 @@ def _count(rank, world, stage, bucket_bytes):
 def test_host_waits_per_step(stage):
     for counts in run_ranks(_count, 2, stage, {}, timeout=120):
         assert counts[1:] == [MEASURED[stage]] * (STEPS - 1), f"stage {stage}: host waits per step {counts}"
+
+
+def test_late_grads_cost_a_second_exchange():
+    for counts in run_ranks(_count, 2, 2, dict(bucket_bytes=512), LateGrads, timeout=120):
+        assert counts[1:] == [MEASURED_LATE] * (STEPS - 1), f"host waits per step {counts}"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

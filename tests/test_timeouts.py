@@ -66,9 +66,9 @@ def _stuck_peer(rank, world, done, stage, where, offload, inherit):
         model.blocks[1].register_forward_pre_hook(stall)
     elif where == "backward":
         model.blocks[1].register_forward_hook(lambda m, args, out: CallInBackward.apply(out, stall))
-    else:  # the step: between its reduction and its norm exchange
-        sum_of_squares = engine.update.grad_sum_of_squares
-        engine.update.grad_sum_of_squares = lambda calls: stall() or sum_of_squares(calls)
+    else:  # the step: just before its one native call (stages 2-3: between the reduction and the exchange)
+        carry_param_writes = engine._carry_param_writes
+        engine._carry_param_writes = lambda: stall() or carry_param_writes()
     try:
         for step in range(STALL + 1):
             start = time.monotonic()
@@ -126,7 +126,9 @@ def test_a_stuck_peer_raises_within_the_timeout(world, stage, where, offload, in
         peers = [r for r in range(world) if r != rank]
         assert f"timed out after {TIMEOUT:g} s waiting for rank(s) {peers}" in live["error"], (rank, live["error"])
         if where == "step":  # rank 1 stalls before the step's one control collective
-            assert "control all_gather of the step's norm exchange" in live["error"], (rank, live["error"])
+            # Stage 1 reduces inside the native step, first: the live ranks wait in its reduce-scatter.
+            waited = "reduce_scatter of the params" if stage == 1 else "control all_gather of the step's norm exchange"
+            assert waited in live["error"], (rank, live["error"])
         # The engine is left failing at once (with the first timeout of the
         # queue it reaches: another may have timed out beside this one).
         kind, message, seconds = live["again"]

@@ -4,24 +4,16 @@
 // and AdamW written out in double on the whole batch (plain scalar code, no
 // zerocore). Exits non-zero if they disagree.
 //
-// Each layer is one unit with its own layout plan (params in backward order,
-// buckets split evenly over the ranks) and partition store, which holds its
-// params, grad partition and Adam moments and says where each param lies in
-// them: the trainer computes no offset. The runtime's schedule does the
-// distributed work; the trainer only says what happens. Per step:
-//   stage 3: the UnitSchedule gathers each unit into its gather pool before
-//            the unit's forward (pre_forward) and again before its backward
-//            (pre_backward), and releases it once every rank is done with
-//            it (post_forward, post_backward say this rank is).
-//   both:    each param's grad goes to the BucketReducer (grad_ready).
-//            Stage 2 reduce-scatters complete buckets into this rank's grad
-//            partition on the comm queue while the next unit's backward
-//            computes; in stage 3 the schedule says when every rank has a
-//            unit's grads (its grads_final callback). end_backward waits
-//            for the last.
-//   both:    one ZeroStep call agrees on the norm and the collective order,
-//            updates the rank's partition and, in stage 2, all-gathers the
-//            updated blocks into every rank's full params.
+// Each layer is one unit with its own layout plan and partition store (its
+// params, grad partition and Adam moments, and where each param lies in
+// them: the trainer computes no offset). The trainer computes and says what
+// happens; the runtime does the distributed work, as for the Python engine:
+// stage 3's UnitSchedule gathers and releases units at the hooks
+// (pre_forward, post_forward, pre_backward, post_backward); the
+// BucketReducer reduce-scatters each param's grad (grad_ready) into the grad
+// partition, in stage 3 when the schedule says every rank has the unit's
+// grads; one ZeroStep call a step does the rest (the exchange, the dynamic
+// loss scale, the update, stage 2's param gather, stage 3's end-of-step round).
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -92,11 +84,13 @@ class ZeroMlp {
       for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan(), layers_[size_t(u)].params});
       param_gather_ = std::make_unique<BucketCollectives>(comm, CollectiveKind::kAllGather, full);
     }
-    std::vector<FlatRun> runs;
-    for (const Layer& l : layers_) runs.insert(runs.end(), l.runs.begin(), l.runs.end());
     // The step's exchange shares the rounds' queue: every rank issues on it in the same order.
-    step_ = std::make_unique<ZeroStep>(
-        ZeroStep::Parts{&comm, &rounds, runs, /*partitioned=*/true, nullptr, param_gather_.get()});
+    ZeroStep::Parts parts{&comm, &rounds, {}, /*partitioned=*/true, nullptr, param_gather_.get()};
+    for (const Layer& l : layers_) parts.runs.insert(parts.runs.end(), l.runs.begin(), l.runs.end());
+    parts.grad_reducer = reducer_.get();
+    parts.units = schedule_.get();
+    parts.loss_scaler = &scaler_;
+    step_ = std::make_unique<ZeroStep>(std::move(parts));
   }
 
   // One optimizer step on this rank's rows of the global batch; returns the
@@ -117,7 +111,7 @@ class ZeroMlp {
     for (size_t i = 0; i < out.size(); ++i) {
       const float e = out[i] - y[i];
       loss += e * e;
-      d_out[i] = 2.0f * e / float(out.size());  // d(mean squared error)
+      d_out[i] = float(scaler_.scale()) * 2.0f * e / float(out.size());  // d(scaled mean squared error)
     }
     if (schedule_) schedule_->end_forward();
     // Backward, last unit first; each unit's buckets reduce while the next computes.
@@ -131,8 +125,7 @@ class ZeroMlp {
     StepOptions options;
     options.adam = {AdamOptions{1e-2, 0.9, 0.999, /*eps=*/1e-2, /*weight_decay=*/0.01, /*adamw=*/true}};
     options.step = step_index;  // eps near the grads' size, so the check below also sees a wrong grad scale
-    if (!step_->step(options).applied) throw std::runtime_error("embed_zero: the grads are not finite");
-    if (schedule_) schedule_->end_step();  // after the update: it gathers the next forward's first units
+    if (!step_->step(options).applied) throw std::runtime_error("embed_zero: the grads overflowed");
     for (Layer& l : layers_) {  // the reducer adds into the grad partition
       const Tensor grad_part = l.store.buffer("grad_part");
       std::memset(grad_part.data(), 0, grad_part.nbytes());
@@ -241,6 +234,9 @@ class ZeroMlp {
   std::unique_ptr<BucketReducer> reducer_;
   std::unique_ptr<UnitSchedule> schedule_;  // stage 3
   std::unique_ptr<BucketCollectives> param_gather_;  // stage 2: every rank's updated blocks into the full params
+  // fp16's dynamic scaling, as the engine's: fp32 grads never overflow
+  // here, so the scale doubles every `window` steps and the step unscales.
+  LossScaler scaler_{DynamicScale{1024.0, /*window=*/2, /*hysteresis=*/1, /*min_scale=*/1.0, false, false}};
   std::unique_ptr<ZeroStep> step_;
 };
 

@@ -139,16 +139,15 @@ void bind_schedule(nb::module_& m) {
       .def(
           "__init__",
           [](BucketReducer* self, const BoundQueue& queue, const nb::list& groups, const std::string& reduce_dtype,
-             int staging_buffers, bool on_request, const BoundQueue* control) {
+             int staging_buffers, bool on_request) {
             new (self) BucketReducer(queue.get(), specs<ReduceGroup>(groups, "BucketReducer: grad_part"),
-                                     parse_dtype(reduce_dtype), staging_buffers, on_request,
-                                     control ? &control->get() : nullptr);
+                                     parse_dtype(reduce_dtype), staging_buffers, on_request);
           },
           "queue"_a, "groups"_a, "reduce_dtype"_a, "staging_buffers"_a, "on_request"_a = false,
-          "control"_a.none() = nb::none(), nb::keep_alive<1, 2>(), nb::keep_alive<1, 7>(),
+          nb::keep_alive<1, 2>(),
           "groups: [(tag, LayoutPlan, grad partition tensor)] in reduction order. on_request: issue only on "
-          "reduce_groups() and end_backward() (stage 3). control: the queue of the agreement on late grads (a "
-          "host group's; None: queue's).")
+          "reduce_groups() and end_backward() (stage 3). Late grads are agreed on and reduced by the step's "
+          "exchange (ZeroStep).")
       .def(
           "grad_ready",
           [](BucketReducer& self, int group, int param, nb::handle grad) {
@@ -171,6 +170,7 @@ void bind_schedule(nb::module_& m) {
       .def("reduce_groups", unlocked(&BucketReducer::reduce_groups), "groups"_a)
       .def("skip_groups", &BucketReducer::skip_groups, "groups"_a)
       .def("end_backward", unlocked(&BucketReducer::end_backward))
+      .def("drop_late", &BucketReducer::drop_late, "Drops grads staged after their reduction (zero_grad).")
       .def(
           "set_grad_partitions",
           [](BucketReducer& self, const nb::list& parts) {

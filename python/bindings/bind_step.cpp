@@ -1,5 +1,10 @@
 // zerocore._native.ZeroStep: the engine's optimizer step, one call a step
-// (cpp/include/zerocore/step/zero_step.h).
+// (cpp/include/zerocore/step/zero_step.h), and its LossScaler
+// (step/loss_scaler.h). The step's refusals reach Python as exceptions of
+// their own: NonFiniteGradientError (zerocore's, a FloatingPointError),
+// CollectiveOrderDiverged(message, trace) and TrainabilityChanged, which
+// the engine turns into the errors that name what differed.
+#include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -22,8 +27,8 @@ namespace {
 
 // kind: the optimizer's ("adam", "adamw" or "sgd"); groups: its
 // param_groups, read each step (schedulers change them).
-StepOptions step_options(const std::string& kind, const nb::list& groups, int64_t step, double loss_scale,
-                         std::optional<double> max_norm) {
+StepOptions step_options(const std::string& kind, const nb::list& groups, int64_t step,
+                         std::optional<double> max_norm, int64_t changes) {
   StepOptions out;
   if (kind == "sgd") {
     out.kind = OptimizerKind::kSgd;
@@ -34,65 +39,134 @@ StepOptions step_options(const std::string& kind, const nb::list& groups, int64_
     throw InvalidArgument("ZeroStep.step: kind " + kind + "; use \"adam\", \"adamw\" or \"sgd\"");
   }
   out.step = step;
-  out.loss_scale = loss_scale;
   out.max_norm = max_norm;
+  out.changes = changes;
   return out;
+}
+
+PyObject* new_exception(nb::module_& m, const char* name, const char* doc, PyObject* base) {
+  PyObject* type = PyErr_NewExceptionWithDoc((std::string("zerocore._native.") + name).c_str(), doc, base, nullptr);
+  if (!type) throw nb::python_error();
+  m.attr(name) = nb::borrow(type);
+  return type;
+}
+
+void bind_step_errors(nb::module_& m) {
+  static PyObject* non_finite = new_exception(
+      m, "NonFiniteGradientError",
+      "Raised (on every rank) when gradients hold inf/NaN and no dynamic loss scaling is there to absorb it "
+      "(fp32/bf16, or fp16 with the scale at its minimum); params and optimizer state are untouched.",
+      PyExc_FloatingPointError);
+  static PyObject* diverged = new_exception(
+      m, "CollectiveOrderDiverged",
+      "args: (message, this rank's trace of data-plane keys since the last step): ranks issued different "
+      "collectives; nothing was updated.",
+      PyExc_RuntimeError);
+  static PyObject* trainability = new_exception(
+      m, "TrainabilityChanged", "Some rank changed a param's requires_grad since wrap; nothing was updated.",
+      PyExc_RuntimeError);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const NonFiniteGradients& e) {
+      PyErr_SetString(non_finite, e.what());
+    } catch (const CollectiveOrderDiverged& e) {
+      nb::list trace;
+      for (const CollectiveKey& k : e.trace) trace.append(key_tuple(k));
+      PyErr_SetObject(diverged, nb::make_tuple(e.what(), trace).ptr());
+    } catch (const TrainabilityChanged& e) {
+      PyErr_SetString(trainability, e.what());
+    }
+  });
 }
 
 }  // namespace
 
 void bind_step(nb::module_& m) {
+  bind_step_errors(m);
+
+  nb::class_<LossScaler>(m, "LossScaler", "fp16 loss scaling, fixed or dynamic (step/loss_scaler.h).")
+      .def(nb::init<double>(), "fixed"_a = 1.0, "A fixed scale (1: none).")
+      .def_static(
+          "dynamic_scale",
+          [](double initial, int64_t window, int64_t hysteresis, double min_scale, bool consecutive_hysteresis,
+             bool deepspeed_growth) {
+            return LossScaler(
+                DynamicScale{initial, window, hysteresis, min_scale, consecutive_hysteresis, deepspeed_growth});
+          },
+          "initial"_a, "window"_a, "hysteresis"_a, "min_scale"_a, "consecutive_hysteresis"_a, "deepspeed_growth"_a)
+      .def_prop_ro("dynamic", &LossScaler::dynamic)
+      .def_prop_ro("scale", &LossScaler::scale)
+      .def("update", &LossScaler::update, "overflow"_a,
+           "One step's outcome; raises NonFiniteGradientError on an overflow at the minimum scale.")
+      .def(
+          "state", [](const LossScaler& self) {
+            const LossScaler::State& s = self.state();
+            return std::make_tuple(s.scale, s.clean_steps, s.hysteresis);
+          },
+          "(scale, clean_steps, hysteresis): what a checkpoint keeps.")
+      .def(
+          "load",
+          [](LossScaler& self, double scale, int64_t clean_steps, int64_t hysteresis) {
+            self.load(LossScaler::State{scale, clean_steps, hysteresis});
+          },
+          "scale"_a, "clean_steps"_a, "hysteresis"_a, "A checkpoint's state (a fixed scale keeps its own).");
+
   nb::class_<ZeroStep>(m, "ZeroStep",
                        "The optimizer step of a ZeRO rank in one call: the reduction's end, the norm, the one "
-                       "control exchange (with the order check), the decision, the update and the param gather.")
+                       "control exchange (with the order check and the late grads), the decision with the loss "
+                       "scaler, the update and the param gather or stage 3's end-of-step round.")
       .def(
           "__init__",
           [](ZeroStep* self, const BoundQueue& data, const BoundQueue& control, const FlatRuns* runs,
-             bool partitioned, BucketCollectives* grad_reduce, BucketCollectives* param_gather) {
-            new (self) ZeroStep(ZeroStep::Parts{&data.get(), &control.get(),
-                                                runs ? runs->runs : std::vector<FlatRun>{}, partitioned,
-                                                grad_reduce, param_gather});
+             bool partitioned, BucketCollectives* grad_reduce, BucketCollectives* param_gather, UnitSchedule* units,
+             LossScaler* loss_scaler, std::function<double()> local_sum_of_squares,
+             std::function<void(bool, int64_t, double)> caller_update) {
+            ZeroStep::Parts parts{&data.get(), &control.get(), runs ? runs->runs : std::vector<FlatRun>{},
+                                  partitioned, grad_reduce, param_gather};
+            parts.units = units;
+            parts.loss_scaler = loss_scaler;
+            parts.local_sum_of_squares = std::move(local_sum_of_squares);
+            parts.caller_update = std::move(caller_update);
+            new (self) ZeroStep(std::move(parts));
           },
           "data"_a, "control"_a, "runs"_a.none(), nb::kw_only(), "partitioned"_a, "grad_reduce"_a.none() = nb::none(),
-          "param_gather"_a.none() = nb::none(), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(), nb::keep_alive<1, 4>(),
-          nb::keep_alive<1, 6>(), nb::keep_alive<1, 7>(),
-          "runs: this rank's partition (None: the caller updates, as offload does); partitioned: ranks hold "
-          "disjoint parts of the grads; grad_reduce: stages 0-1's reduction; param_gather: stages 1-2's gather.")
+          "param_gather"_a.none() = nb::none(), "units"_a.none() = nb::none(), "loss_scaler"_a.none() = nb::none(),
+          "local_sum_of_squares"_a.none() = nb::none(), "caller_update"_a.none() = nb::none(),
+          nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 6>(),
+          nb::keep_alive<1, 7>(), nb::keep_alive<1, 8>(), nb::keep_alive<1, 9>(),
+          "runs: this rank's partition (None: the caller updates, as offload does: local_sum_of_squares() then "
+          "gives this rank's sum of squares and caller_update(applied, step, grad_scale) updates); partitioned: "
+          "ranks hold disjoint parts of the grads; grad_reduce: stages 0-1's reduction; param_gather: stages "
+          "1-2's gather; units: stage 3's UnitSchedule (its end-of-step round); loss_scaler: the LossScaler.")
+      .def("set_grad_reducer", &ZeroStep::set_grad_reducer, "reducer"_a, nb::keep_alive<1, 2>(),
+           "Stages 2-3: the BucketReducer whose late grads the exchange agrees on and reduces.")
       .def(
           "exchange",
-          [](ZeroStep& self, int64_t changes, std::optional<double> local) -> nb::object {
-            Exchanged out;
-            std::optional<std::vector<CollectiveKey>> diverged;
-            {
-              nb::gil_scoped_release release;
-              try {
-                out = self.exchange(changes, local);
-              } catch (CollectiveOrderDiverged& e) {
-                diverged = std::move(e.trace);
-              }
-            }
-            if (!diverged) return nb::make_tuple(out.sum_of_squares, out.changes, nb::none());
-            nb::list trace;
-            for (const CollectiveKey& k : *diverged) trace.append(key_tuple(k));
-            return nb::make_tuple(nb::none(), nb::none(), trace);
+          [](ZeroStep& self, int64_t changes) {
+            nb::gil_scoped_release release;
+            const Exchanged& out = self.exchange(changes);
+            return std::make_tuple(out.sum_of_squares, out.changes);
           },
-          "changes"_a, "local"_a = nb::none(),
-          "Once a step: (global sum of squares, trainability changes summed over ranks, None), or, on every "
-          "rank when ranks issued different collectives, (None, None, this rank's trace since the last step) "
-          "for naming where they parted (Communicator.order_error).")
+          "changes"_a,
+          "Once a step: (global sum of squares, trainability changes summed over ranks); raises "
+          "CollectiveOrderDiverged on every rank when ranks issued different collectives.")
       .def(
           "step",
-          [](ZeroStep& self, const std::string& kind, const nb::list& groups, int64_t step, double loss_scale,
-             std::optional<double> max_norm) {
-            const StepOptions options = step_options(kind, groups, step, loss_scale, max_norm);
+          [](ZeroStep& self, const std::string& kind, const nb::list& groups, int64_t step,
+             std::optional<double> max_norm, int64_t changes) {
+            const StepOptions options = step_options(kind, groups, step, max_norm, changes);
             nb::gil_scoped_release release;
             const StepResult out = self.step(options);
             return std::make_tuple(out.applied, out.norm, out.grad_scale);
           },
-          "kind"_a, "groups"_a, nb::kw_only(), "step"_a, "loss_scale"_a, "max_norm"_a.none(),
-          "(applied, norm, grad_scale): the update when the grads are finite (applied is False otherwise, "
-          "nothing changed).")
-      .def("forget", &ZeroStep::forget, "The grads were dropped: the next step exchanges afresh.");
+          "kind"_a, "groups"_a, nb::kw_only(), "step"_a, "max_norm"_a.none(), "changes"_a,
+          "(applied, norm, grad_scale): the update when the grads are finite, a skipped step (applied False) "
+          "with dynamic loss scaling otherwise; raises NonFiniteGradientError, CollectiveOrderDiverged or "
+          "TrainabilityChanged with nothing changed.")
+      .def("forget", &ZeroStep::forget, "The grads were dropped: the next step exchanges afresh.")
+      .def_prop_ro("exchanged", &ZeroStep::exchanged, "This step's exchange ran (its result is kept).")
+      .def_prop_ro("loss_scale", &ZeroStep::loss_scale);
 }
 
 }  // namespace zerocore::bindings

@@ -27,12 +27,12 @@ order, so every rank gets the same bits.
 
 The order contract: the queue folds every data-plane key, as it is issued,
 into a running fingerprint (and keeps the first TRACE_LIMIT in a trace).
-Once a step, sum_checking_order exchanges the fingerprint in the step's one
-control collective, so ranks that issued different collectives (another
-unit, bucket or size, or another order) raise CollectiveOrderError on every
-rank before anything is updated, at no extra collective per call. Only on
-that error path do ranks exchange their traces, to name the first
-collective where they parted.
+Once a step, the native step (zerocore._native.ZeroStep) exchanges the
+fingerprint in its one control collective, so ranks that issued different
+collectives (another unit, bucket or size, or another order) raise
+CollectiveOrderError on every rank before anything is updated, at no extra
+collective per call. Only on that error path do ranks exchange their traces
+(order_error), to name the first collective where they parted.
 """
 from __future__ import annotations
 
@@ -203,26 +203,10 @@ class Communicator:
         return [b"".join(w.to_bytes(8, "little", signed=True) for w in row)[:n].decode()
                 for row, n in zip(rows, lengths)]
 
-    def sum_checking_order(self, values) -> list:
-        """Sums floats over ranks (in rank order, so every rank gets the same
-        bits) and, in the same collective, checks that every rank issued the
-        same data-plane collectives since the last call; raises
-        CollectiveOrderError on every rank if not, naming the first
-        collective where they parted (self.names)."""
-        fingerprint = float(self.queue.fingerprint >> 12)  # 52 bits: exact in float64; of the data queue
-        rows = self._gather_rows([*values, fingerprint], torch.float64, _NORMS)
-        diverged = len({row[-1] for row in rows}) > 1
-        trace = self.trace if diverged else None
-        self.queue.restart_trace()
-        if diverged:
-            raise self.order_error(trace)
-        return _column_sums(row[:-1] for row in rows)
-
     def order_error(self, trace) -> CollectiveOrderError:
-        """Ranks' order fingerprints differ (found by sum_checking_order or
-        the native step's exchange): the error naming where they parted,
-        once the ranks exchanged their traces (this rank's: `trace`). Call
-        it on every rank."""
+        """Ranks' order fingerprints differ (found by the native step's
+        exchange): the error naming where they parted, once the ranks
+        exchanged their traces (this rank's: `trace`). Call it on every rank."""
         return CollectiveOrderError(self._divergence(trace))
 
     def _divergence(self, trace) -> str:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import activation_checkpoint, devices, param_guards, save_load
+from zerocore import _native, activation_checkpoint, devices, param_guards, save_load
 from zerocore._native import BucketCollectives, UnitSchedule, ZeroStep
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
@@ -171,13 +171,6 @@ class Engine:
         gathered = [g for g in self.groups if g.trainable and placement.partitions_optimizer and not g.sharded]
         self.param_gather = BucketCollectives(self.comm.queue, KINDS.index("all_gather"),
                                               [(g.tag, g.plan, g.full) for g in gathered]) if gathered else None
-        # The step after this rank's sum of squares, in one native call: the
-        # exchange, the decision and, in place, the update and the param
-        # gather; offload's host update runs behind it (self.update).
-        in_place = not placement.optimizer_on_host
-        self.zero_step = ZeroStep(self.comm.queue, self.comm.control_queue, self.update.runs if in_place else None,
-                                  partitioned=placement.partitions_optimizer,
-                                  param_gather=self.param_gather if in_place else None)
         self.scheduler = None
         if not placement.partitions_grads:
             self.reducer = FullGradReducer(self.groups, self.comm, placement)
@@ -198,6 +191,23 @@ class Engine:
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes,
                                     lambda unit, reduce: ref()(unit, reduce))
             self.scheduler = UnitScheduler(self.units, schedule, self._attach_unit_grads)
+        # The step, in one native call: stages 0-1's reduction, the sum of
+        # squares, the exchange (with stages 2-3's late grads), the decision
+        # with the loss scaler, the update and the param gather or stage 3's
+        # end-of-step round. Offload's host update is the engine's, called
+        # back between the decision and the gather (_host_update).
+        offload = placement.optimizer_on_host
+        me = weakref.ref(self)  # the native step must not keep the engine alive
+        self.zero_step = ZeroStep(
+            self.comm.queue, self.comm.control_queue, None if offload else self.update.runs,
+            partitioned=placement.partitions_optimizer,
+            grad_reduce=None if placement.partitions_grads else self.reducer.collectives,
+            param_gather=self.param_gather, units=self.scheduler.native if self.scheduler else None,
+            loss_scaler=self.scaler.native,
+            local_sum_of_squares=(lambda: me()._host_sum_of_squares()) if offload else None,
+            caller_update=(lambda applied, step, scale: me()._host_update(applied, step, scale)) if offload else None)
+        if placement.partitions_grads:
+            self.reducer.late_grads_to(self.zero_step)
         # Stage 3: module.state_dict() and load_state_dict() refuse while params are released.
         self._state_guards = param_guards.guard_module_state(
             module, {id(p) for u in self.units for g in u.groups for p in g.params})
@@ -359,7 +369,7 @@ class Engine:
                 f"hooks {hooks} as autograd goes, outside any graph. Leave compiled autograd off "
                 "(torch._dynamo.config.compiled_autograd = False) for engine.backward: the backward of a compiled "
                 "forward is compiled all the same")
-        if self._reduced is not None:
+        if self.zero_step.exchanged:
             raise RuntimeError("engine.backward: the grads of this step were already reduced (engine.clip_grad_norm_ "
                                "or a step that raised); call engine.step() or engine.zero_grad() first")
         self._note_trainability()
@@ -408,23 +418,29 @@ class Engine:
         """Reduces this step's grads across ranks, once a step, and returns
         their global sum of squares (of loss-scaled grads summed over ranks);
         raises if a param was frozen or unfrozen on any rank."""
-        if self._reduced is None:
-            self._reduce_and_exchange()
-        if self._changed_anywhere:
+        self._check_grads()
+        total, changes = self._agreeing(lambda: self.zero_step.exchange(len(self._trainability_changed)))
+        if changes:
             self._refuse_trainability_change()
-        return self._reduced
+        return total
 
-    def _reduce_and_exchange(self):
+    def _check_grads(self):
         if self._backward_calls == 0:
             raise RuntimeError("engine.step: no gradients; call engine.backward(loss) first")
-        self.reducer.reduce()
-        local = self.update.grad_sum_of_squares(self._backward_calls)
-        # The step's one control collective; it also checks that every rank
-        # issued the same collectives.
-        total, changes, diverged = self.zero_step.exchange(len(self._trainability_changed), local)
-        if diverged is not None:
-            raise self.comm.order_error(diverged)
-        self._reduced, self._changed_anywhere = total, changes
+
+    def _agreeing(self, call):
+        """A native call of the step: its refusals (ranks that issued
+        different collectives, a param frozen or unfrozen on some rank)
+        become the errors that name what differed, on every rank."""
+        try:
+            return call()
+        except _native.CollectiveOrderDiverged as e:
+            trace = e.args[1]
+        except _native.TrainabilityChanged:
+            trace = None
+        if trace is None:
+            self._refuse_trainability_change()
+        raise self.comm.order_error(trace)
 
     def _note_trainability(self):
         """Notes params whose requires_grad differs from the plan made at
@@ -455,30 +471,31 @@ class Engine:
 
     @_training
     def _step(self) -> bool:
-        self._reduce_grads()
+        self._check_grads()
         bounds = [b for b in (self.config.max_grad_norm, self._clip_norm) if b is not None]
         self._carry_param_writes()
-        applied, _, grad_scale = self.zero_step.step(self.kind, self.optimizer.param_groups, step=self.step_count + 1,
-                                                     loss_scale=self.scaler.scale,
-                                                     max_norm=min(bounds) if bounds else None)
-        if not applied:  # the grads are not finite: nothing was updated
-            self.scaler.update(overflow=True)
+        try:
+            applied, _, _ = self._agreeing(lambda: self.zero_step.step(
+                self.kind, self.optimizer.param_groups, step=self.step_count + 1,
+                max_norm=min(bounds) if bounds else None, changes=len(self._trainability_changed)))
+        except NonFiniteGradientError:  # nothing was updated; a pending offload update lands
             self.finish_update()
-            if self.scaler.dynamic:
-                self._end_step()
-                return False
-            raise NonFiniteGradientError(
-                f"zerocore: gradients hold inf/NaN at step {self.step_count + 1} (a NaN or inf loss?); the step "
-                "was not applied and params and optimizer state are unchanged. Use dtype='fp16' with dynamic "
-                "loss scaling to skip such steps instead.")
-        self.step_count += 1
-        if self.placement.optimizer_on_host:
-            self.update.apply(self.kind, self.optimizer.param_groups, self.step_count, grad_scale)
-            if self.param_gather:
-                self.param_gather.run()
-        self.scaler.update(overflow=False)
+            raise
+        self.step_count += applied
         self._end_step()
-        return True
+        return applied
+
+    def _host_sum_of_squares(self) -> float:
+        """Offload: this rank's sum of squares of the grads its host update reads."""
+        return self.update.grad_sum_of_squares(self._backward_calls)
+
+    def _host_update(self, applied: bool, step: int, grad_scale: float):
+        """Offload: the host update of a step the native step applied, or,
+        on a skipped one, the pending update's params up."""
+        if applied:
+            self.update.apply(self.kind, self.optimizer.param_groups, step, grad_scale)
+        else:
+            self.finish_update()
 
     def finish_update(self):
         """Offload with a delayed update: the update still running on the
@@ -512,14 +529,14 @@ class Engine:
         raised); every param's .grad is None."""
         for g in self.groups:
             g.zero_grad()
+        self.reducer.drop_staged()
         self._forget_reduction()
 
     def _forget_reduction(self):
         """A new step begins: nothing of the last one's reduction applies."""
-        self._reduced = self._clip_norm = None
+        self._clip_norm = None
         self.zero_step.forget()
         self._trainability_changed = set()  # names of this rank's params whose requires_grad changed
-        self._changed_anywhere = 0  # how many changed on all ranks together (the step's exchange)
 
     # Inspection ------------------------------------------------------------
     @property

@@ -14,7 +14,8 @@ buffers outlive backward. In stage 3 the unit schedule's rounds say when a
 unit's buckets are reduced (grads_final), since ranks may run different
 units. Params that produced no grad count as zero; a
 grad that arrives after its bucket was reduced (reentrant checkpointing)
-gets its bucket reduced again at the end of backward, on every rank.
+stays staged, and the step's exchange (ZeroStep) has every rank reduce the
+buckets late on any rank once more.
 """
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ class FullGradReducer:
     def after_backward(self):
         self.running = False
 
-    def reduce(self):
-        self.collectives.run()
+    def drop_staged(self):
+        """zero_grad: nothing to drop, the grads live in the groups' flat buffers."""
 
 
 class StagedReducer:
@@ -87,6 +88,7 @@ class StagedReducer:
         self.comm = comm
         self.staging_buffers = staging_buffers
         self.on_request = on_request
+        self.step = None  # the native step that agrees on and reduces late grads (late_grads_to)
         self.order([g for g in groups if g.trainable])
         self.hooks = _hook_each([p for g in self.groups for p in g.params], self._on_grad)
         self.running = False  # inside engine.backward
@@ -100,8 +102,16 @@ class StagedReducer:
         self.where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g.params)}
         reduce_dtype = NATIVE_NAMES[groups[0].reduce_dtype] if groups else "float32"
         self.native = BucketReducer(self.comm.queue, [(g.tag, g.plan, g.grad_part) for g in groups], reduce_dtype,
-                                    self.staging_buffers, self.on_request, self.comm.control_queue)
+                                    self.staging_buffers, self.on_request)
         self.targets = [g.grad_part for g in groups]
+        if self.step is not None:
+            self.step.set_grad_reducer(self.native)
+
+    def late_grads_to(self, step):
+        """The native step (ZeroStep) agrees on this reducer's late grads
+        and reduces them, in its exchange; also after order()."""
+        self.step = step
+        step.set_grad_reducer(self.native)
 
     @property
     def pool_bytes(self) -> int:
@@ -151,12 +161,14 @@ class StagedReducer:
 
     def after_backward(self):
         """Reduces what is left (params that got no grad count as zero) and
-        waits until every reduction is in the partitions."""
+        waits until every reduction is in the partitions; late grads wait
+        for the step."""
         self.running = False
         for p in self.viewed:  # views of params that got no grad must not outlive the backward
             p.grad = None
         self.viewed = []
         self.native.end_backward()
 
-    def reduce(self):
-        pass
+    def drop_staged(self):
+        """zero_grad: late grads staged for the step go."""
+        self.native.drop_late()

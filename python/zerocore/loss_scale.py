@@ -1,67 +1,56 @@
 """Loss scaling for fp16: the loss is multiplied by the scale before
-backward and the gradients divided by it in the optimizer pass.
+backward and the native step divides it out of the grads.
 
-Dynamic scaling (Config.loss_scale, a DynamicLossScale) skips the step on
-every rank when any rank saw an inf/NaN gradient, and halves the scale once
-`hysteresis` such overflows came without a scale increase between them (1:
-at every overflow, as torch.amp.GradScaler; DeepSpeed's default is 2); it
-doubles the scale every `window` steps without overflow (DeepSpeed's rule,
-deepspeed_growth, waits one clean step more before the first). DeepSpeed's
-DynamicLossScaler is the reference (tests/test_deepspeed_config.py checks
-the two step by step). An overflow at the smallest scale raises: the grads
-are not finite at any scale, and skipping every step would train nothing
-without a word.
+The bookkeeping (a fixed scale, or dynamic scaling: skip the step on every
+rank when any rank saw an inf/NaN gradient, halve the scale after
+`hysteresis` overflows, double it after `window` clean steps, raise at the
+minimum scale) is the native LossScaler the step holds
+(cpp/include/zerocore/step/loss_scaler.h), so C++ embedders get the same;
+DeepSpeed's DynamicLossScaler is its reference (tests/test_deepspeed_config.py
+checks the two step by step). This is its Python face: built from the
+Config, its state in checkpoints.
 """
 from __future__ import annotations
 
+from zerocore import _native
 
-class NonFiniteGradientError(FloatingPointError):
-    """Raised (on every rank) when gradients hold inf/NaN and no dynamic loss
-    scaling is there to absorb it (fp32/bf16, or fp16 with the scale at its
-    minimum); params and optimizer state are untouched."""
+# Raised (on every rank) when gradients hold inf/NaN and no dynamic loss
+# scaling is there to absorb it (fp32/bf16, or fp16 with the scale at its
+# minimum); params and optimizer state are untouched.
+NonFiniteGradientError = _native.NonFiniteGradientError
 
 
 class LossScaler:
     def __init__(self, loss_scale, dtype: str):
         from zerocore.config import DynamicLossScale
 
-        self.dynamic = isinstance(loss_scale, DynamicLossScale) and dtype == "fp16"
-        self.enabled = self.dynamic or not isinstance(loss_scale, DynamicLossScale)
-        self.policy = loss_scale if self.dynamic else None
-        self.scale = loss_scale.initial if self.dynamic else (float(loss_scale) if self.enabled else 1.0)
-        self._clean_steps = 0  # steps without overflow since the last one (or the start)
-        self._hysteresis = loss_scale.hysteresis if self.dynamic else 1  # overflows left before the next halving
+        dynamic = isinstance(loss_scale, DynamicLossScale) and dtype == "fp16"
+        # A DynamicLossScale outside fp16 (the default) scales nothing.
+        self.enabled = dynamic or not isinstance(loss_scale, DynamicLossScale)
+        # What a checkpoint written before hysteresis existed starts from (it halved at every overflow).
+        self._hysteresis = loss_scale.hysteresis if dynamic else 1
+        if dynamic:
+            p = loss_scale
+            self.native = _native.LossScaler.dynamic_scale(p.initial, p.window, p.hysteresis, p.min_scale,
+                                                           p.consecutive_hysteresis, p.deepspeed_growth)
+        else:
+            self.native = _native.LossScaler(float(loss_scale) if self.enabled else 1.0)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.native.dynamic
+
+    @property
+    def scale(self) -> float:
+        return self.native.scale
 
     def update(self, overflow: bool):
-        """Records one step's outcome; with dynamic scaling, adjusts the scale."""
-        if not self.dynamic:
-            return
-        policy = self.policy
-        if overflow:
-            self._clean_steps = 0
-            if self._hysteresis > 1:
-                self._hysteresis -= 1
-                return
-            if self.scale <= policy.min_scale:
-                raise NonFiniteGradientError(
-                    f"zerocore: fp16 gradients overflowed (inf/NaN) with the loss scale at its minimum "
-                    f"({policy.min_scale:g}); they are not finite at any scale (a NaN or inf loss?), and skipping "
-                    "every step would train nothing. The step was skipped on every rank.")
-            self.scale = max(self.scale / 2.0, policy.min_scale)
-            return
-        self._clean_steps += 1
-        if policy.consecutive_hysteresis:
-            self._hysteresis = policy.hysteresis
-        stable = self._clean_steps - (1 if policy.deepspeed_growth else 0)
-        if stable > 0 and stable % policy.window == 0:
-            self.scale *= 2.0
-            self._hysteresis = policy.hysteresis
+        """Records one step's outcome (the native step does, each step)."""
+        self.native.update(overflow)
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self._clean_steps, "hysteresis": self._hysteresis}
+        scale, clean_steps, hysteresis = self.native.state()
+        return {"scale": scale, "clean_steps": clean_steps, "hysteresis": hysteresis}
 
     def load_state_dict(self, state: dict):
-        self.scale = state["scale"]
-        self._clean_steps = state["clean_steps"]
-        # Checkpoints written before hysteresis existed halved at every overflow.
-        self._hysteresis = state.get("hysteresis", self.policy.hysteresis if self.policy else 1)
+        self.native.load(state["scale"], state["clean_steps"], state.get("hysteresis", self._hysteresis))

@@ -330,9 +330,9 @@ class UnitScheduler:
             self.in_backward = False
 
     def end_step(self):
-        """Called once per optimizer step: this step's order guides the next,
-        and the units it updated are released."""
-        self.native.end_step()
+        """Called once per optimizer step, after the native step ran the
+        schedule's end-of-step round (ZeroStep: this step's order guides the
+        next, the units it updated are released): their params unbind."""
         self._unbind_released()
 
     # Whole-model views -----------------------------------------------------

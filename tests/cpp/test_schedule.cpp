@@ -129,7 +129,7 @@ float grad_value(int r, int g, int p, int64_t i) { return float((r + 1) * (g + 2
 void test_buckets() {
   const std::vector<std::vector<int64_t>> groups = {{17, 40, 5, 64}, {30, 3}};
   std::atomic<int> bad{0};
-  on_ranks([&](int r, CommQueue& q) {
+  on_ranks([&](int r, CommQueue& q, CommQueue& control) {
     std::vector<ReduceGroup> spec;
     for (size_t g = 0; g < groups.size(); ++g) {
       ReduceGroup rg{int32_t(g), plan_of(groups[g]), Tensor()};
@@ -140,7 +140,9 @@ void test_buckets() {
     BucketReducer reducer(q, spec, DType::kFloat32, 2);
     // Each rank reports its grads in its own order; rank 1 gives param 2 of
     // group 0 no grad; param 0 of group 1 accumulates in place; rank 2 sends
-    // a late second grad for param 1 of group 0 after its bucket went out.
+    // a late second grad for param 1 of group 0 after its bucket went out:
+    // the second backward's reduction takes the first one's along, and the
+    // step's exchange has every rank reduce that bucket once more.
     std::vector<std::pair<int, int>> order;
     for (int g = 0; g < 2; ++g)
       for (int p = 0; p < int(groups[size_t(g)].size()); ++p) order.emplace_back(g, p);
@@ -165,6 +167,10 @@ void test_buckets() {
       if (backward == 0) slots_after_first = reducer.staging_slots();
       if (reducer.staging_slots() != slots_after_first) ++bad;
     }
+    ZeroStep step(ZeroStep::Parts{&q, &control, {}, true});
+    step.set_grad_reducer(&reducer);
+    step.exchange();
+    if (reducer.late() != std::vector<bool>(reducer.late().size(), false)) ++bad;
     // Two backwards, summed over ranks, plus rank 2's late grads.
     for (size_t g = 0; g < groups.size(); ++g) {
       const LayoutPlan& plan = spec[g].plan;

@@ -3,8 +3,13 @@
 // and 3 (each rank updates its shard, nothing gathered), checked against
 // the same step written out in double (SGD: the update is p - lr * scale *
 // g); clipping; a non-finite grad on one rank skipping the step on every
-// rank with nothing changed; ranks whose collectives differ throwing on
-// every rank before anything changes.
+// rank with nothing changed (dynamic loss scaling) or throwing on every rank
+// (a fixed scale); the dynamic loss scale over a run of steps (growth,
+// hysteresis, backoff, the error at its minimum) against the rule worked
+// out by hand; late grads (after their bucket's reduction, on one rank,
+// over accumulated backwards) agreed and reduced in the step's exchange;
+// ranks whose collectives differ throwing on every rank before anything
+// changes.
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -48,11 +53,10 @@ Tensor filled(const std::vector<float>& values) {
   return t;
 }
 
-StepOptions sgd(double loss_scale, std::optional<double> max_norm) {
+StepOptions sgd(std::optional<double> max_norm = std::nullopt) {
   StepOptions o;
   o.kind = OptimizerKind::kSgd;
   o.sgd = {SgdOptions{kLr, 0.0, 0.0, 0.0, false}};
-  o.loss_scale = loss_scale;
   o.max_norm = max_norm;
   return o;
 }
@@ -121,9 +125,12 @@ void test_step(Stage stage, double loss_scale, std::optional<double> clip_fracti
     std::optional<BucketCollectives> reduce;
     if (stage == Stage::kZero) reduce.emplace(data, CollectiveKind::kAllReduce, std::vector{FlatBuffer{0, plan, grad}});
     BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
-    ZeroStep step(ZeroStep::Parts{&data, &control, runs, stage != Stage::kZero, reduce ? &*reduce : nullptr,
-                                  stage == Stage::kOneTwo ? &gather : nullptr});
-    const StepResult result = step.step(sgd(loss_scale, max_norm));
+    LossScaler scaler(loss_scale);
+    ZeroStep::Parts parts{&data, &control, runs, stage != Stage::kZero, reduce ? &*reduce : nullptr,
+                          stage == Stage::kOneTwo ? &gather : nullptr};
+    parts.loss_scaler = &scaler;
+    ZeroStep step(std::move(parts));
+    const StepResult result = step.step(sgd(max_norm));
     if (!result.applied || !close(result.norm, norm) || !close(result.grad_scale, scale)) ++bad;
     for (int64_t i = 0; i < total; ++i) {
       const bool mine = stage != Stage::kThree || owner[size_t(i)] == r;
@@ -135,7 +142,8 @@ void test_step(Stage stage, double loss_scale, std::optional<double> clip_fracti
 }
 
 // clip_grad_norm_'s path: the exchange first, then the step, which does not
-// exchange again (a second control collective on one rank only would hang).
+// exchange again (a second control collective on one rank only would hang);
+// trainability changes on one rank refuse the step on every rank.
 void test_exchange_then_step() {
   std::atomic<int> bad{0};
   test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
@@ -145,19 +153,30 @@ void test_exchange_then_step() {
     const Exchanged& agreed = step.exchange(r == 1 ? 2 : 0);
     if (agreed.sum_of_squares != 8.0 * (1 + 4) || agreed.changes != 2) ++bad;
     if (r == 0) step.exchange();  // cached: no second collective
-    const StepResult result = step.step(sgd(1.0, std::nullopt));
+    // Rank 1's trainability changes: every rank refuses the step, with nothing updated.
+    try {
+      step.step(sgd());
+      ++bad;
+    } catch (const TrainabilityChanged&) {
+      if (param.data_as<float>()[0] != 1.0f) ++bad;
+    }
+    step.forget();
+    const StepResult result = step.step(sgd());  // exchanges afresh, with no changes
     if (!result.applied || !close(result.norm, std::sqrt(40.0) / kWorld)) ++bad;
     if (step.exchanged()) ++bad;
   });
   CHECK(bad == 0);
 }
 
-// One rank's grads hold an inf: every rank reports the step not applied,
-// with a non-finite norm, and nothing (params, gathered buffer, the
-// exchange's result) changed.
-void test_overflow_skips_on_every_rank() {
+// One rank's grads hold an inf. Dynamic loss scaling: every rank reports
+// the step not applied, with a non-finite norm, the scale halved and
+// nothing else (params, gathered buffer) changed, and the next step
+// exchanges afresh. A fixed scale: every rank throws NonFiniteGradients,
+// with nothing changed and the exchange kept (a second step() decides the
+// same, with no second exchange) until forget().
+void test_overflow_on_every_rank(bool dynamic) {
   const LayoutPlan plan = plan_of();
-  std::atomic<int> bad{0};
+  std::atomic<int> bad{0}, threw{0};
   test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
     std::vector<float> init(static_cast<size_t>(plan.total_elems()));
     for (size_t i = 0; i < init.size(); ++i) init[i] = param_value(int64_t(i));
@@ -167,16 +186,136 @@ void test_overflow_skips_on_every_rank() {
     const Tensor grad = filled(g);
     const int64_t shard = plan.shard_elems(0);
     BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
-    ZeroStep step(ZeroStep::Parts{&data, &control,
-                                  {FlatRun{0, full.slice(r * shard, shard), grad.slice(0, shard), Tensor(),
-                                           Tensor(), Tensor()}},
-                                  true, nullptr, &gather});
-    const StepResult result = step.step(sgd(1024.0, 1.0));
-    if (result.applied || std::isfinite(result.norm)) ++bad;
-    if (!step.exchanged()) ++bad;  // kept: a second step() decides the same, with no second exchange
+    LossScaler scaler = dynamic ? LossScaler(DynamicScale{1024.0, 2000, 1, 1.0, false, false}) : LossScaler(1024.0);
+    ZeroStep::Parts parts{&data, &control,
+                          {FlatRun{0, full.slice(r * shard, shard), grad.slice(0, shard), Tensor(), Tensor(),
+                                   Tensor()}},
+                          true, nullptr, &gather};
+    parts.loss_scaler = &scaler;
+    ZeroStep step(std::move(parts));
+    for (int attempt = 0; attempt < (dynamic ? 1 : 2); ++attempt) {
+      try {
+        const StepResult result = step.step(sgd(1.0));
+        if (!dynamic || result.applied || std::isfinite(result.norm) || step.exchanged()) ++bad;
+      } catch (const NonFiniteGradients&) {
+        if (dynamic || !step.exchanged()) ++bad;
+        ++threw;
+      }
+    }
+    if (scaler.scale() != (dynamic ? 512.0 : 1024.0)) ++bad;
     step.forget();
     if (step.exchanged()) ++bad;
     if (std::memcmp(full.data(), init.data(), full.nbytes()) != 0) ++bad;
+  });
+  CHECK(bad == 0);
+  CHECK(threw == (dynamic ? 0 : 2 * kWorld));
+}
+
+// Dynamic loss scaling over eight steps (initial 8, window 2, hysteresis 2,
+// minimum 2), rank 1's grads overflowing at steps 3, 4, 6, 7 and 8. By the
+// rule: two clean steps double the scale (8, 8 -> 16); the first overflow
+// spends the hysteresis, the second halves (16 -> 8); a clean step (8),
+// then each overflow halves (4, then 2, the minimum); the overflow at the
+// minimum throws. A clean step updates with grad scale 1/(world * the scale
+// before it); a skipped one changes nothing.
+void test_dynamic_scale_over_steps() {
+  const std::vector<bool> overflow = {false, false, true, true, false, true, true, true};
+  const std::vector<double> scale_before = {8, 8, 16, 16, 8, 8, 4, 2};
+  std::atomic<int> bad{0};
+  test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
+    const Tensor param = filled(std::vector<float>(8, 1.0f));
+    const Tensor grad = filled(std::vector<float>(8, 0.0f));
+    LossScaler scaler(DynamicScale{8.0, 2, 2, 2.0, false, false});
+    ZeroStep::Parts parts{&data, &control, {FlatRun{0, param, grad, Tensor(), Tensor(), Tensor()}}, true};
+    parts.loss_scaler = &scaler;
+    ZeroStep step(std::move(parts));
+    double want = 1.0;  // the param, by the rule
+    for (size_t s = 0; s < overflow.size(); ++s) {
+      if (scaler.scale() != scale_before[s]) ++bad;
+      // The loss-scaled grads this rank holds: (r + 1) * scale, inf on an overflow.
+      const float g = overflow[s] && r == 1 ? std::numeric_limits<float>::infinity() : float((r + 1) * scaler.scale());
+      std::fill(grad.data_as<float>(), grad.data_as<float>() + 8, g);
+      bool threw = false;
+      try {
+        const StepResult result = step.step(sgd());
+        if (result.applied == overflow[s]) ++bad;
+      } catch (const NonFiniteGradients&) {
+        threw = true;
+      }
+      if (threw != (s + 1 == overflow.size())) ++bad;
+      if (!overflow[s]) want -= kLr * (r + 1.0) / kWorld;  // the unscaled grad (r + 1), averaged over ranks
+      if (!close(param.data_as<float>()[0], want)) ++bad;
+    }
+  });
+  CHECK(bad == 0);
+}
+
+// Stage 2's reduction with late grads, folded into the step's exchange: two
+// backwards accumulate; in the first, rank 1 sends a second grad of param 0
+// after its bucket was reduced (it rides along with the second backward's
+// reduction of that bucket); in the second, rank 0 sends one of param 2 (it
+// stays late until the step's exchange, where every rank reduces that
+// bucket again). The step updates by the sum over ranks and backwards of
+// every grad sent, computed directly, and the exchange's sum of squares is
+// that sum's.
+void test_late_grads_in_the_exchange() {
+  const LayoutPlan plan = plan_of();
+  const int64_t part = plan.partition_elems();
+  auto grad_value = [](int r, int param, int64_t i) {
+    return float(r + 1) * 0.5f + float(param) - 0.25f * float(i % 5);
+  };
+  // Per param element: the sum over ranks and backwards of what was sent.
+  std::vector<std::vector<double>> summed(kNumels.size());
+  for (size_t p = 0; p < kNumels.size(); ++p) {
+    summed[p].assign(size_t(kNumels[p]), 0.0);
+    for (int64_t i = 0; i < kNumels[p]; ++i) {
+      for (int r = 0; r < kWorld; ++r) summed[p][size_t(i)] += 2.0 * grad_value(r, int(p), i);
+      if (p == 0) summed[p][size_t(i)] += grad_value(1, 0, i);
+      if (p == 2) summed[p][size_t(i)] += grad_value(0, 2, i);
+    }
+  }
+  double sum_sq = 0.0;
+  for (const auto& v : summed)
+    for (double x : v) sum_sq += x * x;
+  std::atomic<int> bad{0};
+  test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
+    const Tensor grad_part = filled(std::vector<float>(size_t(part), 0.0f));
+    std::vector<float> init(static_cast<size_t>(plan.total_elems()));
+    for (size_t i = 0; i < init.size(); ++i) init[i] = param_value(int64_t(i));
+    const Tensor full = filled(init);
+    BucketReducer reducer(data, {ReduceGroup{0, plan, grad_part}}, DType::kFloat32, 2);
+    std::vector<FlatRun> runs;
+    for (size_t b = 0; b < plan.buckets().size(); ++b) {
+      const int64_t shard = plan.shard_elems(int(b));
+      runs.push_back(FlatRun{0, full.slice(plan.buckets()[b].offset + r * shard, shard),
+                             grad_part.slice(plan.partition_offset(int(b)), shard), Tensor(), Tensor(), Tensor()});
+    }
+    BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
+    ZeroStep::Parts parts{&data, &control, runs, true, nullptr, &gather};
+    parts.grad_reducer = &reducer;
+    ZeroStep step(std::move(parts));
+    auto send = [&](int param) {
+      std::vector<float> g(size_t(kNumels[size_t(param)]));
+      for (size_t i = 0; i < g.size(); ++i) g[i] = grad_value(r, param, int64_t(i));
+      reducer.grad_ready(0, param, filled(g));
+    };
+    for (int backward = 0; backward < 2; ++backward) {
+      for (int p = int(kNumels.size()) - 1; p >= 0; --p) send(p);
+      if (backward == 0 && r == 1) send(0);
+      if (backward == 1 && r == 0) send(2);
+      reducer.end_backward();
+    }
+    const Exchanged agreed = step.exchange();
+    if (!close(agreed.sum_of_squares, sum_sq)) ++bad;
+    const StepResult result = step.step(sgd());
+    if (!result.applied) ++bad;
+    for (size_t p = 0; p < kNumels.size(); ++p) {
+      const Tensor v = full.slice(plan.params()[p].offset, kNumels[p]);
+      for (int64_t i = 0; i < kNumels[p]; ++i) {
+        const double want = param_value(plan.params()[p].offset + i) - kLr * summed[p][size_t(i)] / kWorld;
+        if (!close(v.data_as<float>()[i], want)) ++bad;
+      }
+    }
   });
   CHECK(bad == 0);
 }
@@ -196,7 +335,7 @@ void test_order_mismatch_throws_on_every_rank() {
     } catch (const CollectiveMismatch&) {
     }
     try {
-      step.step(sgd(1.0, std::nullopt));
+      step.step(sgd());
     } catch (const CollectiveOrderDiverged& e) {
       ++threw;
       if (e.trace.size() != 1 || e.trace[0].bucket != r) ++bad;
@@ -218,7 +357,10 @@ int main() {
     zerocore::test_step(stage, 1.0, 3.0);  // a bound above the norm: no clipping
   }
   zerocore::test_exchange_then_step();
-  zerocore::test_overflow_skips_on_every_rank();
+  zerocore::test_overflow_on_every_rank(/*dynamic=*/true);
+  zerocore::test_overflow_on_every_rank(/*dynamic=*/false);
+  zerocore::test_dynamic_scale_over_steps();
+  zerocore::test_late_grads_in_the_exchange();
   zerocore::test_order_mismatch_throws_on_every_rank();
   return zerocore::test::finish("test_step");
 }

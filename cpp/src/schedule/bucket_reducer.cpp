@@ -5,6 +5,7 @@
 #include <string>
 
 #include "zerocore/error.h"
+#include "zerocore/kernels/cpu_reduce.h"
 
 namespace zerocore {
 
@@ -16,11 +17,8 @@ constexpr size_t kMaxInFlight = 1;
 }  // namespace
 
 BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype,
-                             int staging_buffers, bool on_request, CommQueue* control)
-    : comm_(comm), control_(control ? *control : comm), backend_(comm.backend()), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
-  if (&control_.backend() != &backend_) {
-    throw InvalidArgument("BucketReducer: the control queue must be on the data queue's backend");
-  }
+                             int staging_buffers, bool on_request)
+    : comm_(comm), backend_(comm.backend()), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
   int64_t largest = 0;
   for (int g = 0; g < int(groups_.size()); ++g) {
     const ReduceGroup& group = groups_[size_t(g)];
@@ -54,9 +52,6 @@ BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, D
   }
   pool_ = SlotPool(reduce_dtype, largest, largest > 0 ? staging_buffers : 0, backend_, MemoryKind::kDevice,
                    "grad staging");
-  // A control buffer, not an arena: it is no communication buffer of the plan.
-  auto flags = std::make_shared<std::vector<float>>(buckets_.size());
-  late_flags_ = Tensor(flags->data(), DType::kFloat32, Device{}, {int64_t(flags->size())}, flags);
 }
 
 BucketReducer::~BucketReducer() {
@@ -147,9 +142,7 @@ void BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
     } else {  // autograd accumulated in place
       backend_.declare_access(backend_.compute_stream(), Access::write(target), "autograd accumulates a grad");
     }
-    if (b.issued) {
-      b.dirty = true;
-    } else if (!reported_[size_t(group)][size_t(param)][i]) {
+    if (!b.issued && !reported_[size_t(group)][size_t(param)][i]) {
       reported_[size_t(group)][size_t(param)][i] = true;
       --b.waiting;
     }
@@ -186,9 +179,7 @@ void BucketReducer::skip_groups(const std::vector<int>& groups) {
     const auto [begin, end] = bucket_range(g);
     for (int i = begin; i < end; ++i) {
       BucketState& b = buckets_[size_t(i)];
-      if (b.issued) continue;
-      b.issued = true;
-      b.dirty = b.staging >= 0;  // staged after all: reduced with the late grads
+      b.issued = true;  // a grad staged anyway is late: reduced once the ranks agree on it
     }
   }
 }
@@ -206,7 +197,6 @@ void BucketReducer::issue(int index) {
                                                      staging.slice(comm_.rank() * shard, shard))});
   b.staging = -1;  // later grads go to a fresh buffer
   b.issued = true;
-  b.dirty = false;
   while (in_flight_.size() > kMaxInFlight) complete_oldest();
 }
 
@@ -225,26 +215,46 @@ void BucketReducer::complete_oldest() {
 void BucketReducer::end_backward() {
   for (size_t i = next_; i < buckets_.size(); ++i) buckets_[i].waiting = 0;  // no grad: zeros
   issue_ready();
-  if (!buckets_.empty()) {
-    // Late grads may have come on some ranks only: every rank reduces the
-    // buckets that got one anywhere, so all issue the same collectives.
-    float* flags = late_flags_.data_as<float>();
-    for (size_t i = 0; i < buckets_.size(); ++i) flags[i] = buckets_[i].dirty ? 1.0f : 0.0f;
-    backend_.host_wait(
-        *control_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, late_flags_.numel()}, late_flags_));
-    for (size_t i = 0; i < buckets_.size(); ++i) {
-      if (flags[i] > 0.0f) issue(int(i));
-    }
-  }
   while (!in_flight_.empty()) complete_oldest();
   for (BucketState& b : buckets_) {
     b.waiting = b.params;
-    b.issued = b.dirty = false;
+    b.issued = false;  // a late bucket keeps its staging: the next backward's reduction takes it along
   }
   for (auto& group : reported_) {
     for (auto& param : group) std::fill(param.begin(), param.end(), false);
   }
   next_ = 0;
+}
+
+std::vector<bool> BucketReducer::late() const {
+  std::vector<bool> out(buckets_.size());
+  for (size_t i = 0; i < buckets_.size(); ++i) out[i] = buckets_[i].staging >= 0;
+  return out;
+}
+
+void BucketReducer::reduce_late(const std::vector<bool>& buckets) {
+  if (buckets.size() != buckets_.size()) {
+    throw InvalidArgument("BucketReducer.reduce_late: " + std::to_string(buckets.size()) + " flags for " +
+                          std::to_string(buckets_.size()) + " buckets");
+  }
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    if (buckets[i]) issue(int(i));
+  }
+  while (!in_flight_.empty()) complete_oldest();
+  for (BucketState& b : buckets_) b.issued = false;
+}
+
+void BucketReducer::drop_late() {
+  for (BucketState& b : buckets_) {
+    if (b.staging >= 0) pool_.release(b.staging, backend_.compute_stream());
+    b.staging = -1;
+  }
+}
+
+double BucketReducer::grad_sum_of_squares() const {
+  std::vector<Tensor> parts;
+  for (const ReduceGroup& g : groups_) parts.push_back(g.grad_part);
+  return sum_of_squares(parts);
 }
 
 }  // namespace zerocore

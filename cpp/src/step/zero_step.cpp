@@ -11,9 +11,12 @@ namespace zerocore {
 namespace {
 
 // A row of the exchange: this rank's sum of squares, its trainability
-// changes and its data queue's fingerprint, as float64. The fingerprint
-// keeps 52 bits, exact in a double (Python's Communicator does the same).
-constexpr int64_t kRow = 3;
+// changes, its data queue's fingerprint and its late buckets, as float64.
+// The fingerprint keeps 52 bits, exact in a double; the late buckets are
+// bit flags, kLateBits to a double (exact integers: the row crosses as raw
+// bytes, but every value in it stays a plain finite number).
+constexpr size_t kHead = 3;
+constexpr size_t kLateBits = 52;
 // The exchange's key: a control all-gather whose bucket says what it is
 // for (python/zerocore/comm.py names bucket 1 "the step's norm exchange").
 constexpr int32_t kNormsPurpose = 1;
@@ -35,27 +38,38 @@ ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)) {
                           std::to_string(parts_.data->world_size()) + " and " +
                           std::to_string(parts_.control->world_size()) + "); make both over the same ranks");
   }
+  if (!parts_.runs.empty() && (parts_.local_sum_of_squares || parts_.caller_update)) {
+    throw InvalidArgument("ZeroStep: give the runs (the step updates them) or the caller's sum of squares and "
+                          "update (offload), not both");
+  }
   for (const FlatRun& run : parts_.runs) grads_.push_back(run.grad);
-  rows_.resize(size_t(parts_.control->world_size() * kRow));
 }
 
-const Exchanged& ZeroStep::exchange(int64_t changes, std::optional<double> local) {
-  if (exchanged_) return *exchanged_;
-  if (parts_.grad_reduce != nullptr) parts_.grad_reduce->run();
-  const double mine = local ? *local : sum_of_squares(grads_);
-  std::vector<double> row = {mine, double(changes), double(parts_.data->fingerprint() >> 12)};
+Exchanged ZeroStep::exchange_rows(double mine, int64_t changes, std::vector<bool>& late) {
+  const size_t words = (late.size() + kLateBits - 1) / kLateBits;
+  const size_t width = kHead + words;
+  std::vector<double> row(width, 0.0);
+  row[0] = mine;
+  row[1] = double(changes);
+  row[2] = double(parts_.data->fingerprint() >> 12);
+  for (size_t i = 0; i < late.size(); ++i) {
+    if (late[i]) row[kHead + i / kLateBits] += double(uint64_t(1) << (i % kLateBits));
+  }
+  const int world = parts_.control->world_size();
+  rows_.resize(size_t(world) * width);
   const Tensor gathered = as_halves(rows_);
   const auto done = parts_.control->all_gather(
       CollectiveKey{CollectiveKind::kAllGather, -1, kNormsPurpose, gathered.numel()}, as_halves(row), gathered);
   parts_.control->backend().host_wait(*done);  // the step's one blocking wait: the host decides on the sums
-  const double* rows = rows_.data();
-  const int world = parts_.control->world_size();
   Exchanged out;
   bool diverged = false;
+  std::vector<uint64_t> any(words, 0);
   for (int r = 0; r < world; ++r) {  // in rank order, so every rank gets the same bits
-    out.sum_of_squares += rows[r * kRow];
-    out.changes += int64_t(rows[r * kRow + 1]);
-    diverged |= rows[r * kRow + 2] != rows[2];
+    const double* theirs = rows_.data() + size_t(r) * width;
+    out.sum_of_squares += theirs[0];
+    out.changes += int64_t(theirs[1]);
+    diverged |= theirs[2] != row[2];
+    for (size_t w = 0; w < words; ++w) any[w] |= uint64_t(theirs[kHead + w]);
   }
   std::vector<CollectiveKey> trace = diverged ? parts_.data->trace() : std::vector<CollectiveKey>{};
   parts_.data->restart_trace();
@@ -65,27 +79,66 @@ const Exchanged& ZeroStep::exchange(int64_t changes, std::optional<double> local
         "Nothing was updated. Every rank must issue the same collectives in the same order.",
         std::move(trace));
   }
+  for (size_t i = 0; i < late.size(); ++i) late[i] = (any[i / kLateBits] >> (i % kLateBits)) & 1u;
   if (!parts_.partitioned) out.sum_of_squares = mine;  // every rank holds all the grads
-  exchanged_ = out;
+  return out;
+}
+
+const Exchanged& ZeroStep::exchange(int64_t changes) {
+  if (exchanged_) return *exchanged_;
+  if (parts_.grad_reduce != nullptr) parts_.grad_reduce->run();
+  double mine = parts_.local_sum_of_squares ? parts_.local_sum_of_squares() : sum_of_squares(grads_);
+  BucketReducer* reducer = parts_.grad_reducer;
+  std::vector<bool> late = reducer ? reducer->late() : std::vector<bool>{};
+  Exchanged agreed = exchange_rows(mine, changes, late);
+  if (std::find(late.begin(), late.end(), true) != late.end()) {
+    // Grads came after their bucket was reduced (reentrant checkpointing),
+    // on some rank: every rank reduces those buckets, so all issue the same
+    // collectives, and the sums are exchanged again, since they changed.
+    // The reducer's partitions are the grads this rank's sum is over.
+    reducer->reduce_late(late);
+    mine = reducer->grad_sum_of_squares();
+    late.assign(late.size(), false);
+    agreed = exchange_rows(mine, changes, late);
+  }
+  exchanged_ = agreed;
   return *exchanged_;
 }
 
 StepResult ZeroStep::step(const StepOptions& options) {
-  const Exchanged agreed = exchange();
-  StepResult out;
-  double grad_scale = 1.0 / (parts_.data->world_size() * options.loss_scale);
-  out.norm = std::sqrt(agreed.sum_of_squares) * grad_scale;
-  if (!std::isfinite(agreed.sum_of_squares)) return out;
-  if (options.max_norm) grad_scale *= std::min(1.0, *options.max_norm / (out.norm + 1e-6));
-  if (options.kind == OptimizerKind::kSgd) {
-    sgd_update_runs(options.sgd, options.step, grad_scale, parts_.runs);
-  } else {
-    adam_update_runs(options.adam, options.step, grad_scale, parts_.runs);
+  const Exchanged agreed = exchange(options.changes);
+  if (agreed.changes != 0) {
+    throw TrainabilityChanged("zerocore: " + std::to_string(agreed.changes) +
+                              " trainability change(s) since the layout was planned; nothing was updated");
   }
-  if (parts_.param_gather != nullptr) parts_.param_gather->run();
+  StepResult out;
+  LossScaler* scaler = parts_.loss_scaler;
+  double grad_scale = 1.0 / (parts_.data->world_size() * loss_scale());
+  out.norm = std::sqrt(agreed.sum_of_squares) * grad_scale;
+  out.applied = std::isfinite(agreed.sum_of_squares);
+  if (!out.applied) {
+    if (scaler == nullptr || !scaler->dynamic()) {
+      throw NonFiniteGradients(
+          "zerocore: gradients hold inf/NaN at step " + std::to_string(options.step) +
+          " (a NaN or inf loss?); the step was not applied and params and optimizer state are unchanged. Train "
+          "in fp16 with dynamic loss scaling (dtype='fp16') to skip such steps instead.");
+    }
+    scaler->update(true);  // backs off; throws at the minimum scale
+    if (parts_.caller_update) parts_.caller_update(false, options.step, 0.0);
+  } else {
+    if (options.max_norm) grad_scale *= std::min(1.0, *options.max_norm / (out.norm + 1e-6));
+    if (options.kind == OptimizerKind::kSgd) {
+      sgd_update_runs(options.sgd, options.step, grad_scale, parts_.runs);
+    } else {
+      adam_update_runs(options.adam, options.step, grad_scale, parts_.runs);
+    }
+    if (parts_.caller_update) parts_.caller_update(true, options.step, grad_scale);
+    if (parts_.param_gather != nullptr) parts_.param_gather->run();
+    if (scaler != nullptr) scaler->update(false);
+    out.grad_scale = grad_scale;
+  }
   exchanged_.reset();
-  out.applied = true;
-  out.grad_scale = grad_scale;
+  if (parts_.units != nullptr) parts_.units->end_step();  // gathers the next forward's first units, updated
   return out;
 }
 

@@ -11,9 +11,15 @@
 // waits for the ones before it. Ranks whose grads differ (a param unused on
 // one rank) therefore issue the same collectives in the same order. At the
 // end of backward every bucket not yet issued is, with zeros for the params
-// that got no grad; a grad that arrives after its bucket was issued
-// (reentrant checkpointing) is staged again, and the ranks agree, in one
-// control all-reduce, which buckets to reduce once more.
+// that got no grad. A grad that arrives after its bucket was issued
+// (reentrant checkpointing) is staged again, in a late bucket: the next
+// backward's reduction of that bucket takes it along (gradient
+// accumulation), and after the last backward of a step the ranks agree, in
+// the step's one control exchange (ZeroStep), which buckets are late
+// anywhere and all reduce those once more (reduce_late), so every rank
+// issues the same collectives. A late grad on one rank only is why an
+// agreement is needed at all; riding on the step's exchange, it costs no
+// wait of its own.
 //
 // Stage 3 issues on request instead: ranks may run different units, so
 // grads arrive at different points of the collective sequence, and only
@@ -49,10 +55,8 @@ class BucketReducer {
   // while all are taken first completes the reductions in flight, whose
   // slots come back). on_request: buckets are
   // issued only by reduce_groups() and end_backward(), never as they fill.
-  // control: the queue of the ranks' agreement on late grads, a host group
-  // beside the data group (nullptr: comm).
   BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype, int staging_buffers,
-                bool on_request = false, CommQueue* control = nullptr);
+                bool on_request = false);
   ~BucketReducer();  // waits for reductions in flight
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
@@ -68,11 +72,22 @@ class BucketReducer {
   void reduce_groups(const std::vector<int>& groups);
   // These groups got no grad on any rank (the caller knows it from every
   // rank): their buckets are done without a collective. A grad staged here
-  // anyway is reduced at end_backward, as a late one.
+  // anyway is late (late(): the step's exchange has it reduced).
   void skip_groups(const std::vector<int>& groups);
-  // Issues what is left, agrees with the other ranks on late grads, and
-  // waits until every reduction has been added into the partitions.
+  // Issues what is left (zeros for params that got no grad) and completes
+  // every reduction into the partitions. Late grads stay staged (late()).
   void end_backward();
+  // Between backwards: the buckets holding grads staged after their
+  // reduction (one flag a bucket, in the reducer's order).
+  std::vector<bool> late() const;
+  // Reduces these buckets (the ranks agreed on them: the same on every
+  // rank; zeros where this rank staged nothing) and completes the
+  // reductions; no bucket is late after it.
+  void reduce_late(const std::vector<bool>& buckets);
+  // Drops the late grads (zero_grad).
+  void drop_late();
+  // The sum of squares of the grad partitions (the step's, after reduce_late).
+  double grad_sum_of_squares() const;
   // Where each group's reduced grads are added from now on (the same
   // dtype and size as before): a delayed offload update reads one buffer
   // while the next backward fills the other. Between backwards only
@@ -91,8 +106,8 @@ class BucketReducer {
     int group, bucket;
     int params = 0;   // params with elements in this bucket
     int waiting = 0;  // of those, not yet reported this backward
-    int staging = -1; // pool slot holding its staged grads, if any
-    bool issued = false, dirty = false;
+    int staging = -1; // pool slot holding its staged grads, if any: late ones once issued
+    bool issued = false;
   };
   struct InFlight {
     int bucket, staging;
@@ -110,7 +125,6 @@ class BucketReducer {
   std::pair<int, int> bucket_range(int group) const;
 
   CommQueue& comm_;
-  CommQueue& control_;
   // The queues' backend, kept: a reducer may outlive its queues (waiting
   // for nothing then), never their backend.
   Backend& backend_;
@@ -121,7 +135,6 @@ class BucketReducer {
   std::vector<std::vector<std::vector<bool>>> reported_;  // [group][param][piece]
   SlotPool pool_;
   std::deque<InFlight> in_flight_;
-  Tensor late_flags_;  // one fp32 flag a bucket, for the late-grad agreement
   size_t next_ = 0;    // the next bucket to issue
   bool on_request_ = false;
   std::vector<int> first_bucket_;  // per group: its first index in buckets_

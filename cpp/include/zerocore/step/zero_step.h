@@ -1,20 +1,23 @@
 // The optimizer step of a ZeRO rank, in one call: finish the grads'
 // reduction (stages 0-1's bucketed all-reduce / reduce-scatter), this
 // rank's sum of squares, the step's ONE control collective (the global sum
-// of squares, trainability changes and the data queue's order fingerprint
-// together), the decision (skip or refuse non-finite grads; the grad scale
-// 1/(world*loss_scale) times the clip coefficient), the update of the
-// partition's runs and, in stages 1-2, the all-gather of the updated
-// params. The Python engine and C++ embedders (cpp/examples/embed_zero.cpp)
-// step through it alike; what is left to the caller is what it owns: the
-// loss scaler's bookkeeping, stage 3's end-of-step round, and naming where
-// ranks parted when their orders differ (the caller knows its collectives'
-// names).
+// of squares, trainability changes, the data queue's order fingerprint and
+// which grad buckets got grads after their reduction, together), the
+// decision (skip or refuse non-finite grads, with the loss scaler's
+// bookkeeping; the grad scale 1/(world*loss_scale) times the clip
+// coefficient), the update of the partition's runs and, in stages 1-2, the
+// all-gather of the updated params, or in stage 3 the unit schedule's
+// end-of-step round. The Python engine and C++ embedders
+// (cpp/examples/embed_zero.cpp) step through it alike; what is left to the
+// caller is what it owns: an update it runs itself (offload's, through
+// Parts::caller_update), and naming where ranks parted when their orders
+// differ (the caller knows its collectives' names).
 //
 // clip_grad_norm_ needs the norm before the step: exchange() runs the
 // reduction and the exchange once a step, and step() does not repeat it.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -24,6 +27,9 @@
 #include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/kernels/optim.h"
 #include "zerocore/schedule/bucket_collectives.h"
+#include "zerocore/schedule/bucket_reducer.h"
+#include "zerocore/schedule/unit_schedule.h"
+#include "zerocore/step/loss_scaler.h"
 
 namespace zerocore {
 
@@ -39,6 +45,14 @@ class CollectiveOrderDiverged : public std::runtime_error {
   std::vector<CollectiveKey> trace;
 };
 
+// A param's requires_grad changed since the layout was planned, on some
+// rank (the exchange's `changes`, summed): thrown by step() on every rank,
+// before anything is updated; the caller names the params.
+class TrainabilityChanged : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 enum class OptimizerKind { kAdam, kSgd };  // Adam or AdamW: AdamOptions::adamw
 
 // This step's hyperparameters, one entry per optimizer param group (read
@@ -48,8 +62,8 @@ struct StepOptions {
   std::vector<AdamOptions> adam;  // kAdam
   std::vector<SgdOptions> sgd;    // kSgd
   int64_t step = 1;               // the optimizer step this one becomes, if applied
-  double loss_scale = 1.0;        // the grads hold the sum over ranks of loss-scaled grads
   std::optional<double> max_norm; // clip to this global L2 norm (the smaller of the caller's bounds)
+  int64_t changes = 0;            // this rank's trainability changes (the exchange's, if step() runs it)
 };
 
 // What the exchange agreed, the same on every rank.
@@ -59,7 +73,7 @@ struct Exchanged {
 };
 
 struct StepResult {
-  bool applied = false;  // false: the grads were not finite; nothing was updated
+  bool applied = false;  // false: the grads were not finite; the step was skipped (dynamic loss scaling)
   double norm = 0.0;     // the global L2 norm of the unscaled grads (before clipping)
   double grad_scale = 0.0;  // what the update multiplied the grads by (applied steps)
 };
@@ -75,32 +89,54 @@ class ZeroStep {
     bool partitioned = false;
     BucketCollectives* grad_reduce = nullptr;    // stages 0-1: the step's reduction, if any
     BucketCollectives* param_gather = nullptr;   // stages 1-2: updated params to every rank
+    // Stages 2-3: the reducer whose late grads (staged after their bucket
+    // was reduced) the exchange agrees on and reduces (set_grad_reducer).
+    BucketReducer* grad_reducer = nullptr;
+    UnitSchedule* units = nullptr;      // stage 3: its end-of-step round, after the update
+    LossScaler* loss_scaler = nullptr;  // the loss scale and its bookkeeping; nullptr: none (1)
+    // When the caller holds the partition (runs empty: offload): this
+    // rank's sum of squares of its grads, taken once the reduction is done,
+    // and its update, between the decision and the param gather (applied:
+    // false on a skipped step, where the caller finishes pending work).
+    std::function<double()> local_sum_of_squares;
+    std::function<void(bool applied, int64_t step, double grad_scale)> caller_update;
   };
 
   explicit ZeroStep(Parts parts);
 
   // Once a step (later calls return the first's result until step() or
   // forget()): finishes the reduction, takes this rank's sum of squares
-  // (`local` instead, when the caller updates: offload) and exchanges it
-  // with `changes` and the order fingerprint. Throws CollectiveOrderDiverged
-  // on every rank when the fingerprints differ.
-  const Exchanged& exchange(int64_t changes = 0, std::optional<double> local = std::nullopt);
+  // and exchanges it with `changes`, the order fingerprint and the late
+  // grads' buckets; if any rank has late grads, every rank reduces those
+  // buckets and the exchange runs again (the sums changed). Throws
+  // CollectiveOrderDiverged on every rank when the fingerprints differ.
+  const Exchanged& exchange(int64_t changes = 0);
 
-  // The decision and, when the grads are finite, the update and the param
-  // gather; exchange() first if not yet this step. Non-finite grads leave
-  // everything untouched (applied = false), the exchange's result too, so
-  // that calling step() again decides the same: the caller skips the step
-  // (dynamic loss scaling: forget()) or raises.
+  // exchange() first if not yet this step; TrainabilityChanged when any
+  // rank noted changes; then the decision. Finite grads: the update, the
+  // param gather, the loss scaler's clean step. Non-finite: with dynamic
+  // loss scaling the step is skipped (applied = false) and the scale backs
+  // off; otherwise, or at the minimum scale, NonFiniteGradients, with
+  // nothing changed. Either way (but the throw) stage 3's end-of-step round
+  // follows and the next step exchanges afresh.
   StepResult step(const StepOptions& options);
 
+  // The reducer was rebuilt (a test reorders the reduction on one rank).
+  void set_grad_reducer(BucketReducer* reducer) { parts_.grad_reducer = reducer; }
   // The grads were dropped (zero_grad): the next step exchanges afresh.
   void forget() { exchanged_.reset(); }
   bool exchanged() const { return exchanged_.has_value(); }
+  double loss_scale() const { return parts_.loss_scaler ? parts_.loss_scaler->scale() : 1.0; }
 
  private:
+  // One exchange of (sum of squares, changes, fingerprint, late buckets)
+  // rows; returns the agreed sums and sets `late` to the buckets late on
+  // any rank. Throws CollectiveOrderDiverged.
+  Exchanged exchange_rows(double mine, int64_t changes, std::vector<bool>& late);
+
   Parts parts_;
   std::vector<Tensor> grads_;  // the runs' grads, for the sum of squares
-  std::vector<double> rows_;   // the exchange's gathered rows: world x (sum of squares, changes, fingerprint)
+  std::vector<double> rows_;   // the exchange's gathered rows
   std::optional<Exchanged> exchanged_;
 };
 
