@@ -323,29 +323,49 @@ void test_events_complete_in_order(bool fail) {
 // buffer and both accesses.
 enum class Missing { kNone, kCommWaitsForCompute, kHostWaitsForGather };
 
+// A rank of these tests: its own checking backend, a queue on it, its
+// shard (compute fills it with rank + 1) and the unit it gathers into.
+struct CheckedRank {
+  static constexpr int64_t kShard = 7, kFull = kShard * kWorld;
+  CheckingCpuBackend backend;
+  CommQueue q;
+  Stream& compute;
+  const Tensor mine, whole;
+  CheckedRank(InProcessGroup& group, int r, const CheckingOptions& options)
+      : backend(options),
+        q(group.transport(r), backend),
+        compute(backend.compute_stream()),
+        mine(backend.allocate(MemoryKind::kDevice, kShard * 4, "shard")->view(0, DType::kFloat32, {kShard})),
+        whole(backend.allocate(MemoryKind::kDevice, kFull * 4, "unit")->view(0, DType::kFloat32, {kFull})) {
+    backend.fill(compute, mine, float(r + 1));
+  }
+  std::shared_ptr<StreamEvent> gather() {
+    return q.all_gather(CollectiveKey{CollectiveKind::kAllGather, 0, 0, kFull}, mine, whole);
+  }
+  // Elements of the unit that are not their rank's shard.
+  int wrongly_gathered() const {
+    int wrong = 0;
+    for (int64_t i = 0; i < kFull; ++i) wrong += whole.data_as<float>()[i] != float(i / kShard + 1);
+    return wrong;
+  }
+};
+
 void test_queue_on_the_checking_backend(Missing missing) {
-  constexpr int64_t shard = 7, full = shard * kWorld;
   std::atomic<int> bad{0}, named{0};
   InProcessGroup group(kWorld, late_completion_from_env());
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
-      CheckingCpuBackend backend(CheckingOptions{uint64_t(20 + r), 0, 300, false});
-      CommQueue q(group.transport(r), backend);
-      Stream& compute = backend.compute_stream();
-      const Tensor mine = backend.allocate(MemoryKind::kDevice, shard * 4, "shard")->view(0, DType::kFloat32, {shard});
-      const Tensor whole = backend.allocate(MemoryKind::kDevice, full * 4, "unit")->view(0, DType::kFloat32, {full});
-      backend.fill(compute, mine, float(r + 1));
-      if (missing != Missing::kCommWaitsForCompute) backend.wait(q.stream(), *backend.record(compute));
-      auto gathered = q.all_gather(CollectiveKey{CollectiveKind::kAllGather, 0, 0, full}, mine, whole);
+      CheckedRank rank(group, r, CheckingOptions{uint64_t(20 + r), 0, 300, false});
+      CheckingCpuBackend& backend = rank.backend;
+      if (missing != Missing::kCommWaitsForCompute) backend.wait(rank.q.stream(), *backend.record(rank.compute));
+      auto gathered = rank.gather();
       if (missing != Missing::kHostWaitsForGather) backend.host_wait(*gathered);
-      backend.declare_access(compute, Access::read(whole), "forward reads the unit");
+      backend.declare_access(rank.compute, Access::read(rank.whole), "forward reads the unit");
       backend.host_wait(*gathered);
       const std::vector<std::string> found = backend.violations();
       if (missing == Missing::kNone) {
-        for (int64_t i = 0; i < full; ++i) {
-          if (whole.data_as<float>()[i] != float(i / shard + 1)) ++bad;
-        }
+        bad += rank.wrongly_gathered();
         if (!found.empty()) ++bad;
         return;
       }
@@ -368,6 +388,57 @@ void test_queue_on_the_checking_backend(Missing missing) {
   CHECK(named == (missing == Missing::kNone ? 0 : kWorld));
 }
 
+// The same, throwing at the violation (as the Python suite's checking
+// pass does), with rank 1 alone missing the comm stream's wait for compute:
+// its gather raises StreamOrderError naming the shard and the gather, and
+// is issued all the same, so the other ranks' gathers complete with every
+// rank's shard, rank 1's own output is gathered too (a later collective's
+// event comes after it), and the ranks stay in step: a later all-reduce
+// sums every rank's value, and the fingerprints agree.
+void test_unordered_collective_is_issued_and_raises() {
+  std::atomic<int> bad{0}, named{0};
+  std::vector<uint64_t> fingerprints(kWorld);
+  InProcessGroup group(kWorld, late_completion_from_env());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        CheckedRank rank(group, r, CheckingOptions{uint64_t(30 + r), 0, 300, true});
+        CheckingCpuBackend& backend = rank.backend;
+        if (r != 1) backend.wait(rank.q.stream(), *backend.record(rank.compute));
+        try {
+          backend.host_wait(*rank.gather());
+          if (r == 1) ++bad;  // no error
+        } catch (const StreamOrderError& e) {
+          const std::string what = e.what();
+          if (r == 1 && what.find("buffer 'shard' (device): 'fill' on stream 'compute' writes") != std::string::npos &&
+              what.find("then 'all_gather of group 0, bucket 0 (28 elements)' on stream 'comm (rank 1)' reads") !=
+                  std::string::npos) {
+            ++named;
+          } else {
+            std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+            ++bad;
+          }
+        }
+        const Tensor sum = backend.allocate(MemoryKind::kDevice, 4, "sum")->view(0, DType::kFloat32, {1});
+        backend.fill(rank.compute, sum, float(r + 1));
+        backend.wait(rank.q.stream(), *backend.record(rank.compute));
+        backend.host_wait(*rank.q.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, 0, 1, 1}, sum));
+        if (sum.data_as<float>()[0] != float(kWorld * (kWorld + 1) / 2)) ++bad;
+        bad += rank.wrongly_gathered();
+        fingerprints[size_t(r)] = rank.q.fingerprint();
+      } catch (const std::exception& e) {  // out of step: a collective mismatched
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+        ++bad;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(bad == 0);
+  CHECK(named == 1);
+  CHECK(std::all_of(fingerprints.begin(), fingerprints.end(), [&](uint64_t f) { return f == fingerprints[0]; }));
+}
+
 int main() {
   test_collectives(DType::kFloat32);
   test_collectives(DType::kBFloat16);
@@ -384,6 +455,7 @@ int main() {
   test_queue_on_the_checking_backend(Missing::kNone);
   test_queue_on_the_checking_backend(Missing::kCommWaitsForCompute);
   test_queue_on_the_checking_backend(Missing::kHostWaitsForGather);
+  test_unordered_collective_is_issued_and_raises();
   CHECK(describe(CollectiveKey{CollectiveKind::kReduceScatter, 2, 1, 1234567}) ==
         "reduce_scatter of group 2, bucket 1 (1,234,567 elements)");
   CHECK(describe(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 16}) == "control-plane all_gather (16 elements)");

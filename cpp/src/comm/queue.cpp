@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "../fnv1a.h"
+#include "zerocore/backend/checking_backend.h"
 #include "zerocore/comm/comm.h"
 #include "zerocore/runtime/work_queue.h"
 
@@ -105,7 +106,21 @@ std::shared_ptr<StreamEvent> CommQueue::enqueue(const CollectiveKey& key, bool c
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   const std::string op = describe(key);
-  for (const Access& a : accesses) backend_.declare_access(stream_, a, op);
+  // An access the backend finds unordered (StreamOrderError) is this rank's
+  // bug, not the collective's: its peers issue it too and would wait in it
+  // for this rank until the timeout. So it is issued all the same (on a
+  // GPU the racy collective would run too), into the books as any, and the
+  // error goes to the caller after: the ranks stay in step, and the caller
+  // fails as it would at any error of its own. Every access is declared,
+  // so the checker knows all that the collective does.
+  std::exception_ptr unordered;
+  for (const Access& a : accesses) {
+    try {
+      backend_.declare_access(stream_, a, op);
+    } catch (const StreamOrderError&) {
+      if (!unordered) unordered = std::current_exception();
+    }
+  }
   if (key.group >= 0) {
     s.fingerprint.add(int64_t(key.kind));
     s.fingerprint.add(key.group);
@@ -118,7 +133,9 @@ std::shared_ptr<StreamEvent> CommQueue::enqueue(const CollectiveKey& key, bool c
   s.issuing.enqueue([&s, work = std::move(work), transport = transport_.get(), done]() mutable {
     s.issue(*transport, work, done);
   });
-  return backend_.record_done(stream_, std::move(done));
+  std::shared_ptr<StreamEvent> event = backend_.record_done(stream_, std::move(done));
+  if (unordered) std::rethrow_exception(unordered);
+  return event;
 }
 
 std::shared_ptr<StreamEvent> CommQueue::all_gather(const CollectiveKey& key, const Tensor& shard,

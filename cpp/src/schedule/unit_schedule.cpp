@@ -4,7 +4,9 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <utility>
 
+#include "zerocore/backend/checking_backend.h"
 #include "zerocore/error.h"
 
 namespace zerocore {
@@ -109,9 +111,17 @@ std::vector<std::shared_ptr<StreamEvent>> UnitSchedule::issue(int unit, const Te
     for (int b = 0; b < int(group.plan.buckets().size()); ++b) {
       const Bucket& bucket = group.plan.buckets()[size_t(b)];
       const CollectiveKey key{CollectiveKind::kAllGather, group.tag, b, bucket.numel};
-      events.push_back(comm_.all_gather(
-          key, group.shard.slice(group.plan.partition_offset(b), group.plan.shard_elems(b)),
-          out.slice(base + bucket.offset, bucket.numel), counted));
+      try {
+        events.push_back(comm_.all_gather(
+            key, group.shard.slice(group.plan.partition_offset(b), group.plan.shard_elems(b)),
+            out.slice(base + bucket.offset, bucket.numel), counted));
+      } catch (const StreamOrderError&) {
+        // Issued all the same (CommQueue::enqueue), as the other ranks issue
+        // it and the rest of the round's gathers: this rank goes on with
+        // them, in step, and raises once the round's decisions are taken.
+        // Its event is lost; the queue's later ones come after it.
+        if (!unordered_) unordered_ = std::current_exception();
+      }
     }
   }
   return events;
@@ -289,6 +299,9 @@ UnitSchedule::Sums UnitSchedule::settle() {
   }
   prefetch(sums);
   if (sums.backward) finalize_grads(sums, false);
+  // The rank's hook then fails as at any error of its own, and the others
+  // hear of it in the round its failed pass posts next.
+  if (unordered_) std::rethrow_exception(std::exchange(unordered_, nullptr));
   return sums;
 }
 
@@ -391,6 +404,7 @@ void UnitSchedule::reset_after_failure(bool failed_here) {
     s = State{};
   }
   in_forward_ = false;
+  needed_ = -1;  // a hook that raised in the round that gathers its unit
   aborted_ = !failed_here;  // this rank throws; its end_forward/end_backward then has nothing to join
 }
 
@@ -544,6 +558,7 @@ void UnitSchedule::gather_into(int unit, const Tensor& out) {
                           " elements of " + dtype_name(dtype_));
   }
   for (auto& e : issue(unit, out, false)) backend_.host_wait(*e);
+  if (unordered_) std::rethrow_exception(std::exchange(unordered_, nullptr));
 }
 
 }  // namespace zerocore

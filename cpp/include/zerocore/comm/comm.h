@@ -159,7 +159,10 @@ class CommQueue {
   // Each queues one collective behind those issued before it and returns
   // the event of its completion, for backend().wait or host_wait. The tensors must stay alive, the output
   // unread and the input unchanged until then. After a collective fails,
-  // every later one fails with the same error.
+  // every later one fails with the same error. One whose accesses the
+  // checking backend finds unordered (StreamOrderError) is still issued,
+  // as its peers issue it, and then raises: its event is lost to the
+  // caller, but the queue's later events come after it.
   // A data-plane key (group >= 0) is folded into the fingerprint and trace
   // as it is issued, on the issuing thread, in queue order; its elements
   // are added to stats() unless `counted` is false (gathers that are not

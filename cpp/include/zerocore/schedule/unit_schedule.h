@@ -48,6 +48,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -262,6 +263,9 @@ class UnitSchedule {
   std::shared_ptr<StreamEvent> posted_;  // the round posted and not yet settled
   bool posted_failed_ = false;
   int needed_ = -1;  // the unit this rank's hook waits for, while it settles the round that gathers it
+  // A gather of this round whose own access check failed (issued all the
+  // same): raised once the round's decisions are all taken.
+  std::exception_ptr unordered_;
   int64_t rounds_ = 0, blocking_rounds_ = 0;
   double round_seconds_ = 0;
 };
