@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import zerocore
 from dist_harness import run_ranks
-from zerocore import _native
+from zerocore import _native, ops
 from zerocore.comm import Communicator
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = range(4)
@@ -170,9 +170,11 @@ def _collectives_over_gloo(rank, world):
     out["sums"] = comm.sum_scalars([0.5, float(rank)])
     out["stats"] = dict(comm.stats)
     out["trace"] = comm.trace
-    # The native step's exchange over the control queue: the sums, and the fingerprints checked.
-    step = _native.ZeroStep(comm.queue, comm.control_queue, None, partitioned=True,
-                            local_sum_of_squares=lambda: float(rank + 1))
+    # The native step's exchange over the control queue: the sums (rank r's
+    # grads: r + 1 ones), and the fingerprints checked.
+    grad = torch.ones(rank + 1)
+    runs = ops.FlatRuns([0], [torch.zeros(rank + 1)], [grad], [None], [None], [None])
+    step = _native.ZeroStep(comm.queue, comm.control_queue, runs, partitioned=True)
     out["exchanged"] = step.exchange(rank)
     out["trace after check"] = comm.trace
     return out

@@ -1,7 +1,8 @@
 """ZeRO-Offload (Config(offload_optimizer="cpu"), offload_params,
 delayed_update) on CPU ranks: the host pipeline gives the bits the
 on-device step gives; the delayed update matches a reference that applies
-the same one-step staleness; memory and copy volumes match the formulas;
+the same one-step staleness; a skipped fp16 step with an update pending
+lands it for the next forward; memory and copy volumes match the formulas;
 a host without the memory, or an allocation that fails on one rank, fails
 every rank at wrap.
 """
@@ -198,6 +199,34 @@ def test_non_finite_grads_with_a_pending_update_keep_that_update_and_no_more():
         assert raised, f"rank {rank} did not raise"
         for k in three_steps:
             assert torch.equal(after[k], three_steps[k]), f"rank {rank}: {k}"
+
+
+def _skip_after_delayed_steps(rank, world, stage):
+    config = dict(stage=stage, dtype="fp16", offload_optimizer="cpu", delayed_update=True, delayed_update_warmup=0)
+    engine, _ = _wrap(config)
+    _train(engine, rank, world, steps=3, accum=1)
+    x, _ = lm_batch(3, 0, world)
+    engine.backward(engine(local(x, rank, world)).sum() * float("inf"))
+    applied = engine.step()
+    engine.zero_grad()
+    with torch.no_grad():
+        after = engine(local(x, rank, world))  # reads what the skipped step left on the device
+    twin, _ = _wrap(config)
+    _train(twin, rank, world, steps=3, accum=1)
+    twin.finish_update()
+    with torch.no_grad():
+        three_steps = twin(local(x, rank, world))
+    return applied, after, three_steps
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_skipped_fp16_step_lands_the_pending_update_for_the_next_forward(stage):
+    """fp16 overflow with a delayed update pending: the native step skips
+    the step on every rank and puts the pending update's params up (and
+    gathers them), so the next forward computes with step 3's params."""
+    for rank, (applied, after, three_steps) in enumerate(run_ranks(_skip_after_delayed_steps, 2, stage)):
+        assert applied is False, f"rank {rank}: the overflowing step was applied"
+        assert torch.equal(after, three_steps), f"rank {rank}: the forward after the skip read other params"
 
 
 # Memory and copy volumes -------------------------------------------------

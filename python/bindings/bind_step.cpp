@@ -1,10 +1,9 @@
 // zerocore._native.ZeroStep: the engine's optimizer step, one call a step
-// (cpp/include/zerocore/step/zero_step.h), and its LossScaler
-// (step/loss_scaler.h). The step's refusals reach Python as exceptions of
+// (cpp/include/zerocore/step/zero_step.h), its LossScaler
+// (step/loss_scaler.h) and, for offload, its HostUpdate (step/host_update.h). The step's refusals reach Python as exceptions of
 // their own: NonFiniteGradientError (zerocore's, a FloatingPointError),
 // CollectiveOrderDiverged(message, trace) and TrainabilityChanged, which
 // the engine turns into the errors that name what differed.
-#include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -16,6 +15,7 @@
 #include "flat_runs.h"
 #include "python_transport.h"
 #include "zerocore/error.h"
+#include "zerocore/step/host_update.h"
 #include "zerocore/step/zero_step.h"
 
 namespace nb = nanobind;
@@ -112,6 +112,26 @@ void bind_step(nb::module_& m) {
           },
           "scale"_a, "clean_steps"_a, "hysteresis"_a, "A checkpoint's state (a fixed scale keeps its own).");
 
+  nb::class_<HostUpdate>(m, "HostUpdate",
+                         "ZeRO-Offload's update as the native step drives it, over an OffloadOptimizer: the host "
+                         "grads taken (swapped or copied down), the update, its params up at once or, delayed, "
+                         "at the next step boundary (step/host_update.h).")
+      .def(nb::init<OffloadOptimizer&, bool, std::optional<int64_t>>(), "optimizer"_a, nb::kw_only(),
+           "swaps_grads"_a, "delays_from"_a.none(), nb::keep_alive<1, 2>(),
+           "swaps_grads: the host grads trade places with their spares at each step (stages 2-3, delayed); "
+           "delays_from: the first step whose update is delayed, or None.")
+      .def(
+          "params_up",
+          [](HostUpdate& self) {
+            nb::gil_scoped_release release;
+            return self.params_up();
+          },
+          "Finishes a pending update and copies its params up; True when there was one.")
+      .def_prop_ro("pending", &HostUpdate::pending, "An update is queued whose params are not up yet.")
+      .def_rw("serial", &HostUpdate::serial, "The params go up only once the whole update is done.")
+      .def_prop_ro("grad_swaps", &HostUpdate::grad_swaps, "Swaps of the host grad buffers since construction.")
+      .def_prop_ro("params_sent", &HostUpdate::params_sent, "Times the params went up since construction.");
+
   nb::class_<ZeroStep>(m, "ZeroStep",
                        "The optimizer step of a ZeRO rank in one call: the reduction's end, the norm, the one "
                        "control exchange (with the order check and the late grads), the decision with the loss "
@@ -120,25 +140,23 @@ void bind_step(nb::module_& m) {
           "__init__",
           [](ZeroStep* self, const BoundQueue& data, const BoundQueue& control, const FlatRuns* runs,
              bool partitioned, BucketCollectives* grad_reduce, BucketCollectives* param_gather, UnitSchedule* units,
-             LossScaler* loss_scaler, std::function<double()> local_sum_of_squares,
-             std::function<void(bool, int64_t, double)> caller_update) {
+             LossScaler* loss_scaler, HostUpdate* host_update) {
             ZeroStep::Parts parts{&data.get(), &control.get(), runs ? runs->runs : std::vector<FlatRun>{},
                                   partitioned, grad_reduce, param_gather};
             parts.units = units;
             parts.loss_scaler = loss_scaler;
-            parts.local_sum_of_squares = std::move(local_sum_of_squares);
-            parts.caller_update = std::move(caller_update);
+            parts.host_update = host_update;
             new (self) ZeroStep(std::move(parts));
           },
           "data"_a, "control"_a, "runs"_a.none(), nb::kw_only(), "partitioned"_a, "grad_reduce"_a.none() = nb::none(),
           "param_gather"_a.none() = nb::none(), "units"_a.none() = nb::none(), "loss_scaler"_a.none() = nb::none(),
-          "local_sum_of_squares"_a.none() = nb::none(), "caller_update"_a.none() = nb::none(),
-          nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 6>(),
-          nb::keep_alive<1, 7>(), nb::keep_alive<1, 8>(), nb::keep_alive<1, 9>(),
-          "runs: this rank's partition (None: the caller updates, as offload does: local_sum_of_squares() then "
-          "gives this rank's sum of squares and caller_update(applied, step, grad_scale) updates); partitioned: "
-          "ranks hold disjoint parts of the grads; grad_reduce: stages 0-1's reduction; param_gather: stages "
-          "1-2's gather; units: stage 3's UnitSchedule (its end-of-step round); loss_scaler: the LossScaler.")
+          "host_update"_a.none() = nb::none(), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(),
+          nb::keep_alive<1, 4>(), nb::keep_alive<1, 6>(), nb::keep_alive<1, 7>(), nb::keep_alive<1, 8>(),
+          nb::keep_alive<1, 9>(), nb::keep_alive<1, 10>(),
+          "runs: this rank's partition, updated in place (None with a host_update: offload's HostUpdate, which "
+          "the step drives itself); partitioned: ranks hold disjoint parts of the grads; grad_reduce: stages "
+          "0-1's reduction; param_gather: stages 1-2's gather; units: stage 3's UnitSchedule (its end-of-step "
+          "round); loss_scaler: the LossScaler.")
       .def("set_grad_reducer", &ZeroStep::set_grad_reducer, "reducer"_a, nb::keep_alive<1, 2>(),
            "Stages 2-3: the BucketReducer whose late grads the exchange agrees on and reduces.")
       .def(

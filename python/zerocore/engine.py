@@ -194,18 +194,15 @@ class Engine:
         # The step, in one native call: stages 0-1's reduction, the sum of
         # squares, the exchange (with stages 2-3's late grads), the decision
         # with the loss scaler, the update and the param gather or stage 3's
-        # end-of-step round. Offload's host update is the engine's, called
-        # back between the decision and the gather (_host_update).
+        # end-of-step round. Offload's host update (OffloadUpdate.host) runs
+        # inside it too, between the decision and the gather.
         offload = placement.optimizer_on_host
-        me = weakref.ref(self)  # the native step must not keep the engine alive
         self.zero_step = ZeroStep(
             self.comm.queue, self.comm.control_queue, None if offload else self.update.runs,
             partitioned=placement.partitions_optimizer,
             grad_reduce=None if placement.partitions_grads else self.reducer.collectives,
             param_gather=self.param_gather, units=self.scheduler.native if self.scheduler else None,
-            loss_scaler=self.scaler.native,
-            local_sum_of_squares=(lambda: me()._host_sum_of_squares()) if offload else None,
-            caller_update=(lambda applied, step, scale: me()._host_update(applied, step, scale)) if offload else None)
+            loss_scaler=self.scaler.native, host_update=self.update.host if offload else None)
         if placement.partitions_grads:
             self.reducer.late_grads_to(self.zero_step)
         # Stage 3: module.state_dict() and load_state_dict() refuse while params are released.
@@ -432,12 +429,16 @@ class Engine:
         """A native call of the step: its refusals (ranks that issued
         different collectives, a param frozen or unfrozen on some rank)
         become the errors that name what differed, on every rank."""
+        if not self.zero_step.exchanged:  # this call takes the grads
+            self.update.count_grads(self._backward_calls)
         try:
             return call()
         except _native.CollectiveOrderDiverged as e:
             trace = e.args[1]
         except _native.TrainabilityChanged:
             trace = None
+        finally:
+            self.update.follow_swaps()
         if trace is None:
             self._refuse_trainability_change()
         raise self.comm.order_error(trace)
@@ -484,18 +485,6 @@ class Engine:
         self.step_count += applied
         self._end_step()
         return applied
-
-    def _host_sum_of_squares(self) -> float:
-        """Offload: this rank's sum of squares of the grads its host update reads."""
-        return self.update.grad_sum_of_squares(self._backward_calls)
-
-    def _host_update(self, applied: bool, step: int, grad_scale: float):
-        """Offload: the host update of a step the native step applied, or,
-        on a skipped one, the pending update's params up."""
-        if applied:
-            self.update.apply(self.kind, self.optimizer.param_groups, step, grad_scale)
-        else:
-            self.finish_update()
 
     def finish_update(self):
         """Offload with a delayed update: the update still running on the

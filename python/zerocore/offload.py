@@ -2,9 +2,10 @@
 
 With Config(offload_optimizer="cpu") each rank's fp32 master params,
 optimizer states and the grads its step reads live in host memory
-(FlatGroup.buffer_plan says which buffer lives where), and OffloadUpdate
-drives the native OffloadOptimizer (cpp/include/zerocore/
-offload_optimizer.h) over them:
+(FlatGroup.buffer_plan says which buffer lives where), and the native
+step (ZeroStep) drives the native OffloadOptimizer (cpp/include/zerocore/
+offload/offload_optimizer.h) over them through OffloadUpdate's HostUpdate
+(step/host_update.h), in the step's one native call:
 
     backward  reduced grads reach the host bucket by bucket: in stages 2-3
               the reducer adds each bucket's block into the host partition
@@ -38,7 +39,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections import Counter
 
 from zerocore import _native, ops
 
@@ -68,64 +68,61 @@ class OffloadUpdate:
             run_grad_bytes += numel * g.reduce_dtype.itemsize
             up_bytes += numel * (g.host_param if g.host_param is not None else g.master).element_size()
         self.native = _native.OffloadOptimizer(buckets)
-        self.delays_from = config.delays_from
-        self.pending = False  # an update queued whose params are not up yet
+        # What the native step (ZeroStep) drives: the host grads taken, the
+        # update, its params up at once or at the next step boundary.
+        self.host = _native.HostUpdate(self.native, swaps_grads=bool(self.swapping),
+                                       delays_from=config.delays_from)
+        self._swaps = 0  # the host grad swaps the groups' views have followed
         # Bytes crossing between device and host (PCIe on a GPU): the grads
         # of each backward (stages 2-3) or step (stage 1), the params of
         # each update. Copies between two host buffers are not counted.
         self.grad_bytes_per_backward = run_grad_bytes if placement.partitions_grads else 0
         self.grad_bytes_per_step = 0 if placement.partitions_grads else run_grad_bytes
         self.param_bytes = 0 if placement.params_on_host else up_bytes
-        # Serial: the params go up only once the whole update is done (the
-        # step-by-step schedule the overlap is measured against).
-        self.serial = False
-        self._stats = Counter()
+        self._grad_bytes = 0
+        self._params_sent_before = 0  # host.params_sent at the last reset_stats()
 
-    def grad_sum_of_squares(self, backward_calls: int) -> float:
-        if self.swapping:
-            # The grads just reduced become the update's, and the buffer a
-            # pending update reads (waited for) the next backward's.
-            self.native.wait()
-            self.native.swap_grads()
+    @property
+    def serial(self) -> bool:
+        """The params go up only once the whole update is done (the
+        step-by-step schedule the overlap is measured against)."""
+        return self.host.serial
+
+    @serial.setter
+    def serial(self, value: bool):
+        self.host.serial = value
+
+    @property
+    def pending(self) -> bool:
+        """An update queued whose params are not up yet."""
+        return self.host.pending
+
+    def count_grads(self, backward_calls: int):
+        """The step's exchange is about to take the host grads of
+        backward_calls backwards (comm_stats)."""
+        self._grad_bytes += self.grad_bytes_per_step + backward_calls * self.grad_bytes_per_backward
+
+    def follow_swaps(self):
+        """After a native step call: the groups' views of their host grad
+        buffers follow the swaps the step made (reduction then fills the
+        one the update does not read)."""
+        while self._swaps < self.host.grad_swaps:
             for g in self.swapping:
                 g.swap_grads()
-        else:
-            self.native.copy_grads()  # behind a pending update, which reads the host grads
-            self.native.wait()
-        self._stats["grad_bytes_to_host"] += self.grad_bytes_per_step + backward_calls * self.grad_bytes_per_backward
-        return self.native.grad_sum_of_squares()
-
-    def apply(self, kind, groups, step, grad_scale):
-        self.params_up()
-        delayed = self.delays_from is not None and step >= self.delays_from
-        overlap = not (delayed or self.serial)
-        if kind == "sgd":
-            self.native.sgd_(groups, step=step, grad_scale=grad_scale, copy_params=overlap)
-        else:
-            self.native.adam_(groups, step=step, grad_scale=grad_scale, adamw=kind == "adamw", copy_params=overlap)
-        if overlap:
-            self._stats["param_bytes_to_device"] += self.param_bytes
-        self.pending = not overlap
-        if not delayed:
-            self.native.wait()
-            self.params_up()
+            self._swaps += 1
 
     def params_up(self) -> bool:
         """Finishes a pending update and copies its params up; True when
         there was one."""
-        if not self.pending:
-            return False
-        self.native.copy_params()
-        self.native.wait()
-        self.pending = False
-        self._stats["param_bytes_to_device"] += self.param_bytes
-        return True
+        return self.host.params_up()
 
     def stats(self) -> dict:
-        return {"offload": dict(self._stats)}
+        sent = self.host.params_sent - self._params_sent_before
+        return {"offload": {"grad_bytes_to_host": self._grad_bytes, "param_bytes_to_device": sent * self.param_bytes}}
 
     def reset_stats(self):
-        self._stats.clear()
+        self._grad_bytes = 0
+        self._params_sent_before = self.host.params_sent
 
 
 def available_host_bytes() -> int:

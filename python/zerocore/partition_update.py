@@ -1,12 +1,12 @@
 """Where a rank's step updates its partition, behind one interface the
-engine's step calls: InPlaceUpdate (the partition lives where training
-runs: the native step updates its runs) and offload.OffloadUpdate
-(ZeRO-Offload: on the host).
+engine calls: InPlaceUpdate (the partition lives where training runs: the
+native step updates its runs) and offload.OffloadUpdate (ZeRO-Offload: on
+the host, through the HostUpdate the native step drives).
 
-    grad_sum_of_squares(backward_calls)  this rank's part of the squared norm
-    apply(kind, groups, step, grad_scale)  the update, after the ranks agree
-                                         (offload only: the native step
-                                         updates InPlaceUpdate.runs)
+    count_grads(backward_calls)          the step's exchange is about to take
+                                         the grads (offload counts the bytes)
+    follow_swaps()                       after a native step call: views of
+                                         buffers the step swapped follow
     params_up() -> bool                  finishes a pending (delayed) update and
                                          copies its params up; True if there
                                          was one (stages 1-2 then gather them)
@@ -25,8 +25,11 @@ class InPlaceUpdate:
         views = [v for g in groups if g.trainable for v in g.run_views()]
         self.runs = ops.FlatRuns(*([list(column) for column in zip(*views)] if views else [[]] * 6))
 
-    def grad_sum_of_squares(self, backward_calls: int) -> float:
-        return self.runs.grad_sum_of_squares()
+    def count_grads(self, backward_calls: int):
+        pass
+
+    def follow_swaps(self):
+        pass
 
     def params_up(self) -> bool:
         return False

@@ -9,7 +9,9 @@
 // out by hand; late grads (after their bucket's reduction, on one rank,
 // over accumulated backwards) agreed and reduced in the step's exchange;
 // ranks whose collectives differ throwing on every rank before anything
-// changes.
+// changes; the step driving ZeRO-Offload's host update (HostUpdate over an
+// OffloadOptimizer on the checking backend): overlapped, delayed, and a
+// skipped step landing the pending update.
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -20,6 +22,7 @@
 
 #include "check.h"
 #include "thread_ranks.h"
+#include "zerocore/step/host_update.h"
 #include "zerocore/step/zero_step.h"
 #include "zerocore/zerocore.h"
 
@@ -346,6 +349,82 @@ void test_order_mismatch_throws_on_every_rank() {
   CHECK(bad == 0);
 }
 
+// Offload: each rank's partition (an fp32 master and its host grads) lives
+// on the host of a checking backend; its grads come down from "device"
+// buffers and its params go up to them. Four steps, delayed from step 2:
+// step 1 overlapped (the new params up at once), step 2 delayed (the device
+// keeps step 1's params, the update pending), step 3 a non-finite grad on
+// rank 1 (skipped on every rank; the pending update's params go up, the
+// scale halves), step 4 delayed again (pending until params_up). After each,
+// the device params against the SGD steps computed directly, the norm
+// against the ranks' grads, and no ordering violation.
+void test_host_update() {
+  constexpr int64_t n = 300;
+  const std::vector<bool> overflow = {false, false, true, false};
+  std::atomic<int> bad{0};
+  test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
+    CheckingCpuBackend backend(CheckingOptions{uint64_t(7 + r), 0, 300, true});
+    auto buffer = [&](MemoryKind kind, const char* name, const std::vector<float>& values) {
+      Tensor t = backend.allocate(kind, size_t(n) * sizeof(float), name)->view(0, DType::kFloat32, {n});
+      std::memcpy(t.data(), values.data(), t.nbytes());
+      return t;
+    };
+    std::vector<float> init(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) init[size_t(i)] = param_value(i + r * n);
+    const Tensor device_grads = buffer(MemoryKind::kDevice, "device_grads", std::vector<float>(size_t(n), 0.0f));
+    const Tensor device_params = buffer(MemoryKind::kDevice, "device_params", init);
+    const Tensor master = buffer(MemoryKind::kHostPinned, "master", init);
+    const Tensor host_grads = buffer(MemoryKind::kHostPinned, "host_grads", std::vector<float>(size_t(n), 0.0f));
+    OffloadOptimizer optimizer({OffloadBucket{{FlatRun{0, master, host_grads, Tensor(), Tensor(), Tensor()}},
+                                              {TensorCopy{device_grads, host_grads}},
+                                              {TensorCopy{master, device_params}},
+                                              {}}},
+                               backend);
+    HostUpdate host(optimizer, /*swaps_grads=*/false, /*delays_from=*/2);
+    LossScaler scaler(DynamicScale{4.0, 2000, 1, 1.0, false, false});
+    ZeroStep::Parts parts{&data, &control, {}, true};
+    parts.loss_scaler = &scaler;
+    parts.host_update = &host;
+    ZeroStep step(std::move(parts));
+    std::vector<double> want(init.begin(), init.end()), on_device = want;  // the master, the device's params
+    int64_t applied = 0;
+    for (size_t s = 0; s < overflow.size(); ++s) {
+      const double scale = 1.0 / (kWorld * scaler.scale());
+      double sum_sq = 0.0;
+      for (int q = 0; q < kWorld; ++q) {
+        for (float g : grads_of(10 * int(s) + q, n)) sum_sq += double(g) * g;
+      }
+      std::vector<float> g = grads_of(10 * int(s) + r, n);
+      if (overflow[s] && r == 1) g[5] = std::numeric_limits<float>::infinity();
+      std::memcpy(device_grads.data(), g.data(), device_grads.nbytes());
+      StepOptions options = sgd();
+      options.step = applied + 1;
+      const StepResult result = step.step(options);
+      if (result.applied == overflow[s]) ++bad;
+      if (overflow[s]) {
+        on_device = want;  // the pending update landed
+        if (host.pending()) ++bad;
+      } else {
+        if (!close(result.norm, std::sqrt(sum_sq) * scale)) ++bad;
+        ++applied;
+        for (int64_t i = 0; i < n; ++i) want[size_t(i)] -= kLr * scale * g[size_t(i)];
+        const bool delayed = options.step >= 2;
+        if (host.pending() != delayed) ++bad;
+        if (!delayed) on_device = want;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        if (!close(device_params.data_as<float>()[i], on_device[size_t(i)])) ++bad;
+      }
+    }
+    if (!host.params_up() || host.pending()) ++bad;  // step 4's update lands
+    for (int64_t i = 0; i < n; ++i) {
+      if (!close(device_params.data_as<float>()[i], want[size_t(i)])) ++bad;
+    }
+    if (scaler.scale() != 2.0 || !backend.violations().empty()) ++bad;
+  });
+  CHECK(bad == 0);
+}
+
 }  // namespace
 }  // namespace zerocore
 
@@ -362,5 +441,6 @@ int main() {
   zerocore::test_dynamic_scale_over_steps();
   zerocore::test_late_grads_in_the_exchange();
   zerocore::test_order_mismatch_throws_on_every_rank();
+  zerocore::test_host_update();
   return zerocore::test::finish("test_step");
 }

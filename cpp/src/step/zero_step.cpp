@@ -5,6 +5,7 @@
 
 #include "zerocore/error.h"
 #include "zerocore/kernels/cpu_reduce.h"
+#include "zerocore/step/host_update.h"
 
 namespace zerocore {
 
@@ -38,9 +39,9 @@ ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)) {
                           std::to_string(parts_.data->world_size()) + " and " +
                           std::to_string(parts_.control->world_size()) + "); make both over the same ranks");
   }
-  if (!parts_.runs.empty() && (parts_.local_sum_of_squares || parts_.caller_update)) {
-    throw InvalidArgument("ZeroStep: give the runs (the step updates them) or the caller's sum of squares and "
-                          "update (offload), not both");
+  if (!parts_.runs.empty() && parts_.host_update != nullptr) {
+    throw InvalidArgument("ZeroStep: give the runs (the step updates them in place) or the host update "
+                          "(offload), not both");
   }
   for (const FlatRun& run : parts_.runs) grads_.push_back(run.grad);
 }
@@ -87,7 +88,7 @@ Exchanged ZeroStep::exchange_rows(double mine, int64_t changes, std::vector<bool
 const Exchanged& ZeroStep::exchange(int64_t changes) {
   if (exchanged_) return *exchanged_;
   if (parts_.grad_reduce != nullptr) parts_.grad_reduce->run();
-  double mine = parts_.local_sum_of_squares ? parts_.local_sum_of_squares() : sum_of_squares(grads_);
+  double mine = parts_.host_update ? parts_.host_update->grad_sum_of_squares() : sum_of_squares(grads_);
   BucketReducer* reducer = parts_.grad_reducer;
   std::vector<bool> late = reducer ? reducer->late() : std::vector<bool>{};
   Exchanged agreed = exchange_rows(mine, changes, late);
@@ -124,7 +125,12 @@ StepResult ZeroStep::step(const StepOptions& options) {
           "in fp16 with dynamic loss scaling (dtype='fp16') to skip such steps instead.");
     }
     scaler->update(true);  // backs off; throws at the minimum scale
-    if (parts_.caller_update) parts_.caller_update(false, options.step, 0.0);
+    // The next forward reads a pending update's params (and, in stages 1-2,
+    // every rank's); stage 3's end-of-step round below releases any unit
+    // gathered from the shards they replace.
+    if (parts_.host_update != nullptr && parts_.host_update->params_up() && parts_.param_gather != nullptr) {
+      parts_.param_gather->run();
+    }
   } else {
     if (options.max_norm) grad_scale *= std::min(1.0, *options.max_norm / (out.norm + 1e-6));
     if (options.kind == OptimizerKind::kSgd) {
@@ -132,7 +138,7 @@ StepResult ZeroStep::step(const StepOptions& options) {
     } else {
       adam_update_runs(options.adam, options.step, grad_scale, parts_.runs);
     }
-    if (parts_.caller_update) parts_.caller_update(true, options.step, grad_scale);
+    if (parts_.host_update != nullptr) parts_.host_update->apply(options, grad_scale);
     if (parts_.param_gather != nullptr) parts_.param_gather->run();
     if (scaler != nullptr) scaler->update(false);
     out.grad_scale = grad_scale;

@@ -8,16 +8,17 @@
 // coefficient), the update of the partition's runs and, in stages 1-2, the
 // all-gather of the updated params, or in stage 3 the unit schedule's
 // end-of-step round. The Python engine and C++ embedders
-// (cpp/examples/embed_zero.cpp) step through it alike; what is left to the
-// caller is what it owns: an update it runs itself (offload's, through
-// Parts::caller_update), and naming where ranks parted when their orders
-// differ (the caller knows its collectives' names).
+// (cpp/examples/embed_zero.cpp) step through it alike. With ZeRO-Offload
+// the host update (HostUpdate, step/host_update.h) runs inside the call
+// too: the step takes its host grads' sum of squares and runs its update,
+// never calling back into the caller. What is left to the caller is naming
+// where ranks parted when their orders differ (the caller knows its
+// collectives' names).
 //
 // clip_grad_norm_ needs the norm before the step: exchange() runs the
 // reduction and the exchange once a step, and step() does not repeat it.
 #pragma once
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -78,12 +79,14 @@ struct StepResult {
   double grad_scale = 0.0;  // what the update multiplied the grads by (applied steps)
 };
 
+class HostUpdate;  // step/host_update.h
+
 class ZeroStep {
  public:
   struct Parts {
     CommQueue* data = nullptr;     // the data collectives: its fingerprint is checked
     CommQueue* control = nullptr;  // the exchange's queue (a host group beside the data group)
-    std::vector<FlatRun> runs;     // this rank's partition; empty: the caller updates (offload)
+    std::vector<FlatRun> runs;     // this rank's partition; empty with a host_update (offload)
     // True when ranks hold disjoint parts of the grads (stages 1-3): the
     // sum of squares is summed over ranks; otherwise every rank has them all.
     bool partitioned = false;
@@ -94,12 +97,12 @@ class ZeroStep {
     BucketReducer* grad_reducer = nullptr;
     UnitSchedule* units = nullptr;      // stage 3: its end-of-step round, after the update
     LossScaler* loss_scaler = nullptr;  // the loss scale and its bookkeeping; nullptr: none (1)
-    // When the caller holds the partition (runs empty: offload): this
-    // rank's sum of squares of its grads, taken once the reduction is done,
-    // and its update, between the decision and the param gather (applied:
-    // false on a skipped step, where the caller finishes pending work).
-    std::function<double()> local_sum_of_squares;
-    std::function<void(bool applied, int64_t step, double grad_scale)> caller_update;
+    // Offload (runs empty): the partition lives on the host. The step takes
+    // this rank's sum of squares from it once the reduction is done, and
+    // runs its update between the decision and the param gather; a skipped
+    // step lets a pending (delayed) update's params go up instead, since
+    // the next forward must read them.
+    HostUpdate* host_update = nullptr;
   };
 
   explicit ZeroStep(Parts parts);
