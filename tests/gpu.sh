@@ -12,6 +12,10 @@
 # and writes all they print to the results file. Without a visible GPU it
 # fails at once instead of skipping everything quietly.
 #
+# ZEROCORE_NATIVE_BUILD names a CMake build folder of this tree to build the
+# C++ tests in instead of a new one (tests/run.sh passes its own, already
+# built, so CI compiles the CUDA kernels once for both).
+#
 # --dry-run needs no GPU and no driver: it makes the same two CUDA builds,
 # lists the C++ tests, imports zerocore.cuda from the CUDA build, collects
 # every GPU test (at least one, none failing to import) and starts each GPU
@@ -28,6 +32,7 @@ fi
 results=$(realpath -m "${1:-gpu-results.txt}")
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/zerocore-gpu.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
+native=${ZEROCORE_NATIVE_BUILD:-$scratch/native}
 
 {
   echo "# zerocore GPU run, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -37,12 +42,12 @@ trap 'rm -rf "$scratch"' EXIT
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PYTHON" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device visible"; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
   fi
-  cmake -S . -B "$scratch/native" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF -DZEROCORE_CUDA=ON
-  cmake --build "$scratch/native"
+  cmake -S . -B "$native" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF -DZEROCORE_CUDA=ON
+  cmake --build "$native"
   if (( dry_run )); then
-    ctest --test-dir "$scratch/native" -N
+    ctest --test-dir "$native" -N
   else
-    ctest --test-dir "$scratch/native" --output-on-failure --timeout 300
+    ctest --test-dir "$native" --output-on-failure --timeout 300
   fi
   "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index --target "$scratch/site" \
     -C cmake.define.ZEROCORE_CUDA=ON .

@@ -16,6 +16,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
+# Each phase's wall time, to keep the whole run (CI's) under 20 minutes.
+phase_start=$SECONDS
+phase_done() {
+  echo "tests/run.sh: $1 took $((SECONDS - phase_start)) s (total $SECONDS s)"
+  phase_start=$SECONDS
+}
+
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/zerocore-tests.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
 "$PYTHON" -m venv "$scratch/venv"
@@ -23,16 +30,22 @@ venv="$scratch/venv/bin"
 
 # The build runs isolated, from pyproject.toml's build-system requirements.
 "$venv/python" -m pip install -q torch==2.13.0 ".[test]"
+phase_done "set-up (venv, torch, the package built)"
 
 "$venv/cmake" -S . -B "$scratch/native" -G Ninja -DCMAKE_MAKE_PROGRAM="$venv/ninja" \
   -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF
 "$venv/cmake" --build "$scratch/native"
 "$venv/ctest" --test-dir "$scratch/native" --output-on-failure --timeout 300
+phase_done "the C++ build and tests"
 
 # The GPU path up to the GPU itself (tests/gpu.sh --dry-run: the CUDA builds,
-# imports, test collection), wherever a CUDA compiler is.
+# imports, test collection), wherever a CUDA compiler is. The C++ build
+# above found the same compiler (ZEROCORE_CUDA=AUTO), so the dry run reuses
+# it rather than compiling the CUDA kernels once more.
 if command -v nvcc > /dev/null || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || -x /usr/local/cuda/bin/nvcc ]]; then
-  PATH="$venv:$PATH" PYTHON="$venv/python" bash tests/gpu.sh --dry-run "$scratch/gpu-dry-run.txt"
+  PATH="$venv:$PATH" PYTHON="$venv/python" ZEROCORE_NATIVE_BUILD="$scratch/native" \
+    bash tests/gpu.sh --dry-run "$scratch/gpu-dry-run.txt"
+  phase_done "tests/gpu.sh --dry-run"
 else
   echo "tests/run.sh: no CUDA compiler found; skipping tests/gpu.sh --dry-run"
 fi
@@ -40,6 +53,7 @@ fi
 # From the repository root `python/zerocore` is not on the path, so the
 # tests import the installed package.
 "$venv/python" -m pytest -q -p no:cacheprovider tests "$@"
+phase_done "the Python tests"
 
 # The checked subset under the checking backend: every comm queue's
 # collectives, every wait for them and the schedules' slots are checked
@@ -51,3 +65,4 @@ ZEROCORE_BACKEND=checking "$venv/python" -m pytest -q -p no:cacheprovider \
   tests/test_engine_equivalence.py tests/test_offload.py tests/test_divergent_units.py tests/test_moe_example.py \
   tests/test_activation_checkpoint.py tests/test_coalesced_units.py tests/test_host_waits.py \
   tests/test_stream_order_failure.py tests/test_partition_store.py
+phase_done "the checked subset"
