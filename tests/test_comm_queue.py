@@ -57,7 +57,7 @@ class RecordingTransport:
 
 
 def test_single_process_queue_keeps_the_books():
-    q = _native.CommQueue.single_process()
+    q = _native.CommQueue.single_process(_native.process_backend())
     assert (q.rank, q.world_size, q.trace_limit) == (0, 1, 100_000)
     start = q.fingerprint
     shard, full = torch.arange(4.0), torch.zeros(4)
@@ -74,7 +74,7 @@ def test_single_process_queue_keeps_the_books():
 
 
 def test_bad_keys_and_tensors_name_the_problem():
-    q = _native.CommQueue.single_process()
+    q = _native.CommQueue.single_process(_native.process_backend())
     t = torch.zeros(4)
     with pytest.raises(ValueError, match="kind must be 0"):
         q.all_reduce((7, 0, 0, 4), t)
@@ -95,7 +95,7 @@ def _with_deadline(check):
 
 def _transport_runs_in_place_on_the_queue_thread():
     transport = RecordingTransport()
-    q = _native.CommQueue(transport)
+    q = _native.CommQueue(transport, _native.process_backend())
     t = torch.ones(3)
     events = [q.all_reduce((ALL_REDUCE, 0, b, 3), t) for b in range(3)]
     events[-1].wait()
@@ -110,7 +110,7 @@ def test_python_transport_runs_in_place_on_the_queue_thread():
 
 
 def _transport_error_comes_out_of_wait():
-    q = _native.CommQueue(RecordingTransport(fail_on="reduce_scatter"))
+    q = _native.CommQueue(RecordingTransport(fail_on="reduce_scatter"), _native.process_backend())
     t = torch.zeros(4)
     event = q.reduce_scatter((REDUCE_SCATTER, 2, 1, 4), t, t)
     with pytest.raises(RuntimeError, match=r"reduce_scatter of group 2, bucket 1 \(4 elements\).*"
@@ -132,7 +132,7 @@ def _gil_handoffs():
     for how in ("wait", "close", "drop"):
         release = threading.Event()
         threading.Timer(0.2, release.set).start()
-        q = _native.CommQueue(RecordingTransport(hold=release))
+        q = _native.CommQueue(RecordingTransport(hold=release), _native.process_backend())
         events = [q.all_reduce((ALL_REDUCE, 0, b, 1), torch.ones(1)) for b in range(3)]
         if how == "wait":
             events[-1].wait()
@@ -147,7 +147,7 @@ def test_no_gil_deadlock_on_wait_close_or_drop():
 
 
 def _collectives_over_gloo(rank, world):
-    comm = Communicator(dist.group.WORLD)
+    comm = Communicator(dist.group.WORLD, backend=_native.process_backend())
     out = {}
     # Data plane, in place as the engine issues it (natively, on comm.queue).
     full = torch.arange(4.0) + 10 * rank
@@ -198,7 +198,7 @@ def _drop_communicators(group):
     """(OS threads, arena bytes) before and after dropping communicators
     with a collective still in flight."""
     def use_and_drop():
-        comm = Communicator(group)
+        comm = Communicator(group, backend=_native.process_backend())
         flat = zerocore.to_torch(zerocore.empty([8]))
         comm.queue.all_reduce((ALL_REDUCE, 0, 0, 8), flat)  # left in flight
 

@@ -9,11 +9,16 @@ control plane on gloo, the data plane on NCCL) in this process, since
 forked ranks cannot use CUDA. The references are the CPU tests' own
 (models.reference_train, mixed_precision_reference), run on the GPU.
 
-Until the engine runs on CUDA (issue 21, item 4), wrap refuses a CUDA
-module and these fail on a GPU: they are the item's acceptance tests. With
+wrap puts a CUDA module on a CudaBackend of its device, torch's current
+stream its compute stream (zerocore/devices.py), with the data plane on
+NCCL and the control plane on gloo groups beside it. Until the native
+step's norm and update run on the backend, the step refuses a partition on
+the GPU at wrap (docs/design.md, Status), so the training tests fail on a
+GPU with that error: they are the engine's acceptance tests (issue 21). With
 the group made on gloo, the device on the CPU and one torch thread, the
 same tests pass on the CPU (checked by hand when they were written), so
-what they compare is known to hold where the engine runs.
+what they compare is known to hold where the engine runs. None of this has
+run on a GPU yet.
 """
 import copy
 
@@ -54,6 +59,18 @@ def on(device):
 
 def adamw(params):
     return torch.optim.AdamW(params, **HP)
+
+
+def test_wrap_runs_a_cuda_module_on_a_cuda_backend_beside_a_gloo_control_plane(world1):
+    model = make().to(world1)
+    engine = zerocore.wrap(model, adamw(model.parameters()), zerocore.Config(stage=1, offload_optimizer="cpu"))
+    backend = engine.backend
+    assert isinstance(backend, zerocore._native.CudaBackend) and backend.device == world1.index
+    assert backend.stream_handle(backend.compute_stream()) == torch.cuda.current_stream(world1).cuda_stream
+    assert engine.comm.queue.backend is backend and engine.control.queue.backend is backend
+    assert dist.get_backend(engine.control.group) == "gloo"
+    assert "nccl" in dist.get_backend_config(engine.comm.group)
+    engine.close()
 
 
 def train(device, config, model=None):

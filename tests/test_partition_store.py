@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import zerocore
-from zerocore import LayoutPlan, PartitionStore
+from zerocore import LayoutPlan, PartitionStore, _native
 
 
 def make_store(plan, rank, **placement):
-    args = dict(rank=rank, dtype="bf16", reduce_dtype="fp32", trainable=True, sharded=False,
+    args = dict(backend=_native.process_backend(), rank=rank, dtype="bf16", reduce_dtype="fp32", trainable=True, sharded=False,
                 partitions_grads=True, params_on_host=False, optimizer_on_host=False,
                 state_names=["exp_avg", "exp_avg_sq"])
     return PartitionStore(plan, **{**args, **placement})

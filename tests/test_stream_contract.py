@@ -151,7 +151,7 @@ class _CompletesOnRelease:
 
 def _event_is_the_completion():
     transport = _CompletesOnRelease()
-    q = _native.CommQueue(transport)
+    q = _native.CommQueue(transport, _native.process_backend())
     t = torch.ones(4)
     event = q.all_reduce((2, 0, 0, 4), t)
     failing = q.all_reduce((2, 0, 1, 4), torch.ones(4))

@@ -30,7 +30,7 @@ from models import lm_batch, lm_loss, local, make
 from zerocore import _native
 from zerocore.comm import KINDS
 
-pytestmark = pytest.mark.skipif(_native.process_backend() != "checking",
+pytestmark = pytest.mark.skipif(not isinstance(_native.process_backend(), _native.CheckingBackend),
                                 reason="stream order is checked under ZEROCORE_BACKEND=checking only")
 
 BLOCK = 1  # model.blocks[BLOCK] is unit BLOCK + 1 (the root is unit 0)
@@ -44,7 +44,7 @@ def _write_unawaited(weight):
     the current stream), and its event is never waited for, so what reads or
     writes the slot next is unordered with it."""
     flat = weight.detach().view(-1)
-    queue = _native.CommQueue.single_process()
+    queue = _native.CommQueue.single_process(_native.process_backend())  # the engine's
     queue.all_gather((KINDS.index("all_gather"), 99, 0, flat.numel()), torch.zeros_like(flat), flat)
 
 

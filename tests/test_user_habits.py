@@ -157,7 +157,9 @@ def test_clip_grad_norm_returns_torchs_norm_and_clips_where_torch_does():
 
 # Devices and process groups ---------------------------------------------------
 
-def test_the_device_decision():
+def test_the_device_decision(monkeypatch):
+    # Where CUDA cannot be used (test_engine_backend.py has where it can).
+    monkeypatch.setattr(devices, "cuda_usable", lambda: False)
     cpu, meta, cuda = torch.device("cpu"), torch.device("meta"), torch.device("cuda", 0)
     assert devices.tensor_problem([("a", cpu), ("b", meta)]) is None
     message = devices.tensor_problem([("a", cpu), ("w", cuda), ("bn.running_mean", cuda)])
@@ -173,6 +175,7 @@ def test_the_device_decision():
 def _cuda_param(rank, world, where):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    devices.cuda_usable = lambda: False  # on a GPU machine too: a CUDA tensor beside CPU ones is refused either way
     model = make()
     with FakeTensorMode():  # a CPU-only torch can make a tensor that says it is on a GPU only this way
         on_gpu = torch.empty(4, device="cuda")

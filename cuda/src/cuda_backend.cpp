@@ -38,8 +38,8 @@ std::string where(const Tensor& t) {
 }
 
 // What a CudaBackend records. An event of record_done is pending until its
-// `done` is set; it is recorded on its stream then, by the first wait or
-// query that finds `done` set.
+// `done` is set; it is recorded on its stream then, by the thread that sets
+// `done` (Event::on_set) or by a wait or query that gets there first.
 class CudaEvent : public StreamEvent {
  public:
   CudaEvent(const CudaBackend* owner, cudaStream_t stream, std::shared_ptr<Event> done)
@@ -52,7 +52,7 @@ class CudaEvent : public StreamEvent {
 
   const CudaBackend* owner() const { return owner_; }
   bool pending() const { return done_ && !done_->ready(); }
-  // The CUDA event, once not pending.
+  // The CUDA event, once not pending (recording it if no one did yet).
   cudaEvent_t recorded() const {
     if (done_) std::call_once(recorded_, [this] { record(); });
     return event_;
@@ -210,7 +210,19 @@ std::shared_ptr<StreamEvent> CudaBackend::record(Stream& stream) {
 
 std::shared_ptr<StreamEvent> CudaBackend::record_done(Stream& stream, std::shared_ptr<Event> done) {
   if (!done) throw InvalidArgument("record_done: no completion flag given");
-  return std::make_shared<CudaEvent>(this, cuda_stream(stream).handle.load(), std::move(done));
+  auto event = std::make_shared<CudaEvent>(this, cuda_stream(stream).handle.load(), done);
+  // Recorded by whoever sets `done` (the comm queue's issuing thread, once
+  // the collective is on the stream), before it issues anything else. A
+  // failed record is left to the waiter's: recorded() tries again and raises.
+  done->on_set([weak = std::weak_ptr<const CudaEvent>(event)] {
+    if (auto e = weak.lock()) {
+      try {
+        e->recorded();
+      } catch (...) {
+      }
+    }
+  });
+  return event;
 }
 
 void CudaBackend::wait(Stream& stream, const StreamEvent& event) {

@@ -1,9 +1,10 @@
-// The checking CPU backend as Python holds it (zerocore._native.CheckingBackend):
-// what the engine needs to run under the checker (buffers, streams, events,
-// copies, declared accesses, poison) and to read its verdict (violations,
-// host waits). Work on its streams may drop the last reference to a torch
-// tensor, which takes the GIL, so everything that can block on that work
-// (waits, closing) runs with the GIL released.
+// The backends as Python holds them (zerocore._native.Backend and its
+// CpuBackend and CheckingBackend; CudaBackend in bind_cuda_backend.cpp):
+// what the engine and the tests do on one (buffers, streams, events, copies,
+// fill, declared accesses, poison), the checking backend's verdict
+// (violations, host waits), and the process's default backend. Waits and
+// closing release the GIL: work on a backend's streams may drop the last
+// reference to a torch tensor, which takes it.
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -11,8 +12,8 @@
 #include <memory>
 #include <string>
 
-#include "backend_methods.h"
 #include "bindings.h"
+#include "bound_backend.h"
 #include "dlpack_tensor.h"
 #include "process_backend.h"
 #include "zerocore/backend/checking_backend.h"
@@ -23,7 +24,8 @@ using namespace nb::literals;
 
 namespace zerocore::bindings {
 
-using BoundChecking = BoundBackend<CheckingCpuBackend>;
+using BoundCpu = HeldBackend<CpuBackend>;
+using BoundChecking = HeldBackend<CheckingCpuBackend>;
 
 MemoryKind parse_kind(const std::string& s) {
   if (s == "host_pageable") return MemoryKind::kHostPageable;
@@ -37,6 +39,69 @@ AccessMode parse_mode(const std::string& s) {
   if (s == "write") return AccessMode::kWrite;
   throw InvalidArgument("unknown access mode '" + s + "'; expected read or write");
 }
+
+namespace {
+
+void bind_backend_base(nb::module_& m) {
+  nb::class_<BoundBackend>(m, "Backend",
+                           "A backend of the runtime (docs/design.md, \"The backend seam\"): CpuBackend, "
+                           "CheckingBackend or CudaBackend. What is made on one (a CommQueue, a PartitionStore, an "
+                           "OffloadOptimizer) keeps it alive.")
+      .def(
+          "allocate",
+          [](BoundBackend& b, const std::string& kind, size_t nbytes, const std::string& name, bool zeroed) {
+            return b.get().allocate(parse_kind(kind), nbytes, name, zeroed);
+          },
+          "kind"_a, "nbytes"_a, "name"_a, "zeroed"_a = false,
+          "A buffer of kind 'host_pageable', 'host_pinned' or 'device'; its contents undefined (NaN under the "
+          "checking backend) unless zeroed.")
+      .def(
+          "compute_stream", [](BoundBackend& b) -> Stream& { return b.get().compute_stream(); },
+          nb::rv_policy::reference_internal,
+          "The caller's stream: the calling thread on the CPU (work runs inline), torch's current stream on CUDA.")
+      .def(
+          "create_stream",
+          [](BoundBackend& b, const std::string& name) -> Stream& { return b.get().create_stream(name); }, "name"_a, nb::rv_policy::reference_internal,
+          "A stream of the backend's own (a thread on the CPU, a non-blocking stream on CUDA).")
+      .def(
+          "record", [](BoundBackend& b, Stream& s) { return b.get().record(s); }, "stream"_a)
+      .def(
+          "wait", [](BoundBackend& b, Stream& s, const StreamEvent& e) { b.get().wait(s, e); }, "stream"_a,
+          "event"_a, nb::call_guard<nb::gil_scoped_release>(), "`stream` waits for `event`.")
+      .def(
+          "host_wait", [](BoundBackend& b, const StreamEvent& e) { b.get().host_wait(e); }, "event"_a,
+          nb::call_guard<nb::gil_scoped_release>(), "The host waits for `event` (the checking backend counts it).")
+      .def(
+          "query", [](BoundBackend& b, const StreamEvent& e) { return b.get().query(e); }, "event"_a)
+      .def(
+          "copy",
+          [](BoundBackend& b, Stream& s, nb::handle dst, nb::handle src) {
+            b.get().copy(s, tensor_from_dlpack(dst, "copy: dst"), tensor_from_dlpack(src, "copy: src"));
+          },
+          "stream"_a, "dst"_a, "src"_a)
+      .def(
+          "fill",
+          [](BoundBackend& b, Stream& s, nb::handle dst, float value) {
+            b.get().fill(s, tensor_from_dlpack(dst, "fill: dst"), value);
+          },
+          "stream"_a, "dst"_a, "value"_a)
+      .def(
+          "declare_access",
+          [](BoundBackend& b, Stream& s, nb::handle range, const std::string& mode, const std::string& op) {
+            const Tensor t = tensor_from_dlpack(range, "declare_access: range");
+            b.get().declare_access(s, Access{t.data(), t.nbytes(), parse_mode(mode)}, op);
+          },
+          "stream"_a, "range"_a, "mode"_a, "op"_a,
+          "`stream` (the compute stream for the host's own use) reads or writes `range` directly, as `op`.")
+      .def(
+          "poison",
+          [](BoundBackend& b, Stream& s, nb::handle range) {
+            b.get().poison(s, tensor_from_dlpack(range, "poison: range"));
+          },
+          "stream"_a, "range"_a, "Fills a released range with NaN in `stream`'s order.");
+}
+
+}  // namespace
 
 void bind_backend(nb::module_& m) {
   nb::exception<StreamOrderError>(m, "StreamOrderError", PyExc_RuntimeError);
@@ -54,18 +119,22 @@ void bind_backend(nb::module_& m) {
           },
           "byte_offset"_a, "dtype"_a, "shape"_a, "A tensor into the buffer (torch.from_dlpack converts it).");
 
-  auto checking = nb::class_<BoundChecking>(m, "CheckingBackend",
-                           "The checking CPU backend: streams as threads with vector clocks, every access to "
-                           "its buffers checked for a missing wait, late completion, NaN poison, host waits "
-                           "counted.")
+  bind_backend_base(m);
+  nb::class_<BoundCpu, BoundBackend>(m, "CpuBackend",
+                                     "The plain CPU backend CPU training runs on: host arenas, the calling thread "
+                                     "as the compute stream, a thread for every other stream.")
+      .def("__init__", [](BoundCpu* self) { new (self) BoundCpu(std::make_unique<CpuBackend>()); });
+  nb::class_<BoundChecking, BoundBackend>(m, "CheckingBackend",
+                                          "The checking CPU backend: streams as threads with vector clocks, every "
+                                          "access to its buffers checked for a missing wait, late completion, NaN "
+                                          "poison, host waits counted.")
       .def(
           "__init__",
           [](BoundChecking* self, uint64_t seed, int64_t min_delay_us, int64_t max_delay_us, bool throw_on_violation) {
-            new (self) BoundChecking(std::make_unique<CheckingCpuBackend>(CheckingOptions{seed, min_delay_us, max_delay_us, throw_on_violation}));
+            new (self) BoundChecking(std::make_unique<CheckingCpuBackend>(
+                CheckingOptions{seed, min_delay_us, max_delay_us, throw_on_violation}));
           },
-          "seed"_a = 0, "min_delay_us"_a = 0, "max_delay_us"_a = 200, "throw_on_violation"_a = true);
-  def_backend_methods(checking);
-  checking
+          "seed"_a = 0, "min_delay_us"_a = 0, "max_delay_us"_a = 200, "throw_on_violation"_a = true)
       .def("violations", [](BoundChecking& b) { return b.get().violations(); },
            "The violations found so far, each naming both accesses and the buffer.")
       .def("check", [](BoundChecking& b) { b.get().check(); }, "Raises StreamOrderError if any violation was found.")
@@ -73,16 +142,9 @@ void bind_backend(nb::module_& m) {
       .def("take_host_waits", [](BoundChecking& b) { return b.get().take_host_waits(); },
            "The host waits since the last call, resetting the count (once a step).");
 
-  m.def("process_backend", [] { return process_checker() ? "checking" : "cpu"; },
-        "The backend this process's comm queues and schedules run on (ZEROCORE_BACKEND).");
-  m.def(
-      "take_process_host_waits",
-      [] {
-        CheckingCpuBackend* checker = process_checker();
-        if (!checker) throw InvalidArgument("take_process_host_waits: run with ZEROCORE_BACKEND=checking to count");
-        return checker->take_host_waits();
-      },
-      "Blocking host waits of the process's checking backend since the last call, resetting the count.");
+  m.def("process_backend", &process_backend, nb::rv_policy::reference,
+        "The process's default backend (ZEROCORE_BACKEND: the plain CpuBackend, or a CheckingBackend under "
+        "ZEROCORE_BACKEND=checking), which an engine on the CPU runs on unless given one.");
 }
 
 }  // namespace zerocore::bindings

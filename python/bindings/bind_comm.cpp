@@ -74,14 +74,15 @@ void bind_collective_timeout(nb::module_& m) {
 }
 
 // A collective's completion as Python holds it: the queue's backend event,
-// waited for through that backend (the process's, which outlives it).
+// waited for through that backend, which it keeps alive.
 struct CollectiveEvent {
+  nb::object owner;  // the bound backend
   Backend* backend;
   std::shared_ptr<StreamEvent> event;
 };
 
-CollectiveEvent completion(const CommQueue& q, std::shared_ptr<StreamEvent> event) {
-  return CollectiveEvent{&q.backend(), std::move(event)};
+CollectiveEvent completion(const BoundQueue& q, std::shared_ptr<StreamEvent> event) {
+  return CollectiveEvent{q.backend(), &q.get().backend(), std::move(event)};
 }
 
 // The queue, its comm stream ordered after everything the compute stream
@@ -129,6 +130,13 @@ void bind_comm(nb::module_& m) {
           "Blocks (without the GIL) until the collective completed (its data moved); raises its error if it "
           "failed.")
       .def(
+          "compute_waits",
+          [](const CollectiveEvent& e) { e.backend->wait(e.backend->compute_stream(), *e.event); },
+          nb::call_guard<nb::gil_scoped_release>(),
+          "The compute stream waits for the collective, for a reader on it (torch's work): on CUDA on the device, "
+          "the host going on; on the CPU the caller, who is the compute stream, waits here. Raises its error if "
+          "it failed.")
+      .def(
           "ready", [](const CollectiveEvent& e) { return e.backend->query(*e.event); },
           "True once the collective completed (or failed).");
 
@@ -138,49 +146,57 @@ void bind_comm(nb::module_& m) {
                          "completed; each issue returns the Event of its completion, which must be waited for before "
                          "the output is read or the input reused.")
       .def("__init__",
-           [](BoundQueue* self, nb::object transport) {
-             new (self) BoundQueue(late_if_asked(python_transport(std::move(transport))));
+           [](BoundQueue* self, nb::object transport, BoundBackend& backend) {
+             new (self) BoundQueue(late_if_asked(python_transport(std::move(transport))), nb::find(backend));
            },
-           "transport"_a,
-           "A queue over a Python transport: an object with rank, world_size and the methods "
+           "transport"_a, "backend"_a,
+           "A queue over a Python transport, its comm stream a new stream of `backend` (a "
+           "zerocore._native.Backend, which the queue keeps alive). The transport is an object with rank, "
+           "world_size and the methods "
            "all_gather(key, shard, output), reduce_scatter(key, input, shard), all_reduce(key, tensor), "
            "broadcast(key, tensor, root), called on the queue's thread with the key (kind, group, bucket, numel) and "
            "DLPack tensors; each issues its collective and returns None once it is done, or else a callable that "
            "blocks until it is, which the queue's completing thread calls. A TimeoutError they raise comes out of Event.wait() as CollectiveTimeoutError, with its "
            "message as is; any other error as RuntimeError naming the collective.")
       .def_static(
-          "single_process", [] { return std::make_unique<BoundQueue>(late_if_asked(InProcessGroup(1).transport(0))); },
-          "A queue over a group of this process alone (no torch.distributed).")
+          "single_process",
+          [](BoundBackend& backend) {
+            return std::make_unique<BoundQueue>(late_if_asked(InProcessGroup(1).transport(0)), nb::find(backend));
+          },
+          "backend"_a, "A queue over a group of this process alone (no torch.distributed), on `backend`.")
+      .def_prop_ro("backend", &BoundQueue::backend, "The backend the queue's comm stream is a stream of.")
+      .def_prop_ro(
+          "stream", [](const BoundQueue& q) -> Stream& { return q.get().stream(); }, nb::rv_policy::reference_internal,
+          "The queue's comm stream (a stream of its backend; on CUDA, Backend.stream_handle gives its cudaStream_t).")
       .def_prop_ro("rank", [](const BoundQueue& q) { return q.get().rank(); })
       .def_prop_ro("world_size", [](const BoundQueue& q) { return q.get().world_size(); })
       .def(
           "all_gather",
           [](const BoundQueue& q, nb::handle key, nb::handle shard, nb::handle output, bool counted) {
-            return completion(q.get(), behind_compute(q).all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
-                                                                    tensor_from_dlpack(output, "output"), counted));
+            return completion(q, behind_compute(q).all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
+                                                              tensor_from_dlpack(output, "output"), counted));
           },
           "key"_a, "shard"_a, "output"_a, "counted"_a = true, "output (world_size x shard) <- every rank's shard.")
       .def(
           "reduce_scatter",
           [](const BoundQueue& q, nb::handle key, nb::handle input, nb::handle shard, bool counted) {
-            return completion(q.get(),
-                              behind_compute(q).reduce_scatter(to_key(key), tensor_from_dlpack(input, "input"),
-                                                               tensor_from_dlpack(shard, "shard"), counted));
+            return completion(q, behind_compute(q).reduce_scatter(to_key(key), tensor_from_dlpack(input, "input"),
+                                                                  tensor_from_dlpack(shard, "shard"), counted));
           },
           "key"_a, "input"_a, "shard"_a, "counted"_a = true,
           "shard <- this rank's block of the sum of every rank's input.")
       .def(
           "all_reduce",
           [](const BoundQueue& q, nb::handle key, nb::handle tensor, bool counted) {
-            return completion(q.get(),
+            return completion(q,
                               behind_compute(q).all_reduce(to_key(key), tensor_from_dlpack(tensor, "tensor"), counted));
           },
           "key"_a, "tensor"_a, "counted"_a = true, "tensor <- the sum of every rank's tensor.")
       .def(
           "broadcast",
           [](const BoundQueue& q, nb::handle key, nb::handle tensor, int root, bool counted) {
-            return completion(q.get(), behind_compute(q).broadcast(to_key(key), tensor_from_dlpack(tensor, "tensor"),
-                                                                   root, counted));
+            return completion(q, behind_compute(q).broadcast(to_key(key), tensor_from_dlpack(tensor, "tensor"),
+                                                             root, counted));
           },
           "key"_a, "tensor"_a, "root"_a, "counted"_a = true, "tensor <- rank root's tensor.")
       .def_prop_ro("fingerprint", [](const BoundQueue& q) { return q.get().fingerprint(); },

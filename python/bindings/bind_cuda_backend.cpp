@@ -1,14 +1,14 @@
-// The CUDA backend as Python holds it (zerocore._native.CudaBackend), built
-// into _native when zerocore is built with CUDA, so the runtime objects of
-// this module can run on it (a C++ object cannot cross into the separately
-// linked _cuda module). Making one touches no CUDA: the module imports
-// without a driver, and a bad device is reported by the first call that
-// uses it. Its compute stream is given as the raw cudaStream_t of torch's
-// current stream (torch.cuda.current_stream().cuda_stream).
+// The CUDA backend as Python holds it (zerocore._native.CudaBackend, a
+// zerocore._native.Backend), built into _native when zerocore is built with
+// CUDA, so the runtime objects of this module can run on it (a C++ object
+// cannot cross into the separately linked _cuda module). Making one touches
+// no CUDA: the module imports without a driver, and a bad device is reported
+// by the first call that uses it. Its compute stream is given as the raw
+// cudaStream_t of torch's current stream (torch.cuda.current_stream().cuda_stream).
 #include <memory>
 
-#include "backend_methods.h"
 #include "bindings.h"
+#include "bound_backend.h"
 #include "zerocore/cuda_backend.h"
 
 namespace nb = nanobind;
@@ -17,21 +17,20 @@ using namespace nb::literals;
 namespace zerocore::bindings {
 
 void bind_cuda_backend(nb::module_& m) {
-  using BoundCuda = BoundBackend<CudaBackend>;
-  auto cuda = nb::class_<BoundCuda>(m, "CudaBackend",
-                                    "The CUDA backend of one device: cudaMalloc/cudaHostAlloc buffers, the caller's "
-                                    "compute stream, non-blocking streams of its own, CUDA events, async copies.")
-                  .def(
-                      "__init__",
-                      [](BoundCuda* self, int device, uintptr_t compute_stream) {
-                        new (self) BoundCuda(
-                            std::make_unique<CudaBackend>(device, reinterpret_cast<void*>(compute_stream)));
-                      },
-                      "device"_a, "compute_stream"_a = 0,
-                      "A backend on CUDA device `device`; `compute_stream` is a cudaStream_t as an int (0: the "
-                      "legacy default stream).");
-  def_backend_methods(cuda);
-  cuda.def_prop_ro("device", [](BoundCuda& b) { return b.get().device(); })
+  using BoundCuda = HeldBackend<CudaBackend>;
+  nb::class_<BoundCuda, BoundBackend>(m, "CudaBackend",
+                                      "The CUDA backend of one device: cudaMalloc/cudaHostAlloc buffers, the "
+                                      "caller's compute stream, non-blocking streams of its own, CUDA events, async "
+                                      "copies.")
+      .def(
+          "__init__",
+          [](BoundCuda* self, int device, uintptr_t compute_stream) {
+            new (self) BoundCuda(std::make_unique<CudaBackend>(device, reinterpret_cast<void*>(compute_stream)));
+          },
+          "device"_a, "compute_stream"_a = 0,
+          "A backend on CUDA device `device`; `compute_stream` is a cudaStream_t as an int (0: the legacy default "
+          "stream).")
+      .def_prop_ro("device", [](BoundCuda& b) { return b.get().device(); })
       .def(
           "set_compute_stream",
           [](BoundCuda& b, uintptr_t handle) { b.get().set_compute_stream(reinterpret_cast<void*>(handle)); },

@@ -6,7 +6,7 @@
 #include "bindings.h"
 #include "dlpack_tensor.h"
 #include "flat_runs.h"
-#include "process_backend.h"
+#include "bound_backend.h"
 #include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/kernels/cpu_reduce.h"
 #include "zerocore/error.h"
@@ -165,11 +165,11 @@ void bind_optim(nb::module_& m) {
 
   nb::class_<OffloadOptimizer>(m, "OffloadOptimizer",
                                "ZeRO-Offload's host step over a partition in buckets: grads down, the CPU "
-                               "optimizer and params up on two streams of the process backend, ordered by its "
-                               "events (offload_optimizer.h).")
+                               "optimizer and params up on two streams of its backend, ordered by its events "
+                               "(offload_optimizer.h).")
       .def(
           "__init__",
-          [](OffloadOptimizer* self, const nb::list& buckets) {
+          [](OffloadOptimizer* self, const nb::list& buckets, const BoundBackend& backend) {
             std::vector<OffloadBucket> out;
             for (nb::handle item : buckets) {
               nb::tuple b = nb::cast<nb::tuple>(item);
@@ -180,11 +180,12 @@ void bind_optim(nb::module_& m) {
               out.push_back(OffloadBucket{nb::cast<const FlatRuns&>(b[0]).runs, copies(nb::cast<nb::list>(b[1]), "grad"),
                                           copies(nb::cast<nb::list>(b[2]), "param"), std::move(spares)});
             }
-            new (self) OffloadOptimizer(std::move(out), process_backend());
+            new (self) OffloadOptimizer(std::move(out), backend.get());
           },
-          "buckets"_a,
+          "buckets"_a, "backend"_a, nb::keep_alive<1, 3>(),
           "buckets: per bucket, (FlatRuns of its host runs, [(device grad, host grad)], [(host param, param "
-          "training reads)][, [spare grad per run]]).")
+          "training reads)][, [spare grad per run]]). backend: the zerocore._native.Backend whose streams it runs "
+          "on (kept alive).")
       .def("swap_grads", &OffloadOptimizer::swap_grads,
            "Each run's grad trades places with its spare (nothing may be queued).")
       .def("copy_grads", &OffloadOptimizer::copy_grads, "Queues every bucket's grads down.")

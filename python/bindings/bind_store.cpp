@@ -4,8 +4,9 @@
 // Python turns into slices of its torch tensors: a slice shares its buffer's
 // torch storage, which stage 3's saved-tensor hooks rely on, where a view
 // made natively and imported through DLPack would have a storage of its own.
-// The buffers are the process backend's (process_backend.h), so under
-// ZEROCORE_BACKEND=checking every access the runtime makes to them is checked.
+// The buffers are the given backend's (the engine's, which the store keeps
+// alive), so on a checking backend every access the runtime makes to them is
+// checked.
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -16,7 +17,7 @@
 
 #include "bindings.h"
 #include "dlpack_tensor.h"
-#include "process_backend.h"
+#include "bound_backend.h"
 #include "zerocore/error.h"
 #include "zerocore/store/partition_store.h"
 
@@ -53,21 +54,24 @@ void bind_store(nb::module_& m) {
   nb::class_<PartitionStore>(m, "PartitionStore", "A flat group's buffers and views (see partition_store.h).")
       .def(
           "__init__",
-          [](PartitionStore* self, const LayoutPlan& plan, int rank, const std::string& dtype,
-             const std::string& reduce_dtype, bool trainable, bool sharded, bool partitions_grads,
-             bool params_on_host, bool optimizer_on_host, bool delayed, std::vector<std::string> state_names,
-             std::string name) {
+          [](PartitionStore* self, const LayoutPlan& plan, const BoundBackend& backend, int rank,
+             const std::string& dtype, const std::string& reduce_dtype, bool trainable, bool sharded,
+             bool partitions_grads, bool params_on_host, bool optimizer_on_host, bool delayed,
+             std::vector<std::string> state_names, std::string name) {
             new (self) PartitionStore(
                 plan,
                 StorePlacement{rank, parse_dtype(dtype), parse_dtype(reduce_dtype), trainable, sharded,
                                partitions_grads, params_on_host, optimizer_on_host, delayed, std::move(state_names)},
-                process_backend(), std::move(name));
+                backend.get(), std::move(name));
           },
-          nb::arg("plan"), nb::kw_only(), nb::arg("rank"), nb::arg("dtype"), nb::arg("reduce_dtype"),
+          nb::arg("plan"), nb::kw_only(), nb::arg("backend"), nb::arg("rank"), nb::arg("dtype"),
+          nb::arg("reduce_dtype"),
           nb::arg("trainable"), nb::arg("sharded"), nb::arg("partitions_grads"), nb::arg("params_on_host"),
           nb::arg("optimizer_on_host"), nb::arg("delayed") = false,
           nb::arg("state_names") = std::vector<std::string>{}, nb::arg("name") = "a flat group",
-          "name: what the checking backend's reports call the group (its buffers are \"<kind> of <name>\").")
+          nb::keep_alive<1, 3>(),
+          "backend: the zerocore._native.Backend its buffers are allocated from (kept alive). name: what the "
+          "checking backend's reports call the group (its buffers are \"<kind> of <name>\").")
       .def_prop_ro("plan", &PartitionStore::plan)
       .def_prop_ro(
           "buffers",

@@ -1,10 +1,11 @@
 // The CommQueue as Python holds it (zerocore._native.CommQueue), on the
-// process's backend (process_backend.h), shared by
-// the bindings that issue on it (the schedule's). Its threads take the GIL
-// to run a Python transport, so the queue is closed (drained, its threads
-// joined) with the GIL released. Native objects issuing on it hold a
-// reference to the CommQueue and keep the Python object alive (keep_alive);
-// the engine drops them, or leaves them idle, before the queue is closed.
+// backend it was made with (a bound backend it holds a reference to, so the
+// backend outlives it), shared by the bindings that issue on it (the
+// schedule's). Its threads take the GIL to run a Python transport, so the
+// queue is closed (drained, its threads joined) with the GIL released.
+// Native objects issuing on it hold a reference to the CommQueue and keep
+// the Python object alive (keep_alive); the engine drops them, or leaves
+// them idle, before the queue is closed.
 #pragma once
 #include <nanobind/nanobind.h>
 
@@ -12,7 +13,7 @@
 #include <stdexcept>
 #include <utility>
 
-#include "process_backend.h"
+#include "bound_backend.h"
 #include "zerocore/comm/comm.h"
 
 namespace zerocore::bindings {
@@ -20,8 +21,10 @@ namespace zerocore::bindings {
 // Closed by close() or when dropped.
 class BoundQueue {
  public:
-  explicit BoundQueue(std::unique_ptr<Transport> transport)
-      : queue_(std::make_unique<CommQueue>(std::move(transport), process_backend())) {}
+  // `backend`: the BoundBackend the queue's comm stream is a stream of.
+  BoundQueue(std::unique_ptr<Transport> transport, nanobind::object backend)
+      : backend_(std::move(backend)),
+        queue_(std::make_unique<CommQueue>(std::move(transport), nanobind::cast<BoundBackend&>(backend_).get())) {}
   ~BoundQueue() { close(); }
   BoundQueue(const BoundQueue&) = delete;
   BoundQueue& operator=(const BoundQueue&) = delete;
@@ -39,8 +42,11 @@ class BoundQueue {
     if (!queue_) throw std::runtime_error("CommQueue: the queue was closed; issue on an open one");
     return *queue_;
   }
+  // The Python object of the queue's backend (open or closed).
+  const nanobind::object& backend() const { return backend_; }
 
  private:
+  nanobind::object backend_;  // declared first: goes after the queue
   std::unique_ptr<CommQueue> queue_;
 };
 

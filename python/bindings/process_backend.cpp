@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "zerocore/backend/checking_backend.h"
 #include "zerocore/error.h"
 
 namespace zerocore::bindings {
@@ -30,17 +31,18 @@ std::unique_ptr<CheckingCpuBackend> checker_from_env() {
   throw InvalidArgument("ZEROCORE_BACKEND='" + v + "': set it to cpu, checking or checking:<seed>, or leave it unset");
 }
 
-}  // namespace
-
-CheckingCpuBackend* process_checker() {
-  // Never destroyed: queues may outlive module teardown.
-  static CheckingCpuBackend* const checker = checker_from_env().release();
-  return checker;
+BoundBackend* from_env() {
+  if (std::unique_ptr<CheckingCpuBackend> checker = checker_from_env()) {
+    return new HeldBackend<CheckingCpuBackend>(std::move(checker));
+  }
+  return new HeldBackend<CpuBackend>(default_cpu_backend());
 }
 
-Backend& process_backend() {
-  CheckingCpuBackend* checker = process_checker();
-  return checker ? static_cast<Backend&>(*checker) : default_cpu_backend();
+}  // namespace
+
+BoundBackend& process_backend() {
+  static BoundBackend* const backend = from_env();  // never destroyed
+  return *backend;
 }
 
 }  // namespace zerocore::bindings

@@ -1,18 +1,20 @@
-// The backend the engine's native objects run on in this process, chosen by
-// the environment: ZEROCORE_BACKEND unset, empty or "cpu" is the plain CPU
-// backend; "checking" or "checking:<seed>" is a CheckingCpuBackend (a test
-// switch: every comm queue's collectives, their waits and the schedules'
-// slots are checked, and a violation raises StreamOrderError where it
-// happens). One per process, made when first asked for: forked ranks each
-// make their own (a backend made before the fork has no threads of its
-// own, since comm queues only name their streams).
+// The process's default backend, chosen by the environment: ZEROCORE_BACKEND
+// unset, empty or "cpu" is the plain CPU backend (default_cpu_backend());
+// "checking" or "checking:<seed>" is a CheckingCpuBackend (a test switch:
+// every engine on the CPU that is given no backend of its own runs on it, so
+// its collectives, their waits, the schedules' slots and the stores' buffers
+// are checked, and a violation raises StreamOrderError where it happens).
+// Python reaches it as zerocore._native.process_backend(); the engine picks
+// it for a module on the CPU (zerocore/devices.py). One per process, made
+// when first asked for and never destroyed (queues may outlive module
+// teardown): forked ranks each make their own, or inherit one made before
+// the fork, which has no threads of its own yet (a stream's thread starts
+// with its first work).
 #pragma once
-#include "zerocore/backend/checking_backend.h"
+#include "bound_backend.h"
 
 namespace zerocore::bindings {
 
-Backend& process_backend();
-// The process backend's checker, or null on the plain backend.
-CheckingCpuBackend* process_checker();
+BoundBackend& process_backend();
 
 }  // namespace zerocore::bindings

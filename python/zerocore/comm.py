@@ -1,14 +1,15 @@
 """Collectives of the engine, on one native ordered queue per process group.
 
 Every collective goes through `Communicator.queue`, a
-zerocore._native.CommQueue, the group's comm stream: native threads that
-issue the group's collectives in the order they were issued and complete
-them in that order, each through its event (never "the call returned":
-nothing reads an output or reuses an input before waiting for it), over a
-ProcessGroupTransport
-(torch.distributed) or, without a process group (stage 0 on one process),
-over the single-process group, where every collective is the identity.
-Native code issues on the same queue, in the same order.
+zerocore._native.CommQueue, the group's comm stream, a stream of the
+engine's backend (devices.decide): native threads that issue the group's
+collectives in the order they were issued and complete them in that order,
+each through its event (never "the call returned": nothing reads an output
+or reuses an input before waiting for it), over a ProcessGroupTransport
+(torch.distributed; on a CudaBackend it issues CUDA tensors' collectives on
+the comm stream itself) or, without a process group (stage 0 on one
+process), over the single-process group, where every collective is the
+identity. Native code issues on the same queue, in the same order.
 
 Data plane: the collectives whose volume the ZeRO formulas predict, keyed
 by (kind, the flat group's tag, the same on every rank, bucket, elements).
@@ -41,7 +42,7 @@ from collections import Counter
 
 import torch
 
-from zerocore import _native
+from zerocore import _native, devices
 from zerocore.process_group import Failure, ProcessGroupTransport
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the data plane, by native CollectiveKind
@@ -88,7 +89,8 @@ class CollectiveNames:
 
 
 class Communicator:
-    """The collectives of one process group (None: this process alone).
+    """The collectives of one process group (None: this process alone), on
+    a comm stream of `backend` (a zerocore._native.Backend: the engine's).
     native_control: what the control collectives native code issues on it
     are for. fails_with: a Communicator of the same engine; after a failed
     collective on either, every collective of both fails at once. control:
@@ -97,13 +99,20 @@ class Communicator:
     never wait behind data collectives nor need the data group to move host
     tensors."""
 
-    def __init__(self, group, native_control="backward's agreement on late grads", fails_with=None, control=None):
+    def __init__(self, group, native_control="backward's agreement on late grads", fails_with=None, control=None, *,
+                 backend):
         self.group = group
         self.distributed = group is not None
+        self.backend = backend
         self.names = CollectiveNames(native_control)
         self.failure = fails_with.failure if fails_with is not None else Failure()
-        self.queue = (_native.CommQueue(ProcessGroupTransport(group, self.names, self.failure)) if self.distributed
-                      else _native.CommQueue.single_process())
+        if self.distributed:
+            transport = ProcessGroupTransport(group, self.names, self.failure)
+            self.queue = _native.CommQueue(transport, backend)
+            if devices.is_cuda(backend):
+                transport.issue_on(backend.stream_handle(self.queue.stream), backend.device)
+        else:
+            self.queue = _native.CommQueue.single_process(backend)
         # Drain the queue when this communicator goes, or at the latest at
         # interpreter exit, while the queue's thread can still take the GIL
         # to finish a collective that is in flight.
@@ -147,14 +156,17 @@ class Communicator:
     # self.queue (the schedule, gradient reduction, the step's gathers);
     # this one serves whole-model views.
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, key, count=True):
-        """output (N x shard) <- every rank's shard, waited on; in place when
-        shard is this rank's block of output. key: (group tag, bucket)."""
-        self.queue.all_gather((_ALL_GATHER, *key, output.numel()), shard, output, count).wait()
+        """output (N x shard) <- every rank's shard, in place when shard is
+        this rank's block of output, before torch's next work reads it (the
+        compute stream waits for it: on CUDA on the device). key: (group
+        tag, bucket)."""
+        self.queue.all_gather((_ALL_GATHER, *key, output.numel()), shard, output, count).compute_waits()
 
-    # Control plane (uncounted, waited on) ----------------------------------
+    # Control plane (uncounted) ----------------------------------------------
     # Broadcasts move the model's own tensors (params, buffers: on the data
-    # group's device), so they go on the data queue; everything else here is
-    # host numbers, on the control queue.
+    # group's device), so they go on the data queue, and torch's work that
+    # follows reads them after the compute stream's wait; everything else
+    # here is host numbers, on the control queue, which the host waits for.
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0):
         """tensor <- rank src_rank's tensor, whatever its dtype and layout."""
         t = tensor.detach()
@@ -162,13 +174,13 @@ class Communicator:
         if t.is_contiguous() and nbytes % 2 == 0:
             self._broadcast_halves(_as_halves(t), src_rank)
             return
-        staged = torch.zeros(nbytes + nbytes % 2, dtype=torch.uint8)
+        staged = torch.zeros(nbytes + nbytes % 2, dtype=torch.uint8, device=t.device)
         staged[:nbytes] = t.contiguous().reshape(-1).view(torch.uint8)
         self._broadcast_halves(staged.view(torch.float16), src_rank)
         t.copy_(staged[:nbytes].view(t.dtype).view(t.shape))
 
     def _broadcast_halves(self, halves, src_rank):
-        self.queue.broadcast((_BROADCAST, _CONTROL, _BROADCASTS, halves.numel()), halves, src_rank).wait()
+        self.queue.broadcast((_BROADCAST, _CONTROL, _BROADCASTS, halves.numel()), halves, src_rank).compute_waits()
 
     def sum_scalars(self, values):
         """Sums a list of floats over ranks (float64, in rank order)."""

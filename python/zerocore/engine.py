@@ -55,31 +55,35 @@ def _own_group(group, timeout, backend=None):
     return None if group is None else private_group(group, timeout, backend)
 
 
-def _default_group(group, placement):
+def _default_group(group, placement, where):
     """The process group to train over: `group`, or the world's. A group
-    whose backend cannot move the runtime's tensors raises here, alike on
-    every rank, before any collective."""
+    whose backend cannot move the module's tensors (where.device's) raises
+    here, alike on every rank, before any collective; a module wrap
+    refuses (where.problem) raises on every rank once the ranks agree."""
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     if group is None:
         if placement.partitions_optimizer:
             raise ValueError(f"zerocore.wrap: stage {placement.stage} partitions across ranks and needs a process "
                              "group; call torch.distributed.init_process_group() first (or torchrun), or pass group=")
+        problem = devices.missing_group_problem(where.device)
+        if problem is not None:
+            raise ValueError(problem)
         return None
-    backend = dist.get_backend_config(group)
-    problem = devices.group_problem(devices.device_types(backend), backend)
-    if problem is not None:
-        raise ValueError(problem)
+    if where.problem is None:
+        backend = dist.get_backend_config(group)
+        problem = devices.group_problem(devices.device_types(backend), backend, where.device.type)
+        if problem is not None:
+            raise ValueError(problem)
     return group
 
 
-def _model_problem(module, params, names, spec):
+def _model_problem(params, names, spec, where):
     """The error this rank's model or optimizer earns before wrapping, or
-    None (meta params are the Initializer's to check)."""
-    where = devices.tensor_problem([(names[id(p)][0], p.device) for p in params] +
-                                   [(name, b.device) for name, b in module.named_buffers()])
-    if where is not None:
-        return ValueError(where)
+    None (meta params are the Initializer's to check). where: the
+    devices.Decision."""
+    if where.problem is not None:
+        return ValueError(where.problem)
     bad = [names[id(p)][0] for p in params if not p.is_floating_point()]
     if bad:
         return TypeError(f"zerocore.wrap: parameter(s) {', '.join(bad)} are not floating point")
@@ -110,7 +114,7 @@ def _hash(data: bytes, bits: int) -> int:
 
 
 class Engine:
-    def __init__(self, module, optimizer, config=None, *, group=None, units=None, init=None):
+    def __init__(self, module, optimizer, config=None, *, group=None, units=None, init=None, backend=None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"zerocore.wrap: expected a torch.nn.Module, got {type(module).__name__}")
         if getattr(module, "_zerocore_engine", None) is not None:
@@ -119,13 +123,22 @@ class Engine:
         self.placement = placement = Placement.of(cfg)
         spec = read_optimizer(optimizer)
         self.module = module
-        user_group = _default_group(group, placement)
+        params = list(module.parameters())
+        names = param_names(module)
+        # Where it trains, decided in one place: the device, and the native
+        # backend every queue, store and pipeline of the engine runs on.
+        where = devices.decide([(names[id(p)][0], p.device) for p in params] +
+                               [(name, b.device) for name, b in module.named_buffers()], backend)
+        self.device, self.backend = where.device, where.backend
+        user_group = _default_group(group, placement, where)
         # The control plane (agreements, the step's exchange, stage 3's
         # rounds) runs on host groups beside the data group, so agreeing
         # never waits behind data collectives nor, with NCCL for data, makes
-        # the GPU synchronise.
-        self.control = Communicator(_own_group(user_group, cfg.timeout, "gloo")) if user_group is not None else None
-        self.comm = Communicator(_own_group(user_group, cfg.timeout), fails_with=self.control, control=self.control)
+        # the GPU synchronise. Their queues are streams of the same backend.
+        self.control = Communicator(_own_group(user_group, cfg.timeout, "gloo"), backend=self.backend) \
+            if user_group is not None else None
+        self.comm = Communicator(_own_group(user_group, cfg.timeout), fails_with=self.control, control=self.control,
+                                 backend=self.backend)
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
@@ -133,10 +146,8 @@ class Engine:
         self.state_names = state_names(spec)
         self.step_count = 0
 
-        params = list(module.parameters())
-        names = param_names(module)
         initializer = Initializer(module, params, names, init)
-        problem = _model_problem(module, params, names, spec) or initializer.problem
+        problem = _model_problem(params, names, spec, where) or initializer.problem
         self._check_same_model(spec, params, names, initializer, failed=problem is not None)
         if problem is not None:
             raise problem
@@ -160,7 +171,7 @@ class Engine:
         self.root_numel = sum(s.numel for g in self.units[0].groups if g.trainable for s in g.slots) \
             if self.units else 0
         # Where this rank's partition is updated: one native call a step.
-        self.update = OffloadUpdate(self.groups, placement, cfg) if placement.optimizer_on_host \
+        self.update = OffloadUpdate(self.groups, placement, cfg, self.backend) if placement.optimizer_on_host \
             else InPlaceUpdate(self.groups)
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
         # close() gives the buffers their dtype back.
@@ -186,7 +197,7 @@ class Engine:
             # behind the data collectives queued before it, nor the step's
             # agreements behind a round in flight.
             self.rounds_comm = Communicator(_own_group(user_group, cfg.timeout, "gloo"), "stage 3's round",
-                                            fails_with=self.comm)
+                                            fails_with=self.comm, backend=self.backend)
             schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes,
                                     lambda unit, reduce: ref()(unit, reduce))
@@ -409,7 +420,7 @@ class Engine:
             raise ValueError(f"engine.clip_grad_norm_: max_norm={max_norm!r}; use a positive number")
         norm = math.sqrt(self._reduce_grads()) / (self.comm.world_size * self.scaler.scale)
         self._clip_norm = max_norm if self._clip_norm is None else min(self._clip_norm, max_norm)
-        return torch.tensor(norm)
+        return torch.tensor(norm, device=self.device)
 
     def _reduce_grads(self) -> float:
         """Reduces this step's grads across ranks, once a step, and returns
@@ -694,7 +705,7 @@ class _ClosedEngine:
         return self.forward(*args, **kwargs)  # raises
 
 
-def wrap(module, optimizer, config=None, *, group=None, units=None, init=None) -> Engine:
+def wrap(module, optimizer, config=None, *, group=None, units=None, init=None, backend=None) -> Engine:
     """Wraps `module` for ZeRO training with `optimizer`'s algorithm and
     hyperparameters. It takes the optimizer over: its step() and zero_grad()
     become the engine's, its param_groups hold the hyperparameters each step
@@ -712,5 +723,10 @@ def wrap(module, optimizer, config=None, *, group=None, units=None, init=None) -
         model.apply(fn) (init=model._init_weights); or a state_dict or the
         path of a safetensors file, which sets every param (meta or not)
         and the buffers it holds. zerocore/materialize.py says how.
+    backend: the native backend the engine runs on (zerocore._native:
+        CpuBackend, CheckingBackend, CudaBackend), for tests that check or
+        compare backends; by default the module's device decides
+        (zerocore/devices.py): the process's default backend on the CPU, a
+        CudaBackend on a CUDA device. It must run the module's device.
     """
-    return Engine(module, optimizer, config, group=group, units=units, init=init)
+    return Engine(module, optimizer, config, group=group, units=units, init=init, backend=backend)

@@ -40,6 +40,9 @@ ALIGN_BYTES = 64  # params and shards start on cache lines
 
 
 class FlatGroup:
+    """comm: the Communicator whose world size and rank the group is
+    partitioned over, and on whose backend its store lives."""
+
     def __init__(self, params, names, opt_groups, *, placement, dtype, reduce_dtype, trainable, sharded,
                  bucket_bytes, comm: Communicator, state_names=(), delayed=False):
         self.params = params  # backward order
@@ -60,8 +63,9 @@ class FlatGroup:
             [p.numel() for p in params], groups=opt_groups, world_size=world,
             align_elems=ALIGN_BYTES // elem, bucket_elems=max(1, bucket_bytes // elem))
         self.store = zerocore.PartitionStore(
-            self.plan, rank=self.rank, dtype=NATIVE_NAMES[dtype], reduce_dtype=NATIVE_NAMES[reduce_dtype],
-            trainable=trainable, sharded=sharded, partitions_grads=placement.partitions_grads,
+            self.plan, backend=comm.backend, rank=self.rank, dtype=NATIVE_NAMES[dtype],
+            reduce_dtype=NATIVE_NAMES[reduce_dtype], trainable=trainable, sharded=sharded,
+            partitions_grads=placement.partitions_grads,
             params_on_host=placement.params_on_host, optimizer_on_host=placement.optimizer_on_host,
             delayed=delayed, state_names=list(state_names),
             name=f"the flat group of {names[0][0]}" if names else "an empty flat group")
@@ -201,7 +205,7 @@ class FlatGroup:
         outside its unit's forward and backward (model.state_dict(),
         printing a weight) gives NaNs instead of another unit's values or
         a crash, and a write raises, since every element is one location."""
-        nan = torch.full((1,), float("nan"), dtype=self.dtype)
+        nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.params[0].device)  # where training runs
         return [nan.expand(shape) for shape in self.shapes]
 
     @property
@@ -371,7 +375,7 @@ class FlatGroup:
             return self.master
         if self.sharded:
             return self.shard.float()
-        out = torch.empty(self.plan.partition_elems, dtype=torch.float32)
+        out = torch.empty(self.plan.partition_elems, dtype=torch.float32, device=self.full.device)
         self.partition_from_flat(self.full, out)  # block by block: no full-size fp32 temporary
         return out
 
@@ -381,9 +385,9 @@ class FlatGroup:
         world, plan = self.plan.world_size, self.plan
         if world == 1:
             return part
-        parts = torch.empty(world * plan.partition_elems, dtype=torch.float32)
+        parts = torch.empty(world * plan.partition_elems, dtype=torch.float32, device=part.device)
         self.comm.all_gather(parts, part, (self.tag, -1), count=False)
-        flat = torch.empty(plan.total_elems, dtype=torch.float32)
+        flat = torch.empty(plan.total_elems, dtype=torch.float32, device=part.device)
         for r, rank_part in enumerate(parts.view(world, -1)):
             for b in range(len(self.buckets)):
                 self.view(flat, "shard", b, r).copy_(self.view(rank_part, "bucket", b))
@@ -429,7 +433,7 @@ class FlatGroup:
                 self._versions[i] = p._version
 
     def snapshot_partition(self) -> torch.Tensor:
-        out = torch.empty(self.plan.partition_elems, dtype=self.dtype)
+        out = torch.empty(self.plan.partition_elems, dtype=self.dtype, device=self.full.device)
         self.partition_from_flat(self.full, out)
         return out
 

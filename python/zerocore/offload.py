@@ -46,7 +46,7 @@ from zerocore import _native, ops
 class OffloadUpdate:
     """The host step of a rank's partition (partition_update.py's interface)."""
 
-    def __init__(self, groups, placement, config):
+    def __init__(self, groups, placement, config, backend):
         buckets, run_grad_bytes, up_bytes = [], 0, 0
         self.swapping = [g for g in groups if g.trainable and g.swaps_grads]
         for g in groups:
@@ -67,7 +67,7 @@ class OffloadUpdate:
             numel = sum(seg.numel for seg in g.segments)
             run_grad_bytes += numel * g.reduce_dtype.itemsize
             up_bytes += numel * (g.host_param if g.host_param is not None else g.master).element_size()
-        self.native = _native.OffloadOptimizer(buckets)
+        self.native = _native.OffloadOptimizer(buckets, backend)  # on the engine's backend: its copy and update streams
         # What the native step (ZeroStep) drives: the host grads taken, the
         # update, its params up at once or at the next step boundary.
         self.host = _native.HostUpdate(self.native, swaps_grads=bool(self.swapping),

@@ -14,6 +14,17 @@ since NCCL returns once a collective is queued. On gloo, which runs a
 group's works on several threads, the call itself waits for the works (on
 the queue's issuing thread) and returns None, so collectives stay a stream.
 
+On CUDA tensors (the engine's backend a CudaBackend: issue_on) a collective
+is work on the queue's comm stream: it is issued inside
+torch.cuda.stream(the comm stream), so NCCL's own stream first waits for
+what the comm stream was given (the engine's waits for the compute
+stream), and the comm stream then waits for NCCL's (the works' wait(),
+which does not block the host). The call returns None at once: the queue
+sets the collective's event on its issuing thread, and the CUDA backend
+records it on the comm stream there, right after the issue, so whoever
+waits for it (the compute stream, on the device) waits for this
+collective and nothing issued after it.
+
 On gloo (host tensors) the tensor collectives all_gather_into_tensor and
 reduce_scatter_tensor allocate full-size temporaries on every call, so peak
 memory would depend on the system allocator, and they are the slowest of
@@ -104,6 +115,13 @@ class ProcessGroupTransport:
         self.timeout = group_timeout(group)
         self.describe = describe  # key -> what the collective is, for errors
         self.failure = failure or Failure()
+        self.stream = None  # CUDA: the queue's comm stream (issue_on)
+
+    def issue_on(self, handle: int, device: int):
+        """CUDA tensors' collectives go on the comm stream whose cudaStream_t
+        is `handle`, of CUDA device `device` (the queue's, from its
+        CudaBackend)."""
+        self.stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", device))
 
     @contextlib.contextmanager
     def _running(self, key, start=None):
@@ -161,11 +179,23 @@ class ProcessGroupTransport:
         (NCCL's return once queued). On gloo, which runs a group's works on
         several threads at once, the collective completes here instead, on
         the queue's issuing thread, before the next is issued: so they stay
-        a stream, and the GIL changes hands once a collective."""
+        a stream, and the GIL changes hands once a collective. On CUDA it is
+        all on the comm stream (see the module's doc) and returns None."""
         issued = time.monotonic()
+        if device.type == "cuda":
+            if self.stream is None:
+                raise TypeError(f"{self.describe(key)}: CUDA tensors on a queue whose backend is not a CudaBackend; "
+                                "the engine's backend follows the module's device (zerocore/devices.py)")
+            with self._running(key, issued), torch.cuda.stream(self.stream):
+                works, then = start()
+                for w in works:
+                    w.wait()  # the comm stream waits for NCCL's: on the device
+                if then is not None:
+                    then()
+            return None
         with self._running(key, issued):
             works, then = start()
-        completion = _Completion(self, key, issued, works, then, device)
+        completion = _Completion(self, key, issued, works, then)
         if not self.in_place:
             return completion
         completion()
@@ -189,12 +219,13 @@ class ProcessGroupTransport:
 
 
 class _Completion:
-    """The completion of one issued collective: calling it (once) waits for
-    its works and runs what follows them; the tensors go with them."""
+    """The completion of one collective issued on host tensors: calling it
+    (once) waits for its works and runs what follows them; the tensors go
+    with them."""
 
-    def __init__(self, transport, key, issued, works, then, device):
+    def __init__(self, transport, key, issued, works, then):
         self.transport, self.key, self.issued = transport, key, issued
-        self.works, self.then, self.device = works, then, device
+        self.works, self.then = works, then
 
     def __call__(self):
         works, then, self.works, self.then = self.works, self.then, None, None
@@ -203,7 +234,3 @@ class _Completion:
                 w.wait()
             if then is not None:
                 then()
-            if self.device.type == "cuda":
-                # On NCCL wait() only orders this thread's current stream
-                # after the works: the event means done once it ran.
-                torch.cuda.current_stream(self.device).synchronize()

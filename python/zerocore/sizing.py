@@ -376,14 +376,16 @@ def _engine_layout(module, config, world_size: int, state_names, units) -> dict:
     groups zerocore.wrap would build hold on each rank: wrap's own plan
     (grouping.build_groups) and each group's buffer_plan, with no process
     group and no memory."""
+    from zerocore import _native
     from zerocore.flat_group import TORCH_DTYPES
     from zerocore.grouping import build_groups, param_names
     from zerocore.placement import Placement
 
+    # The stores only plan here: the backend they would allocate from is never used.
+    comm = SimpleNamespace(world_size=world_size, rank=0, backend=_native.process_backend())
     groups, _ = build_groups(module, list(module.parameters()), param_names(module), {}, config=config,
                              placement=Placement.of(config), dtype=TORCH_DTYPES[config.dtype],
-                             reduce_dtype=TORCH_DTYPES[config.reduce_dtype],
-                             comm=SimpleNamespace(world_size=world_size, rank=0), state_names=state_names,
+                             reduce_dtype=TORCH_DTYPES[config.reduce_dtype], comm=comm, state_names=state_names,
                              units=units)
     out = {at: dict.fromkeys(CATEGORIES, 0) for at in PLACES}
     for g in groups:

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -373,6 +375,48 @@ void test_slot_pool_on_checking_backend() {
   CHECK(pool.free_slots() == 1);
 }
 
+// What follows an event's set (Event::on_set, how the CUDA backend records
+// a collective's event on its issuing thread): run by the thread that sets
+// it, after the event reads as set and before set returns, once; at once on
+// the caller's thread when the event is set already; after a failure too.
+void test_event_runs_what_follows_its_set() {
+  Event event;
+  std::thread::id ran_on;
+  bool saw_set = false;
+  int runs = 0;
+  event.on_set([&] {
+    ran_on = std::this_thread::get_id();
+    saw_set = event.ready();
+    ++runs;
+  });
+  CHECK(runs == 0);
+  std::thread setter([&] {
+    event.set();
+    CHECK(runs == 1);  // before set returned
+  });
+  const std::thread::id setter_id = setter.get_id();
+  setter.join();
+  CHECK(runs == 1 && saw_set && ran_on == setter_id);
+  event.on_set([&] {
+    ran_on = std::this_thread::get_id();
+    ++runs;
+  });
+  CHECK(runs == 2 && ran_on == std::this_thread::get_id());
+
+  Event failed;
+  bool ran_after_failure = false;
+  failed.on_set([&] { ran_after_failure = true; });
+  failed.set(std::make_exception_ptr(std::runtime_error("collective failed")));
+  CHECK(ran_after_failure);
+  std::string message;
+  try {
+    failed.wait();
+  } catch (const std::runtime_error& e) {
+    message = e.what();
+  }
+  CHECK(message == "collective failed");
+}
+
 }  // namespace
 
 int main() {
@@ -385,5 +429,6 @@ int main() {
   test_clocks_are_transitive();
   test_what_needs_no_wait();
   test_slot_pool_on_checking_backend();
+  test_event_runs_what_follows_its_set();
   return finish("test_backend");
 }

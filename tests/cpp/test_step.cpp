@@ -9,8 +9,9 @@
 // out by hand; late grads (after their bucket's reduction, on one rank,
 // over accumulated backwards) agreed and reduced in the step's exchange;
 // ranks whose collectives differ throwing on every rank before anything
-// changes; the step driving ZeRO-Offload's host update (HostUpdate over an
-// OffloadOptimizer on the checking backend): overlapped, delayed, and a
+// changes; a partition on a device refused (the step's kernels are still
+// the CPU's); the step driving ZeRO-Offload's host update (HostUpdate over
+// an OffloadOptimizer on the checking backend): overlapped, delayed, and a
 // skipped step landing the pending update.
 #include <atomic>
 #include <cmath>
@@ -18,6 +19,7 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "check.h"
@@ -349,6 +351,25 @@ void test_order_mismatch_throws_on_every_rank() {
   CHECK(bad == 0);
 }
 
+// A partition on a device is refused at construction, naming the run and
+// why: the step's norm and update are still the CPU kernels.
+void test_a_partition_on_a_device_is_refused() {
+  test::on_ranks_with_rounds(1, [&](int, CommQueue& data, CommQueue& control) {
+    const Tensor host = filled(std::vector<float>(8, 1.0f));
+    const Tensor on_gpu(host.data(), DType::kFloat32, Device{DeviceType::kCUDA, 1}, {8}, nullptr);  // never read
+    std::string message;
+    try {
+      ZeroStep step(ZeroStep::Parts{&data, &control, {FlatRun{0, host, host, Tensor(), Tensor(), Tensor()},
+                                                      FlatRun{0, host, on_gpu, Tensor(), Tensor(), Tensor()}},
+                                    false});
+    } catch (const InvalidArgument& e) {
+      message = e.what();
+    }
+    CHECK(message.find("run 1's grad is on cuda:1") != std::string::npos);
+    CHECK(message.find("still run the CPU kernels") != std::string::npos);
+  });
+}
+
 // Offload: each rank's partition (an fp32 master and its host grads) lives
 // on the host of a checking backend; its grads come down from "device"
 // buffers and its params go up to them. Four steps, delayed from step 2:
@@ -441,6 +462,7 @@ int main() {
   zerocore::test_dynamic_scale_over_steps();
   zerocore::test_late_grads_in_the_exchange();
   zerocore::test_order_mismatch_throws_on_every_rank();
+  zerocore::test_a_partition_on_a_device_is_refused();
   zerocore::test_host_update();
   return zerocore::test::finish("test_step");
 }

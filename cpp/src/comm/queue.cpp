@@ -129,11 +129,14 @@ std::shared_ptr<StreamEvent> CommQueue::enqueue(const CollectiveKey& key, bool c
     if (s.trace.size() < s.trace_limit) s.trace.push_back(key);
     if (counted) s.stats[size_t(key.kind)] += key.numel;
   }
+  // The event is made before the issuing thread can set `done`, so a
+  // backend that records it as `done` is set (CUDA's, on the issuing thread
+  // right after the issue) covers this collective and nothing issued after.
   auto done = std::make_shared<Event>();
-  s.issuing.enqueue([&s, work = std::move(work), transport = transport_.get(), done]() mutable {
+  std::shared_ptr<StreamEvent> event = backend_.record_done(stream_, done);
+  s.issuing.enqueue([&s, work = std::move(work), transport = transport_.get(), done = std::move(done)]() mutable {
     s.issue(*transport, work, done);
   });
-  std::shared_ptr<StreamEvent> event = backend_.record_done(stream_, std::move(done));
   if (unordered) std::rethrow_exception(unordered);
   return event;
 }

@@ -5,12 +5,26 @@
 namespace zerocore {
 
 void Event::set(std::exception_ptr error) {
+  std::vector<std::function<void()>> then;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     done_ = true;
     error_ = std::move(error);
+    then.swap(then_);
   }
   cv_.notify_all();
+  for (auto& f : then) f();
+}
+
+void Event::on_set(std::function<void()> then) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!done_) {
+      then_.push_back(std::move(then));
+      return;
+    }
+  }
+  then();
 }
 
 void Event::wait() const {

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <utility>
 
 #include "zerocore/error.h"
 #include "zerocore/kernels/cpu_reduce.h"
@@ -43,7 +45,22 @@ ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)) {
     throw InvalidArgument("ZeroStep: give the runs (the step updates them in place) or the host update "
                           "(offload), not both");
   }
-  for (const FlatRun& run : parts_.runs) grads_.push_back(run.grad);
+  // The sum of squares and the update below are the CPU kernels, not yet
+  // the backend's (docs/design.md, Status): a partition on a device is
+  // refused here, at wrap, rather than read from the host in the first step.
+  for (size_t i = 0; i < parts_.runs.size(); ++i) {
+    const FlatRun& run = parts_.runs[i];
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"param", run.param}, {"grad", run.grad}}) {
+      if (t.device().type != DeviceType::kCPU) {
+        throw InvalidArgument("ZeroStep: run " + std::to_string(i) + "'s " + name + " is on cuda:" +
+                              std::to_string(t.device().index) +
+                              ", but the step's sum of squares and in-place update still run the CPU kernels, not "
+                              "its backend's (docs/design.md, Status): the engine cannot step a partition on a GPU "
+                              "yet; train on the CPU (model.cpu())");
+      }
+    }
+    grads_.push_back(run.grad);
+  }
 }
 
 Exchanged ZeroStep::exchange_rows(double mine, int64_t changes, std::vector<bool>& late) {

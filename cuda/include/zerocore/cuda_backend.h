@@ -85,20 +85,18 @@ class CudaBackend : public Backend {
   void wait(Stream& stream, const StreamEvent& event) override;
   void host_wait(const StreamEvent& event) override;
   bool query(const StreamEvent& event) override;
-  // A collective issued on the stream (NCCL, by the comm queue's thread
-  // through enqueue) is work on the stream: its event is the stream's
-  // record, taken once `done` is set (the queue sets it once the collective
-  // is issued), so it covers the collective whichever thread issued it.
-  // Until then the event is pending: query says not complete, host_wait
-  // waits for `done` first (raising its error), and a stream wait blocks
-  // the host until `done` is set. A collective completed on the host (a
-  // CPU transport's, `done` set when its data has moved) therefore costs a
-  // host block where a stream waits for it: the CUDA path issues its
-  // collectives on the stream instead. Taken late, the record also covers
-  // what was issued on the stream after the collective and before the
-  // first wait (a prefetched gather): a waiter may wait longer than it
-  // must, never less. Recording on the issuing thread right after the issue
-  // would be exact; that belongs to the comm queue's CUDA wiring.
+  // A collective issued on the stream (NCCL, by the comm queue's issuing
+  // thread: the torch.distributed transport issues inside the comm stream
+  // and has that stream wait for NCCL's) is work on the stream: its event
+  // is the stream's record, taken by the thread that sets `done`, when it
+  // sets it (Event::on_set; the queue sets it once the collective is
+  // issued, before it issues the next), so it covers that collective and
+  // nothing issued after it. Until then the event is pending: query says
+  // not complete, host_wait waits for `done` first (raising its error), and
+  // a stream wait blocks the host until `done` is set (until the
+  // collective is issued, not done). A collective completed on the host (a
+  // CPU transport's: gloo's control plane, `done` set when its data has
+  // moved) therefore costs a host block where a stream waits for it.
   std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) override;
 
   // Between any kinds: device tensors on this device, host tensors anywhere.

@@ -108,8 +108,8 @@ def _check_deepspeed(ds, args):
 def _check_args(args, model_init):
     """What ZeroTrainer cannot do as the Trainer would, refused up front."""
     if args.device.type not in devices.SUPPORTED:
-        raise ValueError(f"ZeroTrainer: the Trainer's device is {args.device}, but zerocore trains on the CPU today "
-                         "(its CUDA backend is not built yet): pass TrainingArguments(use_cpu=True)")
+        raise ValueError(f"ZeroTrainer: the Trainer's device is {args.device}, but zerocore trains on "
+                         f"{' and '.join(devices.SUPPORTED)} devices only: pass TrainingArguments(use_cpu=True)")
     launched = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
         else int(os.environ.get("WORLD_SIZE", "1"))
     if args.world_size != launched:

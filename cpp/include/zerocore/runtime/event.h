@@ -4,7 +4,9 @@
 #pragma once
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <mutex>
+#include <vector>
 
 namespace zerocore {
 
@@ -13,12 +15,19 @@ class Event {
   void set(std::exception_ptr error = nullptr);
   void wait() const;
   bool ready() const;
+  // Runs `then` on the thread that sets the event, once it is set (at once,
+  // on the calling thread, when it is set already): what must happen right
+  // after the work and before that thread goes on, such as recording a CUDA
+  // event behind a collective its issuing thread just queued. `then` must
+  // not throw.
+  void on_set(std::function<void()> then);
 
  private:
   mutable std::mutex mutex_;
   mutable std::condition_variable cv_;
   bool done_ = false;
   std::exception_ptr error_;
+  std::vector<std::function<void()>> then_;
 };
 
 }  // namespace zerocore
