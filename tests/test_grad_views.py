@@ -8,8 +8,8 @@ staging (the first bucket at the start of backward, the next as the one
 before goes out), so only params that span buckets, or whose grads come
 before their bucket's turn, are copied. The views never outlive the
 backward, a failed one included; a user's hook may change a grad in its
-view, and one that replaces the view raises instead of having the grad
-counted twice. The trained values are compared with single-process torch
+view or replace it (the view then takes the new value, so the grad counts
+once). The trained values are compared with single-process torch
 here for those, and in test_engine_equivalence.py (accumulation, bucket
 sizes) and test_engine_models.py (late grads) for the rest."""
 import pytest
@@ -152,8 +152,8 @@ def _shift(p):  # not a scale, which Adam's update would hide
     p.grad.add_(0.01)
 
 
-def _replace(p):
-    p.grad = p.grad * 2.0
+def _replace(p):  # a new tensor in the view's place
+    p.grad = p.grad + 0.01
 
 
 def _train_with_hooks(rank, world, stage, hook):
@@ -162,20 +162,15 @@ def _train_with_hooks(rank, world, stage, hook):
         p.register_post_accumulate_grad_hook(hook)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), **HP),
                            zerocore.Config(stage=stage, bucket_bytes=512))
-    try:
-        return engine_train(engine, rank, world, 3, 1)  # torch's hook would shift the sum of earlier micro-batches again
-    except RuntimeError as e:
-        return str(e)
+    return engine_train(engine, rank, world, 3, 1)  # torch's hook would shift the sum of earlier micro-batches again
 
 
+@pytest.mark.parametrize("hook", [_shift, _replace])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_users_hook_changes_grads_in_place_and_may_not_replace_them(stage):
+def test_a_users_hook_changes_or_replaces_grads_as_in_torch(stage, hook):
     model = make()
     for p in model.parameters():
-        p.register_post_accumulate_grad_hook(_shift)
+        p.register_post_accumulate_grad_hook(hook)
     ref = reference_train(model, torch.optim.AdamW(model.parameters(), **HP), 3, 1, 2)
-    for rank, got in enumerate(run_ranks(_train_with_hooks, 2, stage, _shift)):
+    for rank, got in enumerate(run_ranks(_train_with_hooks, 2, stage, hook)):
         assert_state_close(got, ref, rtol=1e-5, atol=1e-5, what=f"stage {stage} rank {rank}")
-    for error in run_ranks(_train_with_hooks, 2, stage, _replace):
-        assert isinstance(error, str) and ".grad was replaced during engine.backward" in error, error
-        assert "in place in the hook" in error

@@ -194,13 +194,15 @@ class StagedReducer:
         i, j = self.where[id(p)]
         _, view = self.viewed.pop(id(p), (None, None))
         if view is not None and p.grad is not view:
-            # Autograd added into the view already: the staging holds the
-            # grad, which the tensor put in its place would be added to.
-            raise RuntimeError(
-                f"zerocore: {self.groups[i].names[j][0]}.grad was replaced during engine.backward (a hook set it to "
-                f"{'None' if p.grad is None else 'another tensor'}); at stages 2-3 a param's .grad is, until "
-                "autograd has accumulated its grad, the engine's view into the buffer the grad is reduced from, "
-                "which holds the grad then. Change the grad in place in the hook instead (p.grad.mul_(...))")
+            # A user's hook put another tensor in its place (or None, a zero
+            # grad): autograd had added this micro-batch's grad into the
+            # view already, so the view takes the hook's value instead and
+            # the grad counts once, as the hook left it.
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
         views = self.native.grad_ready(i, j, p.grad.reshape(-1))
         p.grad = None
         self._attach_handed(views)
