@@ -60,9 +60,10 @@ phase_done "the Python tests"
 # (a violation raises StreamOrderError on its rank), with the same
 # references. Stages 0-3, offload, divergent units, partitioned activation
 # checkpoints, coalesced units, the partition store, the host waits a step
-# makes, and a stream-order violation in a unit's hook raising on every rank.
+# makes, a stream-order violation in a unit's hook raising on every rank,
+# and grads accumulated in place in the reduce staging.
 ZEROCORE_BACKEND=checking "$venv/python" -m pytest -q -p no:cacheprovider \
   tests/test_engine_equivalence.py tests/test_offload.py tests/test_divergent_units.py tests/test_moe_example.py \
   tests/test_activation_checkpoint.py tests/test_coalesced_units.py tests/test_host_waits.py \
-  tests/test_stream_order_failure.py tests/test_partition_store.py
+  tests/test_stream_order_failure.py tests/test_partition_store.py tests/test_grad_views.py
 phase_done "the checked subset"

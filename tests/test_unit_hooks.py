@@ -1,10 +1,12 @@
 """Stage 3's unit hooks, one native call each (issue 20, item 5): a hook
 calls the native UnitSchedule once, and that call returns what to bind and
-what to release, so Python never asks where a unit is gathered. Every
-attribute Python takes from the schedule object in a step is counted (each
-is a call into the runtime), and so are the torch views of its buffers
-made, on 2 ranks, in the steps after the first (which makes the views of
-the pool's slots, kept from then on)."""
+what to release, so Python never asks where a unit is gathered; a group's
+grad views are one call to the native BucketReducer, and the rounds reduce
+a unit's grads inside the schedule, with no call back into Python. Every
+attribute Python takes from the schedule and the reducer in a step is
+counted (each is a call into the runtime), and so are the torch views of
+the schedule's buffers made, on 2 ranks, in the steps after the first
+(which makes the views of the pool's slots, kept from then on)."""
 import collections
 
 import torch
@@ -33,6 +35,7 @@ def _calls_a_step(rank, world, layers):
     model = make(layers=layers)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3})
     counting = engine.scheduler.native = Counting(engine.scheduler.native)
+    reducer = engine.reducer.native = Counting(engine.reducer.native)
     # Unit forwards, counted by hooks of the test's own on the unit modules.
     forwards = collections.Counter()
     for u in engine.units:
@@ -40,22 +43,33 @@ def _calls_a_step(rank, world, layers):
     steps = []
     for step in range(STEPS):
         counting.calls.clear()
+        reducer.calls.clear()
         forwards.clear()
         views = len(engine.scheduler.flats)
         x, y = lm_batch(step, 0, world)
         engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
         engine.step()
         engine.zero_grad()
-        steps.append((dict(counting.calls), sum(forwards.values()), len(engine.scheduler.flats) - views))
-    return steps[1:], len(engine.units)
+        steps.append((dict(counting.calls), sum(forwards.values()), len(engine.scheduler.flats) - views,
+                      dict(reducer.calls)))
+    groups = len(engine.reducer.groups)
+    params = sum(len(g.params) for g in engine.reducer.groups)
+    return steps[1:], len(engine.units), groups, params
 
 
 def test_a_unit_hook_is_one_native_call():
     by_layers = {}
     for layers in (2, 6):
-        for steps, units in run_ranks(_calls_a_step, 2, layers):
-            for calls, forwards, views in steps:
+        for steps, units, groups, params in run_ranks(_calls_a_step, 2, layers):
+            for calls, forwards, views, reducer in steps:
                 assert units == layers + 1
+                # The reducer: one call per trainable group for its grad views
+                # (each unit's backward runs once), one per param's grad (its
+                # autograd hook: noted, the grad accumulated in its view), and
+                # per step the end of the backward and zero_grad's drop of late
+                # grads. The rounds' reductions are the schedule's own calls.
+                assert reducer == {"grad_views": groups, "grad_ready": params, "end_backward": 1,
+                                   "drop_late": 1}, reducer
                 assert forwards == units  # each unit's forward runs once
                 # One call per forward hook, at most one per backward hook.
                 assert calls["pre_forward"] == calls["post_forward"] == forwards, calls

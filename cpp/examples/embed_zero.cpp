@@ -73,12 +73,11 @@ class ZeroMlp {
       for (int u = 0; u < int(layers_.size()); ++u) {
         units.push_back(UnitSpec{{UnitGroup{u, layers_[size_t(u)].plan(), layers_[size_t(u)].params}}, false});
       }
-      auto grads_final = [this](int unit, bool reduce) {
-        const std::vector<int> group{reduce_group(unit)};
-        reduce ? reducer_->reduce_groups(group) : reducer_->skip_groups(group);
-      };
-      schedule_ = std::make_unique<UnitSchedule>(comm, rounds, units, DType::kFloat32, /*prefetch_bytes=*/1,
-                                                 grads_final);
+      schedule_ = std::make_unique<UnitSchedule>(comm, rounds, units, DType::kFloat32, /*prefetch_bytes=*/1);
+      // The rounds reduce each unit's group once every rank is done with its backward.
+      std::vector<std::vector<int>> unit_groups;
+      for (int u = 0; u < int(layers_.size()); ++u) unit_groups.push_back({reduce_group(u)});
+      schedule_->set_grad_reducer(reducer_.get(), unit_groups);
     } else {
       std::vector<FlatBuffer> full;
       for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan(), layers_[size_t(u)].params});

@@ -3,7 +3,6 @@
 // to say what happened; every call that may wait for a collective releases
 // the GIL, since the queue's thread may need it to run a transport written
 // in Python.
-#include <nanobind/stl/function.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -41,6 +40,13 @@ std::vector<Spec> specs(const nb::list& items, const char* what) {
 
 // A tensor, or None where it is undefined.
 nb::object maybe(const Tensor& t) { return t.data() ? nb::cast(t) : nb::none(); }
+
+// Grad views as Python takes them: [(group, param, view)].
+nb::list grad_views(const std::vector<GradView>& views) {
+  nb::list out;
+  for (const GradView& v : views) out.append(nb::make_tuple(v.group, v.param, nb::cast(v.view)));
+  return out;
+}
 
 // A hook's Binding as Python takes it: ((address, buffer) to bind the
 // unit's params to, or None when they view it already; [released units]).
@@ -80,19 +86,21 @@ void bind_schedule(nb::module_& m) {
       .def(
           "__init__",
           [](UnitSchedule* self, const BoundQueue& queue, const BoundQueue& rounds, const nb::list& units,
-             const std::string& dtype, int64_t prefetch_bytes, UnitSchedule::GradsFinal grads_final) {
+             const std::string& dtype, int64_t prefetch_bytes) {
             std::vector<UnitSpec> spec;
             for (nb::handle unit : units) {
               auto [own_slot, groups] = nb::cast<std::tuple<bool, nb::list>>(unit);
               spec.push_back(UnitSpec{specs<UnitGroup>(groups, "UnitSchedule: shard"), own_slot});
             }
-            new (self) UnitSchedule(queue.get(), rounds.get(), std::move(spec), parse_dtype(dtype), prefetch_bytes,
-                                    std::move(grads_final));
+            new (self) UnitSchedule(queue.get(), rounds.get(), std::move(spec), parse_dtype(dtype), prefetch_bytes);
           },
-          "queue"_a, "rounds"_a, "units"_a, "dtype"_a, "prefetch_bytes"_a, "grads_final"_a = nb::none(),
-          nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(),
-          "rounds: a queue over another communicator of the same ranks, for the rounds. units: per unit (own_slot, [(tag, LayoutPlan, shard tensor) per flat group]). grads_final(unit, "
-          "reduce): called in backward, alike on every rank, once a unit's grads are complete everywhere.")
+          "queue"_a, "rounds"_a, "units"_a, "dtype"_a, "prefetch_bytes"_a, nb::keep_alive<1, 2>(),
+          nb::keep_alive<1, 3>(),
+          "rounds: a queue over another communicator of the same ranks, for the rounds. units: per unit (own_slot, "
+          "[(tag, LayoutPlan, shard tensor) per flat group]).")
+      .def("set_grad_reducer", &UnitSchedule::set_grad_reducer, "reducer"_a, "unit_groups"_a, nb::keep_alive<1, 2>(),
+           "The BucketReducer (on_request) whose groups at unit_groups[u] (places in its order) the rounds reduce "
+           "once every rank is done with unit u's backward; set again when the reducer is replaced.")
       .def("pre_forward", hook(&UnitSchedule::pre_forward), "unit"_a, "marks_post_backward"_a,
            "The unit is about to run forward: (bind, released), bind being (address, buffer) where its params "
            "must view the buffer it is gathered in, or None when they view it already; released: the units "
@@ -148,27 +156,47 @@ void bind_schedule(nb::module_& m) {
           "groups: [(tag, LayoutPlan, grad partition tensor)] in reduction order. on_request: issue only on "
           "reduce_groups() and end_backward() (stage 3). Late grads are agreed on and reduced by the step's "
           "exchange (ZeroStep).")
+      // Taking staging may wait for a reduction in flight: the GIL is
+      // released while these run.
+      .def(
+          "begin_backward",
+          [](BucketReducer& self) {
+            std::vector<GradView> views;
+            {
+              nb::gil_scoped_release release;
+              views = self.begin_backward();
+            }
+            return grad_views(views);
+          },
+          "Stage 2, grads accumulating in place: [(group, param, view)] of the first bucket to reduce; grad_ready "
+          "then hands out the views of each bucket that takes staging.")
       .def(
           "grad_ready",
           [](BucketReducer& self, int group, int param, nb::handle grad) {
             const Tensor t = tensor_from_dlpack(grad, "BucketReducer.grad_ready: grad");
-            nb::gil_scoped_release release;
-            self.grad_ready(group, param, t);
-          },
-          "group"_a, "param"_a, "grad"_a)
-      .def(
-          "grad_view",
-          [](BucketReducer& self, int group, int param) {
-            Tensor view;
+            std::vector<GradView> views;
             {
-              nb::gil_scoped_release release;  // taking staging may wait for a reduction in flight
-              view = self.grad_view(group, param);
+              nb::gil_scoped_release release;
+              views = self.grad_ready(group, param, t);
             }
-            return maybe(view);
+            return grad_views(views);
           },
-          "group"_a, "param"_a, "The staging piece the param's grad may accumulate in, or None.")
-      .def("reduce_groups", unlocked(&BucketReducer::reduce_groups), "groups"_a)
-      .def("skip_groups", &BucketReducer::skip_groups, "groups"_a)
+          "group"_a, "param"_a, "grad"_a,
+          "The param's grad is in (added, or in its view already): [(group, param, view)] of the buckets that took "
+          "staging in this call (after begin_backward).")
+      .def(
+          "grad_views",
+          [](BucketReducer& self, int group) {
+            std::vector<Tensor> views;
+            {
+              nb::gil_scoped_release release;
+              views = self.grad_views(group);
+            }
+            nb::list out;
+            for (const Tensor& v : views) out.append(maybe(v));
+            return out;
+          },
+          "group"_a, "Per param of the group, the staging piece its grad may accumulate in, or None.")
       .def("end_backward", unlocked(&BucketReducer::end_backward))
       .def("drop_late", &BucketReducer::drop_late, "Drops grads staged after their reduction (zero_grad).")
       .def(

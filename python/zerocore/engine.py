@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -189,18 +188,16 @@ class Engine:
             self.reducer = StagedReducer(self.groups, self.comm, self._staging_buffers(),
                                          on_request=placement.partitions_params)
         if placement.partitions_params:
-            # Each unit's trainable groups, by their place in the reducer's order.
-            self._unit_reduce_groups = [[self.reducer.index[id(g)] for g in u.groups if g.trainable]
-                                        for u in self.units]
-            ref = weakref.WeakMethod(self._unit_grads_final)  # the native schedule must not keep the engine alive
             # The rounds run on a host group of their own, so that none waits
             # behind the data collectives queued before it, nor the step's
             # agreements behind a round in flight.
             self.rounds_comm = Communicator(_own_group(user_group, cfg.timeout, "gloo"), "stage 3's round",
                                             fails_with=self.comm, backend=self.backend)
             schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
-                                    NATIVE_NAMES[self.dtype], cfg.prefetch_bytes,
-                                    lambda unit, reduce: ref()(unit, reduce))
+                                    NATIVE_NAMES[self.dtype], cfg.prefetch_bytes)
+            # The rounds reduce each unit's trainable groups, by their places in the reduction order.
+            self.reducer.reduce_in_rounds(schedule, [[self.reducer.index[id(g)] for g in u.groups if g.trainable]
+                                                     for u in self.units])
             self.scheduler = UnitScheduler(self.units, schedule, self._attach_unit_grads)
         # The step, in one native call: stages 0-1's reduction, the sum of
         # squares, the exchange (with stages 2-3's late grads), the decision
@@ -302,8 +299,9 @@ class Engine:
         """Staging buffers of gradient reduction planned at wrap: one in
         flight, plus the buckets open at once when grads arrive in about
         plan order. Stage 2: those one param spans, and one more for a
-        neighbour that comes early. Stage 3, where a unit's grads accumulate
-        in place in its buckets' staging: the root's buckets (open all
+        neighbour that comes early (or the next bucket, which takes its
+        staging for its grad views as the one before goes out). Stage 3,
+        where a unit's buckets hold its grad views: the root's buckets (open all
         backward) and two of the largest other unit's, since a unit is
         reduced only once the ranks agree it is done, in the round the next
         unit's backward posts (settled one unit later); none for the
@@ -315,12 +313,6 @@ class Engine:
             return 2 + max(spans, default=1)
         buckets = [sum(len(g.buckets) for g in u.groups if g.trainable) for u in self.units]
         return buckets[0] + 2 * max(buckets[1:], default=0)
-
-    def _unit_grads_final(self, unit: int, reduce: bool):
-        """Stage 3: every rank is done with the unit's backward (the schedule's
-        round says so, alike on every rank): reduce its grads, or skip them
-        when no rank produced any."""
-        self.reducer.grads_final(self._unit_reduce_groups[unit], reduce)
 
     def _attach_unit_grads(self, unit):
         for g in unit.groups:
@@ -390,7 +382,7 @@ class Engine:
             failed = False
         finally:
             try:
-                if self.scheduler:  # first: its last round hands the units' grads to the reducer
+                if self.scheduler:  # first: its last round reduces the units' grads not reduced yet
                     self.scheduler.end_backward(failed)
             finally:
                 self.reducer.after_backward()

@@ -5,17 +5,21 @@ group's flat grad buffer; at the step boundary the native BucketCollectives
 all-reduces (stage 0) or reduce-scatters (stage 1) every bucket in place,
 once per step however many backward calls came before.
 
-StagedReducer (stages 2-3): autograd's per-param grad goes, as soon as it
-is accumulated, to the native BucketReducer (cpp/include/zerocore/
-bucket_reducer.h), which stages it in its bucket, reduce-scatters complete
-buckets in one fixed order on every rank and adds each rank's block into
-its grad partition; only the partitions and a few constant-size staging
-buffers outlive backward. In stage 3 the unit schedule's rounds say when a
-unit's buckets are reduced (grads_final), since ranks may run different
-units. Params that produced no grad count as zero; a
-grad that arrives after its bucket was reduced (reentrant checkpointing)
-stays staged, and the step's exchange (ZeroStep) has every rank reduce the
-buckets late on any rank once more.
+StagedReducer (stages 2-3): each param's grad, once autograd has
+accumulated it, is the native BucketReducer's (cpp/include/zerocore/
+schedule/bucket_reducer.h), which stages it in its bucket, reduce-scatters
+complete buckets in one fixed order on every rank and adds each rank's
+block into its grad partition; only the partitions and a few constant-size
+staging buffers outlive backward. Where it can, autograd accumulates
+straight into the staging: a param's .grad is its view into its bucket's
+staging buffer before its grad comes (a grad view), so the hook only tells
+the reducer; the others' grads are copied in and dropped. In stage 3 the
+native unit schedule's rounds say when a unit's buckets are reduced, since
+ranks may run different units: it holds the native reducer and reduces them
+itself. Params that produced no grad count as zero; a grad that arrives
+after its bucket was reduced (reentrant checkpointing) stays staged, and
+the step's exchange (ZeroStep) has every rank reduce the buckets late on
+any rank once more.
 """
 from __future__ import annotations
 
@@ -82,17 +86,33 @@ class FullGradReducer:
 
 class StagedReducer:
     """The hooks of the native BucketReducer (zerocore._native): each
-    param's grad, once accumulated, is handed to it and dropped."""
+    param's grad, once accumulated, is handed to it, and dropped.
+
+    Grad views: a param's .grad may be its piece of its bucket's staging
+    buffer (reduce dtype = param dtype, the param in one bucket), set before
+    autograd produces its grad, so that autograd adds into it in place. The
+    staging buffers are few and reused, so a view exists only while its
+    bucket holds one: at stage 3 the unit's groups take theirs before its
+    backward (attach_grad_views); at stage 2 the reducer hands them out as
+    buckets take staging, in plan order (begin_backward, then each
+    grad_ready), and a param whose grad comes before its bucket's turn is
+    copied. A bucket goes out no sooner than each of its params has
+    reported (stage 3: than no rank expects its unit's backward), so a view
+    is never reduced while a grad is still to come into it, and the hook or
+    after_backward drops it: no .grad the user sees outlives the backward as
+    a view of reused memory."""
 
     def __init__(self, groups, comm: Communicator, staging_buffers: int, on_request=False):
         self.comm = comm
         self.staging_buffers = staging_buffers
         self.on_request = on_request
         self.step = None  # the native step that agrees on and reduces late grads (late_grads_to)
+        self.schedule = None  # stage 3: the native unit schedule whose rounds reduce (reduce_in_rounds)
+        self.unit_groups = None
         self.order([g for g in groups if g.trainable])
         self.hooks = _hook_each([p for g in self.groups for p in g.params], self._on_grad)
         self.running = False  # inside engine.backward
-        self.viewed = []  # params whose .grad is a view into a staging buffer
+        self.viewed = {}  # id(param) -> (param, its .grad: a view into a staging buffer), until its grad comes
 
     def order(self, groups):
         """Reduces `groups` in this order (the engine's; tests reorder it on
@@ -104,14 +124,28 @@ class StagedReducer:
         self.native = BucketReducer(self.comm.queue, [(g.tag, g.plan, g.grad_part) for g in groups], reduce_dtype,
                                     self.staging_buffers, self.on_request)
         self.targets = [g.grad_part for g in groups]
-        if self.step is not None:
-            self.step.set_grad_reducer(self.native)
+        self._connect()
 
     def late_grads_to(self, step):
         """The native step (ZeroStep) agrees on this reducer's late grads
         and reduces them, in its exchange; also after order()."""
         self.step = step
-        step.set_grad_reducer(self.native)
+        self._connect()
+
+    def reduce_in_rounds(self, schedule, unit_groups):
+        """Stage 3: the native unit schedule's rounds reduce unit u's grads,
+        the groups at places unit_groups[u] of the reduction order, once
+        every rank is done with its backward; also after order(), which puts
+        other groups at those places on the rank that reorders."""
+        self.schedule, self.unit_groups = schedule, unit_groups
+        self._connect()
+
+    def _connect(self):
+        """The native step and unit schedule reduce with the native reducer of the order in force."""
+        if self.step is not None:
+            self.step.set_grad_reducer(self.native)
+        if self.schedule is not None:
+            self.schedule.set_grad_reducer(self.native, self.unit_groups)
 
     @property
     def pool_bytes(self) -> int:
@@ -120,53 +154,67 @@ class StagedReducer:
     def before_backward(self):
         """Reduction adds into each group's grad_part as it is now: a
         delayed offload update swaps it with the buffer it reads. The
-        params' .grad are None, for autograd to fill."""
+        params' .grad are None, for autograd to fill; at stage 2 those of
+        the first bucket to reduce are grad views."""
         self.running = True
         for g in self.groups:
             g.drop_hidden_grads()
         if any(t is not g.grad_part for t, g in zip(self.targets, self.groups)):
             self.targets = [g.grad_part for g in self.groups]
             self.native.set_grad_partitions(self.targets)
+        if not self.on_request and all(g.reduce_dtype == g.dtype for g in self.groups):
+            self._attach_handed(self.native.begin_backward())
 
     def attach_grad_views(self, group):
         """Stage 3, before a unit's backward: each param's .grad becomes its
-        view into its bucket's staging buffer, so autograd adds into it in
-        place instead of keeping a .grad of its own to be copied. Params that
-        straddle buckets, and buckets already reduced, keep the copy path."""
+        view into its bucket's staging buffer (one native call a group).
+        Params that straddle buckets, and buckets already reduced, keep the
+        copy path."""
         if group.reduce_dtype != group.dtype:
             return
-        i = self.index[id(group)]
-        for j, (p, shape) in enumerate(zip(group.params, group.shapes)):
-            if p.grad is None:
-                view = self.native.grad_view(i, j)
-                if view is not None:
-                    p.grad = zerocore.to_torch(view).view(shape)
-                    self.viewed.append(p)
+        for p, shape, view in zip(group.params, group.shapes, self.native.grad_views(self.index[id(group)])):
+            self._attach(p, shape, view)
 
-    def grads_final(self, indices, reduce: bool):
-        """Stage 3 (on request): the groups at these places in the order have
-        all their grads on every rank; reduce them, or, when no rank has
-        any, skip them."""
-        if reduce:
-            self.native.reduce_groups(indices)
-        else:
-            self.native.skip_groups(indices)
+    def _attach(self, p, shape, view):
+        """p's .grad becomes `view` (a zerocore.Tensor of its staging, or
+        None) unless it has a grad already (the copy path takes that)."""
+        if view is not None and p.grad is None:
+            p.grad = zerocore.to_torch(view).view(shape)
+            self.viewed[id(p)] = (p, p.grad)
+
+    def _attach_handed(self, views):
+        """Stage 2: the views the reducer handed out, [(group, param, view)]."""
+        for i, j, view in views:
+            group = self.groups[i]
+            self._attach(group.params[j], group.shapes[j], view)
 
     def _on_grad(self, p):
         if not self.running:
             raise outside_engine_backward()
         i, j = self.where[id(p)]
-        self.native.grad_ready(i, j, p.grad.reshape(-1))
+        _, view = self.viewed.pop(id(p), (None, None))
+        if view is not None and p.grad is not view:
+            # A user's hook put another tensor in its place (or None, a zero
+            # grad): autograd had added this micro-batch's grad into the
+            # view already, so the view takes the hook's value instead and
+            # the grad counts once, as the hook left it.
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+        views = self.native.grad_ready(i, j, p.grad.reshape(-1))
         p.grad = None
+        self._attach_handed(views)
 
     def after_backward(self):
         """Reduces what is left (params that got no grad count as zero) and
         waits until every reduction is in the partitions; late grads wait
         for the step."""
         self.running = False
-        for p in self.viewed:  # views of params that got no grad must not outlive the backward
+        for p, _ in self.viewed.values():  # views of params that got no grad must not outlive the backward
             p.grad = None
-        self.viewed = []
+        self.viewed = {}
         self.native.end_backward()
 
     def drop_staged(self):

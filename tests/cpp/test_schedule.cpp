@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -154,7 +155,7 @@ void test_buckets() {
     };
     int slots_after_first = 0;
     for (int backward = 0; backward < 2; ++backward) {
-      Tensor in_place = reducer.grad_view(1, 0);
+      Tensor in_place = reducer.grad_views(1)[0];
       if (in_place.numel() != 30) ++bad;
       for (int64_t i = 0; i < 30; ++i) in_place.data_as<float>()[i] = grad_value(r, 1, 0, i);
       for (auto [g, p] : order) {
@@ -182,6 +183,81 @@ void test_buckets() {
           }
           want *= 2.0f;
           if (g == 0 && seg.param == 1) want += 2.0f * grad_value(2, 0, 1, seg.param_offset + i);
+          const float got = spec[g].grad_part.data_as<float>()[seg.partition_offset + i];
+          if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
+        }
+      }
+    }
+  });
+  CHECK(bad == 0);
+}
+
+// Stage 2's grad views: handed out as buckets take staging (the first bucket
+// at begin_backward, the next as the one before goes out, the rest of one an
+// early grad opened). Grads written into them are reduced as added ones
+// are; no two views handed out and not yet reported overlap (no staging is
+// reused under a view); in plan order every param that lies in one bucket
+// gets its view before its grad, and the staging stays as planned. Ranks
+// 1 and 3 report in shuffled orders, rank 2 gives one param no grad.
+void test_grad_views_as_buckets_take_staging() {
+  const std::vector<std::vector<int64_t>> groups = {{17, 40, 5, 64, 9, 12}, {30, 3}};
+  std::atomic<int> bad{0};
+  on_ranks([&](int r, CommQueue& q) {
+    std::vector<ReduceGroup> spec;
+    int single = 0;  // params that lie in one bucket
+    for (size_t g = 0; g < groups.size(); ++g) {
+      ReduceGroup rg{int32_t(g), plan_of(groups[g]), Tensor()};
+      rg.grad_part = Tensor::empty({rg.plan.partition_elems()}, DType::kFloat32);
+      std::fill(rg.grad_part.data_as<float>(), rg.grad_part.data_as<float>() + rg.grad_part.numel(), 0.0f);
+      for (const ParamSlot& slot : rg.plan.params()) {
+        single += std::count_if(rg.plan.buckets().begin(), rg.plan.buckets().end(), [&](const Bucket& b) {
+          return b.offset <= slot.offset && slot.offset + slot.numel <= b.offset + b.numel;
+        });
+      }
+      spec.push_back(rg);
+    }
+    BucketReducer reducer(q, spec, DType::kFloat32, 3);
+    std::vector<std::pair<int, int>> order;
+    for (int g = 0; g < 2; ++g)
+      for (int p = 0; p < int(groups[size_t(g)].size()); ++p) order.emplace_back(g, p);
+    if (r % 2 == 1) std::shuffle(order.begin(), order.end(), std::mt19937(unsigned(r)));
+    std::map<std::pair<int, int>, Tensor> live;  // views handed out, their params not yet reported
+    auto take = [&](const std::vector<GradView>& views) {
+      for (const GradView& v : views) {
+        const float* lo = v.view.data_as<float>();
+        for (const auto& [key, other] : live) {
+          const float* olo = other.data_as<float>();
+          if (key == std::make_pair(v.group, v.param) || (lo < olo + other.numel() && olo < lo + v.view.numel())) ++bad;
+        }
+        if (v.view.numel() != groups[size_t(v.group)][size_t(v.param)]) ++bad;
+        live[{v.group, v.param}] = v.view;
+      }
+    };
+    for (int backward = 0; backward < 2; ++backward) {
+      int in_place = 0;
+      take(reducer.begin_backward());
+      for (auto [g, p] : order) {
+        if (r == 2 && g == 0 && p == 3) continue;
+        auto it = live.find({g, p});
+        Tensor grad = it != live.end() ? it->second : Tensor::empty({groups[size_t(g)][size_t(p)]}, DType::kFloat32);
+        for (int64_t i = 0; i < grad.numel(); ++i) grad.data_as<float>()[i] = grad_value(r, g, p, i);
+        if (it != live.end()) {
+          ++in_place;
+          live.erase(it);
+        }
+        take(reducer.grad_ready(g, p, grad));
+      }
+      live.clear();  // end_backward ends every view
+      reducer.end_backward();
+      if (r == 0 && (in_place != single || reducer.staging_slots() != 3)) ++bad;
+    }
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (const Segment& seg : spec[g].plan.segments(r)) {
+        for (int64_t i = 0; i < seg.numel; ++i) {
+          float want = 0.0f;
+          for (int k = 0; k < kWorld; ++k) {
+            if (!(k == 2 && g == 0 && seg.param == 3)) want += 2.0f * grad_value(k, int(g), seg.param, seg.param_offset + i);
+          }
           const float got = spec[g].grad_part.data_as<float>()[seg.partition_offset + i];
           if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
         }
@@ -290,13 +366,14 @@ void test_grad_partitions_change_between_backwards() {
 // Ranks that run different units, a different number of times (experts
 // chosen by the data): rank 0 runs block 1 twice, rank 1 block 2, rank 2
 // blocks 3 and 1, rank 3 none; nobody runs block 4. Every unit is gathered
-// right where it runs, every rank sees the same grads_final calls, and the
-// partitions hold the sum of the grads, zeros from the ranks that skipped.
+// right where it runs, the schedule's rounds have every rank issue the same
+// reductions (block 4's skipped), and the partitions hold the sum of the
+// grads, zeros from the ranks that skipped.
 void test_divergent_units() {
   constexpr int kUnits = 5;
   const std::vector<int64_t> numels = {20, 33};
   const std::vector<std::vector<int>> runs = {{1, 1}, {2}, {3, 1}, {}};
-  std::vector<std::vector<std::pair<int, bool>>> finals(kWorld);
+  std::vector<std::vector<CollectiveKey>> reductions(kWorld);  // per rank, its reduce-scatters in order
   std::atomic<int> bad{0};
   on_ranks([&](int r, CommQueue& q, CommQueue& rq) {
     std::vector<UnitSpec> specs(kUnits);
@@ -309,13 +386,11 @@ void test_divergent_units() {
       reduce.push_back(rg);
     }
     BucketReducer reducer(q, reduce, DType::kFloat32, 2, /*on_request=*/true);
-    auto grads_final = [&](int unit, bool any) {
-      finals[size_t(r)].emplace_back(unit, any);
-      const std::vector<int> group{kUnits - 1 - unit};
-      any ? reducer.reduce_groups(group) : reducer.skip_groups(group);
-    };
     const int64_t block_bytes = 4 * plan_of(numels).total_elems();
-    UnitSchedule s(q, rq, specs, DType::kFloat32, block_bytes, grads_final);
+    UnitSchedule s(q, rq, specs, DType::kFloat32, block_bytes);
+    std::vector<std::vector<int>> unit_groups;
+    for (int u = 0; u < kUnits; ++u) unit_groups.push_back({kUnits - 1 - u});
+    s.set_grad_reducer(&reducer, unit_groups);
     auto report_grads = [&](int u) {
       for (int p = 0; p < 2; ++p) {
         Tensor t = Tensor::empty({numels[size_t(p)]}, DType::kFloat32);
@@ -344,6 +419,9 @@ void test_divergent_units() {
       reducer.end_backward();
       s.end_step();
     }
+    for (const CollectiveKey& k : q.trace()) {
+      if (k.kind == CollectiveKind::kReduceScatter) reductions[size_t(r)].push_back(k);
+    }
     for (int u = 0; u < kUnits; ++u) {
       const ReduceGroup& rg = reduce[size_t(kUnits - 1 - u)];
       for (const Segment& seg : rg.plan.segments(r)) {
@@ -362,10 +440,11 @@ void test_divergent_units() {
     }
   });
   CHECK(bad == 0);
-  for (int r = 1; r < kWorld; ++r) CHECK(finals[size_t(r)] == finals[0]);
-  // Per backward every unit once, block 4 (run nowhere) skipped.
-  CHECK(finals[0].size() == 2 * kUnits);
-  CHECK(std::count(finals[0].begin(), finals[0].end(), std::make_pair(4, false)) == 2);
+  for (int r = 1; r < kWorld; ++r) CHECK(reductions[size_t(r)] == reductions[0]);
+  // Per backward every unit's buckets once, block 4 (run nowhere) skipped.
+  const int64_t buckets = int64_t(plan_of(numels).buckets().size());
+  CHECK(int64_t(reductions[0].size()) == 2 * (kUnits - 1) * buckets);
+  CHECK(std::none_of(reductions[0].begin(), reductions[0].end(), [](const CollectiveKey& k) { return k.group == 4; }));
 }
 
 }  // namespace
@@ -454,6 +533,7 @@ int main() {
   test_units_on_the_checking_backend(Fault::kReadAfterRelease);
   test_units_on_the_checking_backend(Fault::kWriteWhileRead);
   test_buckets();
+  test_grad_views_as_buckets_take_staging();
   test_in_flight_reduction_gives_its_staging_back();
   test_grad_partitions_change_between_backwards();
   test_divergent_units();

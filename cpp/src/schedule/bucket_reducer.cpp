@@ -116,7 +116,7 @@ int BucketReducer::take_staging(BucketState& b) {
   return b.staging;
 }
 
-Tensor BucketReducer::grad_view(int group, int param) {
+Tensor BucketReducer::view(int group, int param) {
   const std::vector<Piece>& ps = pieces(group, param);
   const ParamSlot& slot = groups_[size_t(group)].plan.params()[size_t(param)];
   if (ps.size() != 1 || ps[0].numel != slot.numel) return Tensor();
@@ -125,7 +125,40 @@ Tensor BucketReducer::grad_view(int group, int param) {
   return pool_.slot(take_staging(b)).slice(ps[0].staging_offset, ps[0].numel);
 }
 
-void BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
+std::vector<Tensor> BucketReducer::grad_views(int group) {
+  if (group < 0 || group >= int(groups_.size())) {
+    throw InvalidArgument("BucketReducer.grad_views: no group index " + std::to_string(group));
+  }
+  std::vector<Tensor> views;
+  for (int p = 0; p < int(pieces_[size_t(group)].size()); ++p) views.push_back(view(group, p));
+  return views;
+}
+
+void BucketReducer::open(int index, std::vector<GradView>& views) {
+  BucketState& b = buckets_[size_t(index)];
+  if (b.issued || b.viewed) return;
+  b.viewed = true;
+  const Bucket& bucket = groups_[size_t(b.group)].plan.buckets()[size_t(b.bucket)];
+  for (int p = bucket.first_param; p <= bucket.last_param; ++p) {
+    const std::vector<Piece>& ps = pieces_[size_t(b.group)][size_t(p)];
+    if (ps.size() != 1 || ps[0].bucket != index || reported_[size_t(b.group)][size_t(p)][0]) continue;
+    Tensor v = view(b.group, p);
+    if (v.data() != nullptr) views.push_back(GradView{b.group, p, std::move(v)});
+  }
+}
+
+std::vector<GradView> BucketReducer::begin_backward() {
+  if (on_request_) {
+    throw InvalidArgument("BucketReducer.begin_backward: this reducer issues on request (stage 3), where a unit's "
+                          "schedule says when; take each group's views before its backward (grad_views)");
+  }
+  hands_out_views_ = true;
+  std::vector<GradView> views;
+  if (next_ < buckets_.size()) open(int(next_), views);
+  return views;
+}
+
+std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
   const std::vector<Piece>& ps = pieces(group, param);
   const int64_t numel = groups_[size_t(group)].plan.params()[size_t(param)].numel;
   if (grad.numel() != numel) {
@@ -148,6 +181,15 @@ void BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
     }
   }
   if (!on_request_) issue_ready();
+  std::vector<GradView> views;
+  if (hands_out_views_) {
+    // The buckets this grad opened early (their other params' grads are
+    // still to come), and the next to issue, which took the staging of the
+    // one that just went out (or soon will).
+    for (const Piece& piece : ps) open(piece.bucket, views);
+    if (next_ < buckets_.size()) open(int(next_), views);
+  }
+  return views;
 }
 
 void BucketReducer::issue_ready() {
@@ -219,7 +261,9 @@ void BucketReducer::end_backward() {
   for (BucketState& b : buckets_) {
     b.waiting = b.params;
     b.issued = false;  // a late bucket keeps its staging: the next backward's reduction takes it along
+    b.viewed = false;
   }
+  hands_out_views_ = false;
   for (auto& group : reported_) {
     for (auto& param : group) std::fill(param.begin(), param.end(), false);
   }

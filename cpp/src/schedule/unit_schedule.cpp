@@ -8,15 +8,16 @@
 
 #include "zerocore/backend/checking_backend.h"
 #include "zerocore/error.h"
+#include "zerocore/schedule/bucket_reducer.h"
 
 namespace zerocore {
 
 UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitSpec> units, DType dtype,
-                           int64_t prefetch_bytes, GradsFinal grads_final)
+                           int64_t prefetch_bytes)
     : comm_(comm), rounds_queue_(rounds), backend_(comm.backend()), units_(std::move(units)), own_(units_.size()), state_(units_.size()),
       bound_(units_.size(), nullptr),
       prefetch_bytes_(prefetch_bytes), dtype_(dtype), elem_bytes_(dtype_size(dtype)),
-      grads_final_(std::move(grads_final)) {
+      reduce_groups_(units_.size()) {
   if (rounds.world_size() != comm.world_size() || rounds.rank() != comm.rank()) {
     throw InvalidArgument("UnitSchedule: the rounds' queue must connect the same ranks as the data queue");
   }
@@ -70,6 +71,28 @@ UnitSchedule::~UnitSchedule() {
       }
     }
   }
+}
+
+void UnitSchedule::set_grad_reducer(BucketReducer* reducer, std::vector<std::vector<int>> unit_groups) {
+  if (reducer != nullptr && !reducer->on_request()) {
+    throw InvalidArgument("UnitSchedule.set_grad_reducer: the reducer must issue on request (on_request=true): "
+                          "the rounds say when a unit's grads are reduced, the same on every rank, not their arrival");
+  }
+  if (unit_groups.size() != units_.size()) {
+    throw InvalidArgument("UnitSchedule.set_grad_reducer: groups for " + std::to_string(unit_groups.size()) +
+                          " units, the schedule has " + std::to_string(units_.size()));
+  }
+  for (const std::vector<int>& groups : unit_groups) {
+    for (int g : groups) {
+      if (reducer == nullptr || g < 0 || g >= reducer->num_groups()) {
+        throw InvalidArgument("UnitSchedule.set_grad_reducer: group " + std::to_string(g) + " is not a place in " +
+                              "the reducer's order" + (reducer ? " of " + std::to_string(reducer->num_groups()) +
+                                                                     " groups" : " (no reducer)"));
+      }
+    }
+  }
+  reducer_ = reducer;
+  reduce_groups_ = std::move(unit_groups);
 }
 
 void UnitSchedule::check(int unit) const {
@@ -344,7 +367,12 @@ void UnitSchedule::finalize_grads(const Sums& sums, bool all) {
     const bool ran = sums.at(u, kRan) > 0;
     if (s.final || !(all || (ran && sums.at(u, kExpects) == 0))) continue;
     s.final = true;
-    if (grads_final_) grads_final_(u, ran);
+    if (reducer_ == nullptr) continue;
+    if (ran) {
+      reducer_->reduce_groups(reduce_groups_[size_t(u)]);
+    } else {
+      reducer_->skip_groups(reduce_groups_[size_t(u)]);  // no rank has grads: nothing to reduce
+    }
   }
 }
 

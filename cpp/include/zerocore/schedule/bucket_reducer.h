@@ -24,10 +24,24 @@
 // Stage 3 issues on request instead: ranks may run different units, so
 // grads arrive at different points of the collective sequence, and only
 // the unit schedule's rounds know when every rank is done with a unit
-// (reduce_groups; skip_groups where no rank produced grads).
+// (the UnitSchedule calls reduce_groups; skip_groups where no rank produced
+// grads).
+//
+// Grads accumulate in place where they can: a param that lies in one bucket
+// may have its piece of that bucket's staging buffer as its grad (a grad
+// view), which autograd adds into, so grad_ready only notes it. Views exist
+// only for buckets that hold staging, and a bucket is issued no sooner than
+// each of its params has reported (or the backward ended), so a view is
+// valid until its param's grad_ready or end_backward. Stage 3 asks for a
+// group's views before its unit's backward (grad_views). Stage 2 is handed
+// them as buckets take staging (begin_backward, then grad_ready): the first
+// bucket to issue at the start, the next one once the one before went out,
+// and one that an early grad opened; a param whose grad comes before its
+// bucket holds staging is added instead, as is one that spans buckets.
 //
 //   open --all params reported--> ready --its turn--> in flight --event--> open
-//    (staging taken on the first grad)                 (shard added, staging back)
+//    (staging taken on the first grad,                  (shard added, staging back)
+//     or on its turn when views are handed out)
 #pragma once
 #include <cstdint>
 #include <deque>
@@ -41,6 +55,13 @@
 #include "zerocore/tensor.h"
 
 namespace zerocore {
+
+// Param `param` of group `group` may accumulate its grad in `view`, its
+// piece of a staging buffer.
+struct GradView {
+  int group = 0, param = 0;
+  Tensor view;
+};
 
 struct ReduceGroup {
   int32_t tag = 0;  // the collectives' key: the same on every rank
@@ -61,12 +82,22 @@ class BucketReducer {
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
 
-  // Param `param` of group `group` has its grad for this backward.
-  void grad_ready(int group, int param, const Tensor& grad);
-  // Where the param's grad may accumulate in place (its piece of a staging
-  // buffer), or an undefined tensor when it must be added instead: a param
-  // spanning buckets, or one whose bucket was already issued.
-  Tensor grad_view(int group, int param);
+  // Issuing as buckets fill (not on request), with grad views: a backward
+  // begins. Takes staging for the first bucket to issue and returns the
+  // views of its params; until end_backward, grad_ready hands out the views
+  // of each bucket that takes staging in it. Without this call, grads are
+  // added (a caller whose grads are not in the reduce dtype).
+  std::vector<GradView> begin_backward();
+  // Param `param` of group `group` has its grad for this backward: added
+  // into its buckets' staging, or noted where it is its grad view already.
+  // Returns the views of the params of buckets that took staging in this
+  // call (after begin_backward; none reported yet, none spanning buckets).
+  std::vector<GradView> grad_ready(int group, int param, const Tensor& grad);
+  // Per param of the group, where its grad may accumulate in place (its
+  // piece of a staging buffer, taken now), or an undefined tensor when it
+  // must be added instead: a param spanning buckets, or one whose bucket was
+  // already issued.
+  std::vector<Tensor> grad_views(int group);
   // Issues every bucket of these groups not yet issued, in this order; the
   // same calls on every rank.
   void reduce_groups(const std::vector<int>& groups);
@@ -94,6 +125,8 @@ class BucketReducer {
   // (InvalidArgument otherwise).
   void set_grad_partitions(const std::vector<Tensor>& grad_parts);
 
+  int num_groups() const { return int(groups_.size()); }
+  bool on_request() const { return on_request_; }
   size_t staging_bytes() const { return pool_.bytes(); }
   int staging_slots() const { return pool_.size(); }
 
@@ -108,6 +141,7 @@ class BucketReducer {
     int waiting = 0;  // of those, not yet reported this backward
     int staging = -1; // pool slot holding its staged grads, if any: late ones once issued
     bool issued = false;
+    bool viewed = false;  // its params' views were handed out in this backward
   };
   struct InFlight {
     int bucket, staging;
@@ -117,6 +151,12 @@ class BucketReducer {
   void check_grad_part(const ReduceGroup& group, const Tensor& grad_part) const;
   bool between_backwards() const;
   int take_staging(BucketState& b);
+  // The param's grad view, or undefined (see grad_views).
+  Tensor view(int group, int param);
+  // Hands out the views of the params that lie in the bucket alone and have
+  // not reported, once a backward (taking its staging for them); nothing
+  // for an issued bucket.
+  void open(int bucket, std::vector<GradView>& views);
   void issue_ready();
   void issue(int bucket);
   void complete_oldest();
@@ -137,6 +177,7 @@ class BucketReducer {
   std::deque<InFlight> in_flight_;
   size_t next_ = 0;    // the next bucket to issue
   bool on_request_ = false;
+  bool hands_out_views_ = false;  // begin_backward was called in this backward
   std::vector<int> first_bucket_;  // per group: its first index in buckets_
 };
 

@@ -20,10 +20,11 @@
 //   2. prefetch along the previous step's agreed order (backward: this
 //      step's, reversed) past the furthest unit any rank is at, what some
 //      rank does not have, as many units as the fullest rank has room for;
-//   3. in backward, hand every unit that no rank expects a backward of any
-//      more to grads_final, in reduction order (last unit first, the root
-//      last): its grads, zeros from the ranks that did not run it, can be
-//      reduce-scattered.
+//   3. in backward, reduce every unit that no rank expects a backward of
+//      any more, in reduction order (last unit first, the root last): its
+//      groups' buckets in the BucketReducer (set_grad_reducer) are
+//      reduce-scattered, with zeros from the ranks that did not run it, or
+//      skipped where no rank ran it.
 // Every rank joins every gather so decided: into a free slot, or, when it
 // has the unit already or no slot is free, into a slot lent for the
 // collective alone. Releases need no agreement (a gathered unit is this
@@ -34,7 +35,7 @@
 // backward, as FSDP2 keeps its root. A rank that has finished its forward or
 // backward keeps posting rounds (end_forward, end_backward) until every rank
 // has, as torch's Join does for uneven inputs; after a backward the last
-// round hands every unit not yet final to grads_final. The step's round
+// round reduces every unit not reduced yet. The step's round
 // (end_step) gathers what the next forward starts with. A rank whose pass
 // raised says so in its round, and every other rank throws PeerFailed when
 // it settles that round.
@@ -49,7 +50,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <vector>
@@ -80,23 +80,28 @@ class PeerFailed : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+class BucketReducer;
+
 class UnitSchedule {
  public:
-  // Called in a round, on every rank alike, once per unit and backward:
-  // the unit's grads are complete on every rank. `reduce` is false when no
-  // rank produced any (nothing to reduce).
-  using GradsFinal = std::function<void(int unit, bool reduce)>;
-
   // comm: the queue of the data collectives. rounds: a queue over another
   // communicator of the same ranks, for the rounds alone, so that a round
   // never waits behind the gathers and reductions queued before it.
   // prefetch_bytes: the budget of units gathered ahead of use; the next unit
   // is always prefetched when it is > 0.
   UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitSpec> units, DType dtype,
-               int64_t prefetch_bytes, GradsFinal grads_final = {});
+               int64_t prefetch_bytes);
   ~UnitSchedule();  // waits for gathers in flight
   UnitSchedule(const UnitSchedule&) = delete;
   UnitSchedule& operator=(const UnitSchedule&) = delete;
+
+  // Where the units' grads are reduced: `reducer` (issuing on request; it
+  // must outlive the schedule or be replaced first) and, per unit, the
+  // places of its groups in the reducer's order. A round reduces a unit's
+  // groups once every rank is done with its backward, or skips them where
+  // no rank ran it, on every rank alike. Without a reducer (nothing
+  // trains), grads are not reduced. Set again when the reducer is replaced.
+  void set_grad_reducer(BucketReducer* reducer, std::vector<std::vector<int>> unit_groups);
 
   // What a hook hands back to its caller, whose params view the buffers
   // (Python binds each unit's nn.Parameters to its buffer): the buffer the
@@ -141,7 +146,7 @@ class UnitSchedule {
   // read declared; undefined when it is not gathered.
   Tensor read(int unit);
   // Rounds until every rank has ended its forward (backward), then releases
-  // every unit (and hands every unit not yet final to grads_final). A rank
+  // every unit (and reduces every unit not reduced yet). A rank
   // whose pass raised says `failed`: every other rank then throws
   // PeerFailed at the same round. end_forward does nothing when no forward
   // is open (it was ended already).
@@ -190,7 +195,7 @@ class UnitSchedule {
     int marked = 0;           // post_backward calls still to come
     bool unbounded = false;   // produces grads, with no post-backward point: open until the end
     bool ran = false;         // produced grads in this backward
-    bool final = false;       // handed to grads_final in this backward (agreed)
+    bool final = false;       // its grads were reduced (or skipped) in this backward (agreed)
     std::vector<bool> marks;  // per forward call in progress: whether it marked
   };
   struct Sums {  // a round's result: every rank's flags, summed; a view valid until the next post
@@ -252,7 +257,8 @@ class UnitSchedule {
   int64_t prefetch_bytes_ = 0;
   DType dtype_ = DType::kFloat32;
   size_t elem_bytes_ = 4;
-  GradsFinal grads_final_;
+  BucketReducer* reducer_ = nullptr;
+  std::vector<std::vector<int>> reduce_groups_;  // per unit: its groups' places in the reducer's order
   bool in_forward_ = false, in_backward_ = false;
   bool aborted_ = false;  // a round reported another rank's failure: the pass ended there
   bool joining_ = false;  // end_forward posted its done-round; the join is finished later
