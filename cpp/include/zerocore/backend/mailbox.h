@@ -28,6 +28,9 @@ class Mailbox {
   // The host reads slot `i`, declared as a read on the compute stream: the
   // checking backend raises if the write was not waited for.
   double read(int i) const;
+  // The host writes slot `i`, declared as a write on the compute stream:
+  // the checking backend raises if a reader of it was not waited for.
+  void write(int i, double value);
 
  private:
   Backend& backend_;
