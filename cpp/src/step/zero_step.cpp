@@ -85,7 +85,7 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
   const auto done = parts_.control->all_gather(
       CollectiveKey{CollectiveKind::kAllGather, -1, kNormsPurpose, gathered.numel()},
       as_halves(box.slot(0), width, box.buffer()), gathered);
-  parts_.control->backend().host_wait(*done);  // the step's one blocking wait: the host decides on the sums
+  b.host_wait(*done);  // the step's one blocking wait: the host decides on the sums
   Exchanged out;
   bool diverged = false;
   std::vector<uint64_t> any(bits.size(), 0);

@@ -1,8 +1,9 @@
 // A few doubles the device writes and the host reads: the gradient norm,
-// the overflow flag. The host reads a slot only after waiting for an event
-// recorded after the write (Backend::host_wait): that wait is the step's one
-// blocking synchronisation. Lives in pinned host memory, so on CUDA a kernel
-// (or an async copy) writes it without a synchronous copy.
+// the overflow flag. The host (or a host collective: the step's exchange,
+// whose row is a mailbox) reads a slot only after an event recorded after
+// the write was waited for; the step's one blocking synchronisation is
+// that exchange's. Lives in pinned host memory, so on CUDA a kernel (or an
+// async copy) writes it without a synchronous copy.
 #pragma once
 #include <memory>
 #include <string>
