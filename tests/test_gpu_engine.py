@@ -11,10 +11,10 @@ forked ranks cannot use CUDA. The references are the CPU tests' own
 
 wrap puts a CUDA module on a CudaBackend of its device, torch's current
 stream its compute stream (zerocore/devices.py), with the data plane on
-NCCL and the control plane on gloo groups beside it. Until the native
-step's norm and update run on the backend, the step refuses a partition on
-the GPU at wrap (docs/design.md, Status), so the training tests fail on a
-GPU with that error: they are the engine's acceptance tests (issue 21). With
+NCCL and the control plane on gloo groups beside it. The native step's
+norm and update are the backend's kernels; what is not on the backend yet
+(docs/design.md, Status) may still fail these tests on a GPU: they are the
+engine's acceptance tests (issue 21). With
 the group made on gloo, the device on the CPU and one torch thread, the
 same tests pass on the CPU (checked by hand when they were written), so
 what they compare is known to hold where the engine runs. None of this has

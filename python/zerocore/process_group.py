@@ -23,7 +23,10 @@ which does not block the host). The call returns None at once: the queue
 sets the collective's event on its issuing thread, and the CUDA backend
 records it on the comm stream there, right after the issue, so whoever
 waits for it (the compute stream, on the device) waits for this
-collective and nothing issued after it.
+collective and nothing issued after it. Host tensors on such a queue (a gloo
+group's) are read on the issuing thread, so it waits for the comm stream
+before issuing their collective: what the comm stream was made to wait for
+(a mailbox a kernel writes) is there when gloo reads it.
 
 On gloo (host tensors) the tensor collectives all_gather_into_tensor and
 reduce_scatter_tensor allocate full-size temporaries on every call, so peak
@@ -193,6 +196,14 @@ class ProcessGroupTransport:
                 if then is not None:
                     then()
             return None
+        if self.stream is not None:
+            # Host tensors on a CUDA queue (the control plane's gloo): the
+            # comm stream was made to wait for what the collective reads (the
+            # step's exchange row, which a kernel writes on the compute
+            # stream), but gloo reads it on this thread, now: this thread
+            # waits for the comm stream first, so the caller's thread blocks
+            # only for the collective.
+            self.stream.synchronize()
         with self._running(key, issued):
             works, then = start()
         completion = _Completion(self, key, issued, works, then)

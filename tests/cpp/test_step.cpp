@@ -9,8 +9,8 @@
 // out by hand; late grads (after their bucket's reduction, on one rank,
 // over accumulated backwards) agreed and reduced in the step's exchange;
 // ranks whose collectives differ throwing on every rank before anything
-// changes; a partition on a device refused (the step's kernels are still
-// the CPU's); the step driving ZeRO-Offload's host update (HostUpdate over
+// changes; the step's sum of squares and update run by its backend, on
+// the compute stream, ordered under the checking backend; the step driving ZeRO-Offload's host update (HostUpdate over
 // an OffloadOptimizer on the checking backend): overlapped, delayed, and a
 // skipped step landing the pending update.
 #include <atomic>
@@ -20,6 +20,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -67,6 +68,18 @@ StepOptions sgd(std::optional<double> max_norm = std::nullopt) {
 }
 
 bool close(double got, double want) { return std::abs(got - want) <= 1e-5 * (1.0 + std::abs(want)); }
+
+// Rank r's runs of a partitioned step: bucket b's shard of `full` (at
+// offset + r * shard) with its grads at the bucket's place in `grad_part`.
+std::vector<FlatRun> partition_runs(const LayoutPlan& plan, int r, const Tensor& full, const Tensor& grad_part) {
+  std::vector<FlatRun> runs;
+  for (size_t b = 0; b < plan.buckets().size(); ++b) {
+    const int64_t shard = plan.shard_elems(int(b));
+    runs.push_back(FlatRun{0, full.slice(plan.buckets()[b].offset + r * shard, shard),
+                           grad_part.slice(plan.partition_offset(int(b)), shard), Tensor(), Tensor(), Tensor()});
+  }
+  return runs;
+}
 
 enum class Stage { kZero, kOneTwo, kThree };
 
@@ -116,16 +129,9 @@ void test_step(Stage stage, double loss_scale, std::optional<double> clip_fracti
     for (int64_t i = 0; i < total; ++i) init[size_t(i)] = param_value(i);
     const Tensor full = filled(init);
     Tensor grad = filled(stage == Stage::kZero ? grads_of(r, total) : owner_grads(r));
-    std::vector<FlatRun> runs;
-    if (stage == Stage::kZero) {
-      runs.push_back(FlatRun{0, full, grad, Tensor(), Tensor(), Tensor()});
-    } else {
-      for (size_t b = 0; b < plan.buckets().size(); ++b) {
-        const int64_t shard = plan.shard_elems(int(b));
-        runs.push_back(FlatRun{0, full.slice(plan.buckets()[b].offset + r * shard, shard),
-                               grad.slice(plan.partition_offset(int(b)), shard), Tensor(), Tensor(), Tensor()});
-      }
-    }
+    const std::vector<FlatRun> runs = stage == Stage::kZero
+                                          ? std::vector<FlatRun>{FlatRun{0, full, grad, Tensor(), Tensor(), Tensor()}}
+                                          : partition_runs(plan, r, full, grad);
     // Stage 0 reduces whole grads; the others hold their partition of them.
     std::optional<BucketCollectives> reduce;
     if (stage == Stage::kZero) reduce.emplace(data, CollectiveKind::kAllReduce, std::vector{FlatBuffer{0, plan, grad}});
@@ -289,12 +295,7 @@ void test_late_grads_in_the_exchange() {
     for (size_t i = 0; i < init.size(); ++i) init[i] = param_value(int64_t(i));
     const Tensor full = filled(init);
     BucketReducer reducer(data, {ReduceGroup{0, plan, grad_part}}, DType::kFloat32, 2);
-    std::vector<FlatRun> runs;
-    for (size_t b = 0; b < plan.buckets().size(); ++b) {
-      const int64_t shard = plan.shard_elems(int(b));
-      runs.push_back(FlatRun{0, full.slice(plan.buckets()[b].offset + r * shard, shard),
-                             grad_part.slice(plan.partition_offset(int(b)), shard), Tensor(), Tensor(), Tensor()});
-    }
+    const std::vector<FlatRun> runs = partition_runs(plan, r, full, grad_part);
     BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
     ZeroStep::Parts parts{&data, &control, runs, true, nullptr, &gather};
     parts.grad_reducer = &reducer;
@@ -351,23 +352,85 @@ void test_order_mismatch_throws_on_every_rank() {
   CHECK(bad == 0);
 }
 
-// A partition on a device is refused at construction, naming the run and
-// why: the step's norm and update are still the CPU kernels.
-void test_a_partition_on_a_device_is_refused() {
-  test::on_ranks_with_rounds(1, [&](int, CommQueue& data, CommQueue& control) {
-    const Tensor host = filled(std::vector<float>(8, 1.0f));
-    const Tensor on_gpu(host.data(), DType::kFloat32, Device{DeviceType::kCUDA, 1}, {8}, nullptr);  // never read
-    std::string message;
-    try {
-      ZeroStep step(ZeroStep::Parts{&data, &control, {FlatRun{0, host, host, Tensor(), Tensor(), Tensor()},
-                                                      FlatRun{0, host, on_gpu, Tensor(), Tensor(), Tensor()}},
-                                    false});
-    } catch (const InvalidArgument& e) {
-      message = e.what();
-    }
-    CHECK(message.find("run 1's grad is on cuda:1") != std::string::npos);
-    CHECK(message.find("still run the CPU kernels") != std::string::npos);
-  });
+// The step's kernels are its backend's, on the compute stream: a checking
+// backend (delays on its other streams, raising at any unordered access)
+// counts them. Stages 1-2 on 2 ranks, two SGD steps: each exchange one sum
+// of squares, each step one update, both on the compute stream, ordered
+// against the reduction's and the gather's collectives; the norm and every
+// param against the double reference.
+class KernelCountingBackend : public CheckingCpuBackend {
+ public:
+  using CheckingCpuBackend::CheckingCpuBackend;
+  void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
+                      int finite_slot) override {
+    ++(&stream == &compute_stream() ? sums : elsewhere);
+    CheckingCpuBackend::sum_of_squares(stream, xs, box, sum_slot, finite_slot);
+  }
+  void sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
+                       const std::vector<FlatRun>& runs) override {
+    ++(&stream == &compute_stream() ? updates : elsewhere);
+    CheckingCpuBackend::sgd_update_runs(stream, groups, step, grad_scale, runs);
+  }
+  int sums = 0, updates = 0, elsewhere = 0;
+};
+
+void test_kernels_run_on_the_backend() {
+  const LayoutPlan plan = plan_of();
+  const int64_t total = plan.total_elems(), part = plan.partition_elems();
+  constexpr int kSteps = 2;
+  std::atomic<int> bad{0};
+  InProcessGroup data_group(kWorld, late_completion_from_env()), control_group(kWorld, late_completion_from_env());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      KernelCountingBackend backend(CheckingOptions{uint64_t(3 + r), 0, 300, true});
+      CommQueue data(data_group.transport(r), backend), control(control_group.transport(r), backend);
+      std::vector<float> init(static_cast<size_t>(total));
+      for (int64_t i = 0; i < total; ++i) init[size_t(i)] = param_value(i);
+      const Tensor full = Tensor::empty({total}, DType::kFloat32, backend, MemoryKind::kDevice, "full");
+      const Tensor grad = Tensor::empty({part}, DType::kFloat32, backend, MemoryKind::kDevice, "grad");
+      std::memcpy(full.data(), init.data(), full.nbytes());
+      const std::vector<FlatRun> runs = partition_runs(plan, r, full, grad);
+      BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
+      ZeroStep step(ZeroStep::Parts{&data, &control, runs, true, nullptr, &gather});
+      std::vector<double> want(init.begin(), init.end());
+      for (int s = 0; s < kSteps; ++s) {
+        // Every rank's partition of this step's summed grads, in the flat
+        // layout (bucket b's shard for rank q at offset + q * shard).
+        std::vector<double> summed(static_cast<size_t>(total), 0.0);
+        double sum_sq = 0.0;
+        for (size_t b = 0; b < plan.buckets().size(); ++b) {
+          const int64_t shard = plan.shard_elems(int(b));
+          for (int q = 0; q < kWorld; ++q) {
+            const std::vector<float> g = grads_of(10 * s + q, part);
+            for (int64_t k = 0; k < shard; ++k) {
+              const double x = g[size_t(plan.partition_offset(int(b)) + k)];
+              summed[size_t(plan.buckets()[b].offset + q * shard + k)] = x;
+              sum_sq += x * x;
+            }
+          }
+        }
+        const std::vector<float> mine = grads_of(10 * s + r, part);
+        backend.declare_access(backend.compute_stream(), Access::write(grad), "the test writes the grads");
+        std::memcpy(grad.data(), mine.data(), grad.nbytes());
+        StepOptions options = sgd();
+        options.step = s + 1;
+        const StepResult result = step.step(options);
+        const double scale = 1.0 / kWorld;
+        if (!result.applied || !close(result.norm, std::sqrt(sum_sq) * scale)) ++bad;
+        for (int64_t i = 0; i < total; ++i) want[size_t(i)] -= kLr * scale * summed[size_t(i)];
+        // The gather's output is read once the compute stream waited for it.
+        backend.declare_access(backend.compute_stream(), Access::read(full), "the test reads the params");
+        for (int64_t i = 0; i < total; ++i) {
+          if (!close(full.data_as<float>()[i], want[size_t(i)])) ++bad;
+        }
+      }
+      if (backend.sums != kSteps || backend.updates != kSteps || backend.elsewhere != 0) ++bad;
+      if (!backend.violations().empty()) ++bad;
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(bad == 0);
 }
 
 // Offload: each rank's partition (an fp32 master and its host grads) lives
@@ -462,7 +525,7 @@ int main() {
   zerocore::test_dynamic_scale_over_steps();
   zerocore::test_late_grads_in_the_exchange();
   zerocore::test_order_mismatch_throws_on_every_rank();
-  zerocore::test_a_partition_on_a_device_is_refused();
+  zerocore::test_kernels_run_on_the_backend();
   zerocore::test_host_update();
   return zerocore::test::finish("test_step");
 }

@@ -29,4 +29,10 @@ double Mailbox::read(int i) const {
   return *p;
 }
 
+void Mailbox::write(int i, double value) {
+  double* p = slot(i);
+  backend_.declare_access(backend_.compute_stream(), write_access(i), "host write of mailbox slot " + std::to_string(i));
+  *p = value;
+}
+
 }  // namespace zerocore

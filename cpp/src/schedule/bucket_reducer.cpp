@@ -5,7 +5,6 @@
 #include <string>
 
 #include "zerocore/error.h"
-#include "zerocore/kernels/cpu_reduce.h"
 
 namespace zerocore {
 
@@ -295,10 +294,10 @@ void BucketReducer::drop_late() {
   }
 }
 
-double BucketReducer::grad_sum_of_squares() const {
+void BucketReducer::grad_sum_of_squares(Mailbox& box, int sum_slot, int finite_slot) const {
   std::vector<Tensor> parts;
   for (const ReduceGroup& g : groups_) parts.push_back(g.grad_part);
-  return sum_of_squares(parts);
+  backend_.sum_of_squares(backend_.compute_stream(), parts, box, sum_slot, finite_slot);
 }
 
 }  // namespace zerocore

@@ -6,28 +6,34 @@
 #include <utility>
 
 #include "zerocore/error.h"
-#include "zerocore/kernels/cpu_reduce.h"
+#include "zerocore/backend/backend.h"
 #include "zerocore/step/host_update.h"
 
 namespace zerocore {
 
 namespace {
 
-// A row of the exchange: this rank's sum of squares, its trainability
+// A row of the exchange: this rank's sum of squares (and the kernel's
+// finite flag beside it, which the sum already carries), its trainability
 // changes, its data queue's fingerprint and its late buckets, as float64.
 // The fingerprint keeps 52 bits, exact in a double; the late buckets are
 // bit flags, kLateBits to a double (exact integers: the row crosses as raw
 // bytes, but every value in it stays a plain finite number).
-constexpr size_t kHead = 3;
+constexpr int kSum = 0;
+constexpr int kFinite = 1;
+constexpr int kChanges = 2;
+constexpr int kFingerprint = 3;
+constexpr size_t kHead = 4;
 constexpr size_t kLateBits = 52;
 // The exchange's key: a control all-gather whose bucket says what it is
 // for (python/zerocore/comm.py names bucket 1 "the step's norm exchange").
 constexpr int32_t kNormsPurpose = 1;
 // The control queue moves float tensors: float64 rows cross as fp16
-// halves. Host memory of the step's own, outside the arenas, whose bytes
-// memory_report() accounts for model states and communication buffers.
-Tensor as_halves(std::vector<double>& values) {
-  return Tensor(values.data(), DType::kFloat16, Device{}, {int64_t(values.size() * sizeof(double) / 2)}, nullptr);
+// halves. The gathered rows are host memory of the step's own, outside the
+// arenas, whose bytes memory_report() accounts for model states and
+// communication buffers.
+Tensor as_halves(double* values, size_t count, std::shared_ptr<void> owner) {
+  return Tensor(values, DType::kFloat16, Device{}, {int64_t(count * sizeof(double) / 2)}, std::move(owner));
 }
 
 }  // namespace
@@ -45,49 +51,50 @@ ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)) {
     throw InvalidArgument("ZeroStep: give the runs (the step updates them in place) or the host update "
                           "(offload), not both");
   }
-  // The sum of squares and the update below are the CPU kernels, not yet
-  // the backend's (docs/design.md, Status): a partition on a device is
-  // refused here, at wrap, rather than read from the host in the first step.
-  for (size_t i = 0; i < parts_.runs.size(); ++i) {
-    const FlatRun& run = parts_.runs[i];
-    for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"param", run.param}, {"grad", run.grad}}) {
-      if (t.device().type != DeviceType::kCPU) {
-        throw InvalidArgument("ZeroStep: run " + std::to_string(i) + "'s " + name + " is on cuda:" +
-                              std::to_string(t.device().index) +
-                              ", but the step's sum of squares and in-place update still run the CPU kernels, not "
-                              "its backend's (docs/design.md, Status): the engine cannot step a partition on a GPU "
-                              "yet; train on the CPU (model.cpu())");
-      }
-    }
-    grads_.push_back(run.grad);
+  if (&parts_.data->backend() != &parts_.control->backend()) {
+    throw InvalidArgument("ZeroStep: the data and control queues run on different backends; make both on the "
+                          "engine's (the exchange reads a row the data queue's backend writes)");
   }
+  for (const FlatRun& run : parts_.runs) grads_.push_back(run.grad);
 }
 
-Exchanged ZeroStep::exchange_rows(double mine, int64_t changes, std::vector<bool>& late) {
-  const size_t words = (late.size() + kLateBits - 1) / kLateBits;
-  const size_t width = kHead + words;
-  std::vector<double> row(width, 0.0);
-  row[0] = mine;
-  row[1] = double(changes);
-  row[2] = double(parts_.data->fingerprint() >> 12);
+Mailbox& ZeroStep::row(size_t late_buckets) {
+  const int width = int(kHead + (late_buckets + kLateBits - 1) / kLateBits);
+  if (!row_ || row_->slots() != width) row_ = std::make_unique<Mailbox>(backend(), width, "the step's exchange row");
+  return *row_;
+}
+
+Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
+  Mailbox& box = row(late.size());
+  const size_t width = size_t(box.slots());
+  std::vector<uint64_t> bits(width - kHead, 0);
   for (size_t i = 0; i < late.size(); ++i) {
-    if (late[i]) row[kHead + i / kLateBits] += double(uint64_t(1) << (i % kLateBits));
+    if (late[i]) bits[i / kLateBits] |= uint64_t(1) << (i % kLateBits);
   }
+  box.write(kChanges, double(changes));
+  const double fingerprint = double(parts_.data->fingerprint() >> 12);
+  box.write(kFingerprint, fingerprint);
+  for (size_t w = 0; w < bits.size(); ++w) box.write(int(kHead + w), double(bits[w]));
+  // The all-gather reads the row once the compute stream's work before it
+  // (the sum of squares) is done: on the device, not the host.
+  Backend& b = backend();
+  b.wait(parts_.control->stream(), *b.record(b.compute_stream()));
   const int world = parts_.control->world_size();
   rows_.resize(size_t(world) * width);
-  const Tensor gathered = as_halves(rows_);
+  const Tensor gathered = as_halves(rows_.data(), rows_.size(), nullptr);
   const auto done = parts_.control->all_gather(
-      CollectiveKey{CollectiveKind::kAllGather, -1, kNormsPurpose, gathered.numel()}, as_halves(row), gathered);
-  parts_.control->backend().host_wait(*done);  // the step's one blocking wait: the host decides on the sums
+      CollectiveKey{CollectiveKind::kAllGather, -1, kNormsPurpose, gathered.numel()},
+      as_halves(box.slot(0), width, box.buffer()), gathered);
+  b.host_wait(*done);  // the step's one blocking wait: the host decides on the sums
   Exchanged out;
   bool diverged = false;
-  std::vector<uint64_t> any(words, 0);
+  std::vector<uint64_t> any(bits.size(), 0);
   for (int r = 0; r < world; ++r) {  // in rank order, so every rank gets the same bits
     const double* theirs = rows_.data() + size_t(r) * width;
-    out.sum_of_squares += theirs[0];
-    out.changes += int64_t(theirs[1]);
-    diverged |= theirs[2] != row[2];
-    for (size_t w = 0; w < words; ++w) any[w] |= uint64_t(theirs[kHead + w]);
+    out.sum_of_squares += theirs[kSum];
+    out.changes += int64_t(theirs[kChanges]);
+    diverged |= theirs[kFingerprint] != fingerprint;
+    for (size_t w = 0; w < any.size(); ++w) any[w] |= uint64_t(theirs[kHead + w]);
   }
   std::vector<CollectiveKey> trace = diverged ? parts_.data->trace() : std::vector<CollectiveKey>{};
   parts_.data->restart_trace();
@@ -98,26 +105,35 @@ Exchanged ZeroStep::exchange_rows(double mine, int64_t changes, std::vector<bool
         std::move(trace));
   }
   for (size_t i = 0; i < late.size(); ++i) late[i] = (any[i / kLateBits] >> (i % kLateBits)) & 1u;
-  if (!parts_.partitioned) out.sum_of_squares = mine;  // every rank holds all the grads
+  if (!parts_.partitioned) {  // every rank holds all the grads: its own row's sum, as it crossed
+    out.sum_of_squares = rows_[size_t(parts_.control->rank()) * width + kSum];
+  }
   return out;
 }
 
 const Exchanged& ZeroStep::exchange(int64_t changes) {
   if (exchanged_) return *exchanged_;
   if (parts_.grad_reduce != nullptr) parts_.grad_reduce->run();
-  double mine = parts_.host_update ? parts_.host_update->grad_sum_of_squares() : sum_of_squares(grads_);
   BucketReducer* reducer = parts_.grad_reducer;
   std::vector<bool> late = reducer ? reducer->late() : std::vector<bool>{};
-  Exchanged agreed = exchange_rows(mine, changes, late);
+  Mailbox& box = row(late.size());
+  if (parts_.host_update != nullptr) {  // offload: the host's own sum of its host grads
+    const double mine = parts_.host_update->grad_sum_of_squares();
+    box.write(kSum, mine);
+    box.write(kFinite, std::isfinite(mine) ? 1.0 : 0.0);
+  } else {
+    backend().sum_of_squares(backend().compute_stream(), grads_, box, kSum, kFinite);
+  }
+  Exchanged agreed = exchange_rows(changes, late);
   if (std::find(late.begin(), late.end(), true) != late.end()) {
     // Grads came after their bucket was reduced (reentrant checkpointing),
     // on some rank: every rank reduces those buckets, so all issue the same
     // collectives, and the sums are exchanged again, since they changed.
     // The reducer's partitions are the grads this rank's sum is over.
     reducer->reduce_late(late);
-    mine = reducer->grad_sum_of_squares();
+    reducer->grad_sum_of_squares(box, kSum, kFinite);
     late.assign(late.size(), false);
-    agreed = exchange_rows(mine, changes, late);
+    agreed = exchange_rows(changes, late);
   }
   exchanged_ = agreed;
   return *exchanged_;
@@ -150,10 +166,13 @@ StepResult ZeroStep::step(const StepOptions& options) {
     }
   } else {
     if (options.max_norm) grad_scale *= std::min(1.0, *options.max_norm / (out.norm + 1e-6));
-    if (options.kind == OptimizerKind::kSgd) {
-      sgd_update_runs(options.sgd, options.step, grad_scale, parts_.runs);
-    } else {
-      adam_update_runs(options.adam, options.step, grad_scale, parts_.runs);
+    if (!parts_.runs.empty()) {  // (offload's partition is the host update's, below)
+      Backend& b = backend();
+      if (options.kind == OptimizerKind::kSgd) {
+        b.sgd_update_runs(b.compute_stream(), options.sgd, options.step, grad_scale, parts_.runs);
+      } else {
+        b.adam_update_runs(b.compute_stream(), options.adam, options.step, grad_scale, parts_.runs);
+      }
     }
     if (parts_.host_update != nullptr) parts_.host_update->apply(options, grad_scale);
     if (parts_.param_gather != nullptr) parts_.param_gather->run();

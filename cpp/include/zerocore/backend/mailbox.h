@@ -1,8 +1,9 @@
 // A few doubles the device writes and the host reads: the gradient norm,
-// the overflow flag. The host reads a slot only after waiting for an event
-// recorded after the write (Backend::host_wait): that wait is the step's one
-// blocking synchronisation. Lives in pinned host memory, so on CUDA a kernel
-// (or an async copy) writes it without a synchronous copy.
+// the overflow flag. The host (or a host collective: the step's exchange,
+// whose row is a mailbox) reads a slot only after an event recorded after
+// the write was waited for; the step's one blocking synchronisation is
+// that exchange's. Lives in pinned host memory, so on CUDA a kernel (or an
+// async copy) writes it without a synchronous copy.
 #pragma once
 #include <memory>
 #include <string>
@@ -28,6 +29,9 @@ class Mailbox {
   // The host reads slot `i`, declared as a read on the compute stream: the
   // checking backend raises if the write was not waited for.
   double read(int i) const;
+  // The host writes slot `i`, declared as a write on the compute stream:
+  // the checking backend raises if a reader of it was not waited for.
+  void write(int i, double value);
 
  private:
   Backend& backend_;

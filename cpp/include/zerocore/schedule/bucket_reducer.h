@@ -117,8 +117,9 @@ class BucketReducer {
   void reduce_late(const std::vector<bool>& buckets);
   // Drops the late grads (zero_grad).
   void drop_late();
-  // The sum of squares of the grad partitions (the step's, after reduce_late).
-  double grad_sum_of_squares() const;
+  // The sum of squares of the grad partitions (the step's, after
+  // reduce_late) into `box`, on the compute stream (Backend::sum_of_squares).
+  void grad_sum_of_squares(Mailbox& box, int sum_slot, int finite_slot) const;
   // Where each group's reduced grads are added from now on (the same
   // dtype and size as before): a delayed offload update reads one buffer
   // while the next backward fills the other. Between backwards only

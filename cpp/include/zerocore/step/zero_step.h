@@ -17,13 +17,21 @@
 //
 // clip_grad_norm_ needs the norm before the step: exchange() runs the
 // reduction and the exchange once a step, and step() does not repeat it.
+//
+// The sum of squares and the update are the backend's kernels (the data
+// queue's), on its compute stream: the sum lands in this rank's row of the
+// exchange, a mailbox the control queue's all-gather reads once its stream
+// waited for the compute stream. So the host blocks once an exchange, for
+// the all-gather, whose rows it decides on (docs/design.md, the step).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "zerocore/backend/mailbox.h"
 #include "zerocore/comm/comm.h"
 #include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/kernels/optim.h"
@@ -132,14 +140,19 @@ class ZeroStep {
   double loss_scale() const { return parts_.loss_scaler ? parts_.loss_scaler->scale() : 1.0; }
 
  private:
+  Backend& backend() const { return parts_.data->backend(); }
+  // This rank's row, sized for `late_buckets`; its sum of squares is the
+  // caller's to write (in the compute stream's order) before exchange_rows.
+  Mailbox& row(size_t late_buckets);
   // One exchange of (sum of squares, changes, fingerprint, late buckets)
   // rows; returns the agreed sums and sets `late` to the buckets late on
   // any rank. Throws CollectiveOrderDiverged.
-  Exchanged exchange_rows(double mine, int64_t changes, std::vector<bool>& late);
+  Exchanged exchange_rows(int64_t changes, std::vector<bool>& late);
 
   Parts parts_;
-  std::vector<Tensor> grads_;  // the runs' grads, for the sum of squares
-  std::vector<double> rows_;   // the exchange's gathered rows
+  std::vector<Tensor> grads_;    // the runs' grads, for the sum of squares
+  std::unique_ptr<Mailbox> row_; // this rank's row of the exchange
+  std::vector<double> rows_;     // the exchange's gathered rows
   std::optional<Exchanged> exchanged_;
 };
 
