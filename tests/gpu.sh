@@ -12,9 +12,10 @@
 # and writes all they print to the results file. Without a visible GPU it
 # fails at once instead of skipping everything quietly.
 #
-# ZEROCORE_NATIVE_BUILD names a CMake build folder of this tree to build the
-# C++ tests in instead of a new one (tests/run.sh passes its own, already
-# built, so CI compiles the CUDA kernels once for both).
+# ZEROCORE_REUSE_BUILD names a CMake build folder of this tree, built with
+# CUDA, to run the C++ tests from, and says that the zerocore installed for
+# $PYTHON was built with CUDA too: neither is built again (tests/run.sh
+# passes its own, so CI compiles the CUDA kernels once per build kind).
 #
 # --dry-run needs no GPU and no driver: it makes the same two CUDA builds,
 # lists the C++ tests, imports zerocore.cuda from the CUDA build, collects
@@ -32,7 +33,7 @@ fi
 results=$(realpath -m "${1:-gpu-results.txt}")
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/zerocore-gpu.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
-native=${ZEROCORE_NATIVE_BUILD:-$scratch/native}
+native=${ZEROCORE_REUSE_BUILD:-$scratch/native}
 
 {
   echo "# zerocore GPU run, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -49,9 +50,11 @@ native=${ZEROCORE_NATIVE_BUILD:-$scratch/native}
   else
     ctest --test-dir "$native" --output-on-failure --timeout 300
   fi
-  "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index --target "$scratch/site" \
-    -C cmake.define.ZEROCORE_CUDA=ON .
-  export PYTHONPATH="$scratch/site"
+  if [[ -z "${ZEROCORE_REUSE_BUILD:-}" ]]; then
+    "$PYTHON" -m pip install -q --no-build-isolation --no-deps --no-index --target "$scratch/site" \
+      -C cmake.define.ZEROCORE_CUDA=ON .
+    export PYTHONPATH="$scratch/site"
+  fi
   if (( dry_run )); then
     "$PYTHON" -c 'import zerocore.cuda as c; assert c.is_built(), "zerocore was built without the CUDA kernels"'
     collected=$("$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --collect-only tests | tail -n 1)

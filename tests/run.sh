@@ -39,11 +39,11 @@ phase_done "set-up (venv, torch, the package built)"
 phase_done "the C++ build and tests"
 
 # The GPU path up to the GPU itself (tests/gpu.sh --dry-run: the CUDA builds,
-# imports, test collection), wherever a CUDA compiler is. The C++ build
-# above found the same compiler (ZEROCORE_CUDA=AUTO), so the dry run reuses
-# it rather than compiling the CUDA kernels once more.
+# imports, test collection), wherever a CUDA compiler is. The package and
+# the C++ build above found the same compiler (ZEROCORE_CUDA=AUTO), so the
+# dry run uses them rather than compiling the CUDA kernels again.
 if command -v nvcc > /dev/null || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || -x /usr/local/cuda/bin/nvcc ]]; then
-  PATH="$venv:$PATH" PYTHON="$venv/python" ZEROCORE_NATIVE_BUILD="$scratch/native" \
+  PATH="$venv:$PATH" PYTHON="$venv/python" ZEROCORE_REUSE_BUILD="$scratch/native" \
     bash tests/gpu.sh --dry-run "$scratch/gpu-dry-run.txt"
   phase_done "tests/gpu.sh --dry-run"
 else
