@@ -382,6 +382,10 @@ def _zerocore_and_deepspeed(rank, world, stage):
     import deepspeed as ds_runtime
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # DeepSpeed's CPU accelerator compiles its shared-memory all-reduce when
+    # its comm backend starts, a minute of C++ on a machine without its
+    # build cache (CI's); only inference_all_reduce uses it, never training.
+    ds_runtime.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     config = {**TRAIN, "zero_optimization": {**TRAIN["zero_optimization"], "stage": stage}}
     out = {}
     for who in ("zerocore", "deepspeed"):
