@@ -1,10 +1,10 @@
 // The backends as Python holds them (zerocore._native.Backend and its
 // CpuBackend and CheckingBackend; CudaBackend in bind_cuda_backend.cpp):
-// what the engine and the tests do on one (buffers, streams, events, copies,
-// fill, declared accesses, poison), the checking backend's verdict
-// (violations, host waits), and the process's default backend. Waits and
-// closing release the GIL: work on a backend's streams may drop the last
-// reference to a torch tensor, which takes it.
+// what the engine and the tests do on one (buffers and the bytes it holds,
+// streams, events, copies, fill, declared accesses, poison), the checking
+// backend's verdict (violations, host waits), and the process's default
+// backend. Waits and closing release the GIL: work on a backend's streams
+// may drop the last reference to a torch tensor, which takes it.
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
