@@ -3,6 +3,7 @@ each its own unit by default, trained with no annotation. Each rank runs the
 experts its samples route to (none, some, one twice); the engine must equal
 single-process torch and stage 2 on the same global batch, and never hang."""
 import functools
+import gc
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zerocore
+from backend_bytes import assert_report_is_the_backends
 from dist_harness import run_ranks
 from models import DIM, VOCAB, Block, assert_state_close, engine_train, lm_batch, lm_loss, make, reference_train
 
@@ -83,13 +85,20 @@ def random_codes(r, step, micro, layer, low=-1):
 
 def _train(rank, world, model_fn, batch, accum, stages):
     out = {}
+    backend = zerocore._native.process_backend()
     for stage in stages:
         model = model_fn()
+        gc.collect()  # nothing of an earlier engine is freed while this one is measured
+        before = backend.allocated_bytes()
         engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
                                {"stage": stage, "bucket_bytes": 512})
         out[stage] = engine_train(engine, rank, world, STEPS, accum, batch=batch)
+        # Stage 3's pool may have grown (units some ranks needed at once): the report still says what is held.
+        held = {kind: n - before[kind] for kind, n in backend.allocated_bytes().items()}
+        out[f"stage {stage} memory"] = engine.memory_report(), held
         if stage == 3:
             out["experts are units"] = sum(isinstance(u.modules[0], Block) for u in engine.units)
+        engine.close()
     return out
 
 
@@ -124,6 +133,7 @@ def check(model_fn, batch, world=2, accum=1):
         assert result["experts are units"] == 2 * EXPERTS  # DataRouted's 2 layers; no units= given: the default
         for stage in (2, 3):
             assert_as_close_as_torch(result[stage], ref64, ref32, initial, what=f"stage {stage} rank {rank}")
+            assert_report_is_the_backends(*result[f"stage {stage} memory"], what=f"stage {stage} rank {rank}")
         assert_state_close(result[3], result[2], rtol=1e-5, atol=1e-6, what=f"stage 3 vs stage 2, rank {rank}")
 
 

@@ -1,14 +1,16 @@
 """Model-state memory and communication volume equal the ZeRO formulas
-(zerocore.accounting, docs/design.md) up to alignment padding."""
+(zerocore.accounting, docs/design.md) up to alignment padding, and
+memory_report() is the memory the engine's backend holds."""
 import gc
 
 import pytest
 import torch
 
 import zerocore
+from backend_bytes import assert_report_is_the_backends
 from dist_harness import run_ranks
 from models import lm_batch, lm_loss, local, make
-from zerocore import accounting
+from zerocore import _native, accounting
 
 KEYS = ("param", "grad", "optim")
 
@@ -94,3 +96,58 @@ def _freed_after_del(rank, world):
 def test_engine_memory_is_freed_when_dropped():
     for held, left in run_ranks(_freed_after_del, 2)[0]:
         assert held > 0 and left == 0
+
+
+OFFLOADS = [dict(stage=s) for s in (0, 1, 2, 3)] + \
+           [dict(stage=s, offload_optimizer="cpu") for s in (1, 2, 3)] + \
+           [dict(stage=3, offload_optimizer="cpu", offload_params="cpu")]
+
+
+def _report_and_backend(rank, world, dtype, backend_class):
+    """Each config on a backend of its own: what the report says and what
+    the backend holds at wrap, after steps and once the engine is closed;
+    and the host arenas wrap made (on a CPU backend every buffer is one)."""
+    out = []
+    for config in OFFLOADS:
+        backend = getattr(_native, backend_class)()
+        model = make()
+        gc.collect()
+        arena_before = zerocore.host_arena_bytes()
+        engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               zerocore.Config(dtype=dtype, bucket_bytes=256, **config), backend=backend)
+        at_wrap = (engine.memory_report(), backend.allocated_bytes(), zerocore.host_arena_bytes() - arena_before)
+        after_steps = []
+        for step in range(3):
+            for micro in range(2):
+                x, y = lm_batch(step, micro, world)
+                engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+            engine.step()
+            engine.zero_grad()
+            after_steps.append((engine.memory_report(), backend.allocated_bytes()))
+        engine.close()
+        del engine
+        gc.collect()
+        out.append((config, at_wrap, after_steps, backend.allocated_bytes()))
+    return out
+
+
+@pytest.mark.parametrize("dtype,backend_class", [("fp32", "CpuBackend"), ("bf16", "CheckingBackend")])
+def test_memory_report_is_what_the_backend_holds(dtype, backend_class):
+    """The report's device and host bytes, less what is torch's (the
+    module's buffers, checkpoint buffers), are the backend's buffers of
+    those kinds; every native arena wrap makes is one of them; steps
+    allocate nothing (no unit here diverges, so stage 3's pool never grows);
+    and close() leaves the backend holding nothing."""
+    for rank, runs in enumerate(run_ranks(_report_and_backend, 2, dtype, backend_class, timeout=180)):
+        for config, (report, allocated, arenas), after_steps, closed in runs:
+            what = f"rank {rank} {dtype} {config}"
+            assert report["activations"] == 0, f"{what}: no checkpoint buffers in this model"
+            assert_report_is_the_backends(report, allocated, f"{what} at wrap")
+            assert arenas == sum(allocated.values()), f"{what}: wrap made {arenas} bytes of host arenas, " \
+                                                      f"its backend holds {allocated}"
+            assert allocated["host_pageable"] == 0, f"{what}: the runtime asks for pinned or device memory"
+            assert (allocated["host_pinned"] > 0) == ("offload_optimizer" in config), f"{what}: {allocated}"
+            for step, (report_then, allocated_then) in enumerate(after_steps):
+                assert (report_then, allocated_then) == (report, allocated), \
+                    f"{what}: step {step} changed the memory: {report_then}, {allocated_then}"
+            assert closed == {"host_pageable": 0, "host_pinned": 0, "device": 0}, f"{what}: left after close(): {closed}"

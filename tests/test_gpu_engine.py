@@ -1,6 +1,7 @@
 """The engine on a CUDA device (issue 21): training at world size 1 against
 single-process torch on the same GPU, for every stage and dtype, with
-offload and with partitioned activation checkpoints.
+offload and with partitioned activation checkpoints; memory_report()
+against the bytes of the CUDA backend's device and pinned arenas.
 
 All of it is marked `gpu` and skipped without a CUDA device and a CUDA
 build; `bash tests/gpu.sh` runs it on a GPU machine. Each test makes a
@@ -21,6 +22,7 @@ what they compare is known to hold where the engine runs. None of this has
 run on a GPU yet.
 """
 import copy
+import gc
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 import zerocore
 import zerocore.cuda
+from backend_bytes import assert_report_is_the_backends
 from mixed_precision_reference import assert_moved_like, mp_reference_train
 from models import TinyLM, assert_state_close, engine_train, lm_batch, make, reference_train
 
@@ -117,6 +120,32 @@ def test_offload_matches_torch(world1, stage, offload_params):
     config = zerocore.Config(stage=stage, bucket_bytes=256, offload_optimizer="cpu", offload_params=offload_params)
     assert_state_close(train(world1, config), fp32_reference(world1), rtol=1e-5, atol=1e-6,
                        what=f"stage {stage} offload_params={offload_params}")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("config", [dict(stage=s) for s in STAGES] +
+                         [dict(stage=s, offload_optimizer="cpu") for s in (1, 2, 3)] +
+                         [dict(stage=3, offload_optimizer="cpu", offload_params="cpu")])
+def test_memory_report_is_the_cuda_backends_arenas(world1, config, dtype):
+    """What the report puts on the device and the host is what the engine's
+    CudaBackend holds in cudaMalloc and pinned (or, where pinning failed,
+    pageable) buffers, allocated at wrap and not per step; close() frees
+    all of it (tests/backend_bytes.py; the CPU backends' test is in
+    test_engine_accounting.py)."""
+    what = f"{config} {dtype}"
+    model = make().to(world1)
+    engine = zerocore.wrap(model, adamw(model.parameters()), zerocore.Config(dtype=dtype, bucket_bytes=256, **config))
+    backend = engine.backend
+    report, allocated = engine.memory_report(), backend.allocated_bytes()
+    assert_report_is_the_backends(report, allocated, f"{what} at wrap")
+    assert allocated["device"] > 0 and (allocated["host_pinned"] + allocated["host_pageable"] > 0) == \
+        ("offload_optimizer" in config), f"{what}: {allocated}"
+    engine_train(engine, 0, 1, STEPS, ACCUM, batch=on(world1))
+    assert (engine.memory_report(), backend.allocated_bytes()) == (report, allocated), f"{what}: steps allocated"
+    engine.close()
+    del engine
+    gc.collect()
+    assert backend.allocated_bytes() == {"host_pageable": 0, "host_pinned": 0, "device": 0}, f"{what}: left"
 
 
 class CheckpointedLM(TinyLM):

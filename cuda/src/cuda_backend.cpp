@@ -158,7 +158,7 @@ std::shared_ptr<Buffer> CudaBackend::allocate(MemoryKind kind, size_t bytes, con
       check(cudaMemset(p, 0, bytes), "cudaMemset");
       check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize(after zeroing)");
     }
-    return std::make_shared<Buffer>(kind, Device{DeviceType::kCUDA, device}, name, p, bytes, std::move(storage));
+    return counted_buffer(kind, Device{DeviceType::kCUDA, device}, name, p, bytes, std::move(storage));
   }
   if (kind == MemoryKind::kHostPinned) {
     DeviceGuard guard(device);
@@ -167,13 +167,13 @@ std::shared_ptr<Buffer> CudaBackend::allocate(MemoryKind kind, size_t bytes, con
     if (err == cudaSuccess) {
       std::shared_ptr<void> storage(p, [device](void* q) { release_on(device, [q] { return cudaFreeHost(q); }); });
       if (zeroed) std::memset(p, 0, bytes);
-      return std::make_shared<Buffer>(kind, Device{}, name, p, bytes, std::move(storage));
+      return counted_buffer(kind, Device{}, name, p, bytes, std::move(storage));
     }
     (void)cudaGetLastError();  // a failed allocation is not sticky; clear it
     warn_pageable_once(name, bytes, err);
   }
   auto arena = HostArena::create(bytes, zeroed);
-  return std::make_shared<Buffer>(MemoryKind::kHostPageable, Device{}, name, arena->data(), bytes, arena);
+  return counted_buffer(MemoryKind::kHostPageable, Device{}, name, arena->data(), bytes, arena);
 }
 
 Stream& CudaBackend::compute_stream() { return *compute_; }

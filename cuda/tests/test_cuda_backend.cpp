@@ -14,7 +14,8 @@
 //                           across a compute, a comm and a copy stream; a
 //                           collective's pending event; an injected CUDA
 //                           failure raising with the call named; the pageable
-//                           fallback when pinning fails (one warning). Exits
+//                           fallback when pinning fails (one warning); the
+//                           live bytes counted by kind. Exits
 //                           77 (ctest: skipped) without a device.
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -427,6 +428,8 @@ void test_pageable_fallback(std::mt19937& rng) {
   CHECK(has(text, "could not pin 4096 bytes of host memory for 'staging'"));
   CHECK(text.find("warning", text.find("warning") + 1) == std::string::npos);  // once
   CHECK(a->kind() == MemoryKind::kHostPageable && b->kind() == MemoryKind::kHostPageable);
+  CHECK(g.allocated_bytes(MemoryKind::kHostPinned) == 0 &&
+        g.allocated_bytes(MemoryKind::kHostPageable) == a->bytes() + b->bytes() + box.buffer()->bytes());
   CHECK(static_cast<const char*>(a->data())[4095] == 0);
 
   Tensor host = a->view(0, DType::kFloat32, {1024});
@@ -442,6 +445,20 @@ void test_pageable_fallback(std::mt19937& rng) {
   CHECK(box.read(1) == 1.0);
 }
 
+// allocated_bytes counts cudaMalloc'd and pinned buffers by kind until
+// they are freed.
+void test_allocated_bytes() {
+  CudaBackend g(0);
+  auto device = g.allocate(MemoryKind::kDevice, 4096, "device", true);
+  auto pinned = g.allocate(MemoryKind::kHostPinned, 1000, "pinned");
+  CHECK(pinned->kind() == MemoryKind::kHostPinned);
+  CHECK(g.allocated_bytes(MemoryKind::kDevice) == 4096 && g.allocated_bytes(MemoryKind::kHostPinned) == 1000 &&
+        g.allocated_bytes(MemoryKind::kHostPageable) == 0);
+  device.reset();
+  pinned.reset();
+  CHECK(g.allocated_bytes(MemoryKind::kDevice) == 0 && g.allocated_bytes(MemoryKind::kHostPinned) == 0);
+}
+
 void test_gpu() {
   std::mt19937 rng(20261124);
   CpuBackend cpu;
@@ -455,6 +472,7 @@ void test_gpu() {
   test_poison(g);
   test_injected_failure(g);
   test_pageable_fallback(rng);
+  test_allocated_bytes();
 }
 
 }  // namespace

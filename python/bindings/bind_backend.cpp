@@ -1,14 +1,15 @@
 // The backends as Python holds them (zerocore._native.Backend and its
 // CpuBackend and CheckingBackend; CudaBackend in bind_cuda_backend.cpp):
-// what the engine and the tests do on one (buffers, streams, events, copies,
-// fill, declared accesses, poison), the checking backend's verdict
-// (violations, host waits), and the process's default backend. Waits and
-// closing release the GIL: work on a backend's streams may drop the last
-// reference to a torch tensor, which takes it.
+// what the engine and the tests do on one (buffers and the bytes it holds,
+// streams, events, copies, fill, declared accesses, poison), the checking
+// backend's verdict (violations, host waits), and the process's default
+// backend. Waits and closing release the GIL: work on a backend's streams
+// may drop the last reference to a torch tensor, which takes it.
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <iterator>
 #include <memory>
 #include <string>
 
@@ -27,10 +28,15 @@ namespace zerocore::bindings {
 using BoundCpu = HeldBackend<CpuBackend>;
 using BoundChecking = HeldBackend<CheckingCpuBackend>;
 
+namespace {
+// Python's names of the memory kinds, in MemoryKind's order.
+constexpr const char* kKindNames[] = {"host_pageable", "host_pinned", "device"};
+}  // namespace
+
 MemoryKind parse_kind(const std::string& s) {
-  if (s == "host_pageable") return MemoryKind::kHostPageable;
-  if (s == "host_pinned") return MemoryKind::kHostPinned;
-  if (s == "device") return MemoryKind::kDevice;
+  for (size_t i = 0; i < std::size(kKindNames); ++i) {
+    if (s == kKindNames[i]) return MemoryKind(i);
+  }
   throw InvalidArgument("unknown memory kind '" + s + "'; expected host_pageable, host_pinned or device");
 }
 
@@ -55,6 +61,15 @@ void bind_backend_base(nb::module_& m) {
           "kind"_a, "nbytes"_a, "name"_a, "zeroed"_a = false,
           "A buffer of kind 'host_pageable', 'host_pinned' or 'device'; its contents undefined (NaN under the "
           "checking backend) unless zeroed.")
+      .def(
+          "allocated_bytes",
+          [](BoundBackend& b) {
+            nb::dict out;
+            for (const char* kind : kKindNames) out[kind] = b.get().allocated_bytes(parse_kind(kind));
+            return out;
+          },
+          "Bytes of the buffers this backend allocated that are alive, by kind ('host_pageable', 'host_pinned', "
+          "'device'): a buffer counts until its last view (a torch tensor's too) is dropped.")
       .def(
           "compute_stream", [](BoundBackend& b) -> Stream& { return b.get().compute_stream(); },
           nb::rv_policy::reference_internal,

@@ -198,7 +198,7 @@ class Engine:
             # The rounds reduce each unit's trainable groups, by their places in the reduction order.
             self.reducer.reduce_in_rounds(schedule, [[self.reducer.index[id(g)] for g in u.groups if g.trainable]
                                                      for u in self.units])
-            self.scheduler = UnitScheduler(self.units, schedule, self._attach_unit_grads)
+            self.scheduler = UnitScheduler(self.units, schedule, self.backend, self._attach_unit_grads)
         # The step, in one native call: stages 0-1's reduction, the sum of
         # squares, the exchange (with stages 2-3's late grads), the decision
         # with the loss scaler, the update and the param gather or stage 3's

@@ -139,9 +139,10 @@ class _PostBackward(torch.autograd.Function):
 
 
 class UnitScheduler:
-    def __init__(self, units, schedule, on_unit_backward=None):
+    def __init__(self, units, schedule, backend, on_unit_backward=None):
         self.units = units
         self.native = schedule
+        self.backend = backend  # the schedule's (its queues'): gather_all's buffers come from it
         for u in units:  # asked once: a hook then binds without calling back into the schedule
             u.schedule = schedule
             u.elems = schedule.unit_elems(u.index)
@@ -338,9 +339,12 @@ class UnitScheduler:
     # Whole-model views -----------------------------------------------------
     def gather_all(self):
         """Every unit into a temporary buffer of its own, outside the pool
-        (gathered_params; not counted as training traffic)."""
+        (gathered_params; not counted as training traffic), device memory of
+        the schedule's backend, freed once the params unbind (free_all)."""
         for u in (u for u in self.units if u.groups):
-            buffer = zerocore.empty([u.elems], NATIVE_NAMES[u.groups[0].dtype])
+            dtype = u.groups[0].dtype
+            buffer = self.backend.allocate("device", u.elems * dtype.itemsize, f"unit {u.index} gathered whole") \
+                .view(0, NATIVE_NAMES[dtype], [u.elems])
             self.native.gather_into(u.index, buffer)
             flat = zerocore.to_torch(buffer)
             for g, (start, end) in zip(u.groups, u.spans):

@@ -6,10 +6,12 @@
 // accesses and the buffer; with it there is no violation and the result
 // matches the same computation done directly, on the checking and the plain
 // backend alike. Late completion makes a missing wait read wrong data; host
-// waits are counted; event waits order transitively.
+// waits are counted; event waits order transitively; each backend counts
+// the bytes of its live buffers by kind.
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -417,6 +419,36 @@ void test_event_runs_what_follows_its_set() {
   CHECK(message == "collective failed");
 }
 
+// allocated_bytes: each kind counts the live buffers of that kind, a
+// buffer living while any view of it does, and a buffer may outlive its
+// backend.
+template <class B, class... Options>
+void test_allocated_bytes_count_live_buffers(Options... options) {
+  auto backend = std::make_unique<B>(options...);
+  auto bytes = [&] {
+    return std::vector<size_t>{backend->allocated_bytes(MemoryKind::kHostPageable),
+                               backend->allocated_bytes(MemoryKind::kHostPinned),
+                               backend->allocated_bytes(MemoryKind::kDevice)};
+  };
+  CHECK((bytes() == std::vector<size_t>{0, 0, 0}));
+  auto device = backend->allocate(MemoryKind::kDevice, 4096, "device");
+  auto pinned = backend->allocate(MemoryKind::kHostPinned, 1000, "pinned", true);
+  Tensor view = backend->allocate(MemoryKind::kHostPageable, 64, "pageable")->view(8, DType::kFloat32, {4});
+  auto second = backend->allocate(MemoryKind::kDevice, 8, "second device");
+  CHECK((bytes() == std::vector<size_t>{64, 1000, 4104}));
+  second.reset();
+  CHECK((bytes() == std::vector<size_t>{64, 1000, 4096}));
+  Tensor kept = device->view(0, DType::kFloat32, {1024});
+  device.reset();
+  CHECK((bytes() == std::vector<size_t>{64, 1000, 4096}));  // its view keeps it
+  kept = Tensor();
+  pinned.reset();
+  CHECK((bytes() == std::vector<size_t>{64, 0, 0}));
+  backend.reset();  // the view outlives its backend
+  view.data_as<float>()[3] = 1.0f;
+  view = Tensor();
+}
+
 }  // namespace
 
 int main() {
@@ -430,5 +462,7 @@ int main() {
   test_what_needs_no_wait();
   test_slot_pool_on_checking_backend();
   test_event_runs_what_follows_its_set();
+  test_allocated_bytes_count_live_buffers<CpuBackend>();
+  test_allocated_bytes_count_live_buffers<CheckingCpuBackend>(quick());
   return finish("test_backend");
 }

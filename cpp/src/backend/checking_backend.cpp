@@ -35,7 +35,7 @@ std::shared_ptr<Buffer> CheckingCpuBackend::allocate(MemoryKind kind, size_t byt
   // The buffer leaves the checker's registry when its memory is freed.
   std::shared_ptr<void> storage(arena->data(),
                                 [arena, checker = checker_](void* data) { checker->remove_buffer(data); });
-  auto buffer = std::make_shared<Buffer>(kind, Device{}, name, arena->data(), bytes, std::move(storage));
+  auto buffer = counted_buffer(kind, Device{}, name, arena->data(), bytes, std::move(storage));
   checker_->add_buffer(*buffer);
   return buffer;
 }

@@ -50,7 +50,7 @@ CpuBackend::~CpuBackend() = default;  // each WorkQueue runs what it was given, 
 
 std::shared_ptr<Buffer> CpuBackend::allocate(MemoryKind kind, size_t bytes, const std::string& name, bool zeroed) {
   auto arena = HostArena::create(bytes, zeroed);
-  return std::make_shared<Buffer>(kind, Device{}, name, arena->data(), bytes, arena);
+  return counted_buffer(kind, Device{}, name, arena->data(), bytes, arena);
 }
 
 Stream& CpuBackend::compute_stream() { return *streams_[kCompute]; }

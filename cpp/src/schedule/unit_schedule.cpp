@@ -39,7 +39,8 @@ UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitS
     }
     unit_elems_.push_back(elems);
     if (units_[u].own_slot) {
-      own_[u] = Tensor::empty({elems}, dtype);
+      own_[u] = Tensor::empty({elems}, dtype, backend_, MemoryKind::kDevice,
+                              "unit " + std::to_string(u) + "'s own buffer");
     } else {
       largest = std::max(largest, elems);
     }
@@ -166,11 +167,14 @@ void UnitSchedule::participate(int unit, Join how) {
   }
   // Here already, not wanted, or no room: this rank only lends its shard,
   // into a slot that goes back once the gather has written it (a unit with
-  // a buffer of its own is larger than a slot: a temporary one, a rare case).
+  // a buffer of its own is larger than a slot: a temporary one of the
+  // backend's, freed once gathered into, a rare case).
   const int64_t elems = unit_elems_[size_t(unit)];
   const bool pooled = !units_[size_t(unit)].own_slot;
   const int lent = pooled ? pool_.acquire() : -1;
-  const Tensor out = pooled ? pool_.slot(lent).slice(0, elems) : Tensor::empty({elems}, dtype_);
+  const Tensor out = pooled ? pool_.slot(lent).slice(0, elems)
+                            : Tensor::empty({elems}, dtype_, backend_, MemoryKind::kDevice,
+                                            "unit " + std::to_string(unit) + " lent to a gather (temporary)");
   for (auto& e : issue(unit, out, true)) backend_.host_wait(*e);
   if (pooled) pool_.release(lent);
 }

@@ -17,6 +17,7 @@
 // non-compute stream surface where an event behind it is waited for, as
 // CUDA's asynchronous errors do.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -41,6 +42,10 @@ class Backend {
   // undefined (NaN under the checking backend).
   virtual std::shared_ptr<Buffer> allocate(MemoryKind kind, size_t bytes, const std::string& name,
                                            bool zeroed = false) = 0;
+  // The bytes of the buffers of `kind` this backend allocated that are
+  // alive: a buffer counts from allocate until its last view is dropped
+  // (on CUDA, until it is freed), whatever outlives the backend.
+  size_t allocated_bytes(MemoryKind kind) const;
 
   // Streams. The compute stream is the caller's; the others are the
   // backend's own, alive as long as it is.
@@ -91,6 +96,17 @@ class Backend {
   // order (the stream of its last use), so a stale read shows. The checking
   // and CUDA backends do; the plain CPU one does nothing.
   virtual void poison(Stream& stream, const Tensor& range) = 0;
+
+ protected:
+  Backend();
+  // What every allocate returns: a Buffer over `storage` (which owns the
+  // memory at `data`), counted in allocated_bytes until it is freed.
+  std::shared_ptr<Buffer> counted_buffer(MemoryKind kind, Device device, const std::string& name, void* data,
+                                         size_t bytes, std::shared_ptr<void> storage);
+
+ private:
+  struct LiveBytes;  // shared with the buffers' storage: a buffer may outlive its backend
+  std::shared_ptr<LiveBytes> live_;
 };
 
 // The accesses of one optimizer step over `runs` (params, state and copies
