@@ -182,6 +182,8 @@ void bind_step(nb::module_& m) {
           "(applied, norm, grad_scale): the update when the grads are finite, a skipped step (applied False) "
           "with dynamic loss scaling otherwise; raises NonFiniteGradientError, CollectiveOrderDiverged or "
           "TrainabilityChanged with nothing changed.")
+      .def_prop_ro("buffer_bytes", &ZeroStep::buffer_bytes,
+                   "Bytes of the step's own buffer (its exchange row, pinned host memory of its backend).")
       .def("forget", &ZeroStep::forget, "The grads were dropped: the next step exchanges afresh.")
       .def_prop_ro("exchanged", &ZeroStep::exchanged, "This step's exchange ran (its result is kept).")
       .def_prop_ro("loss_scale", &ZeroStep::loss_scale);

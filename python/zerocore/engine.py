@@ -538,8 +538,9 @@ class Engine:
     def memory_report(self) -> dict:
         """Bytes of model states held on this rank: params, grads, optimizer
         states (fp32 master, moments), module buffers; plus the buffers
-        collectives work in (comm_buffers: gradient reduction's staging and,
-        in stage 3, the pool units are gathered into), which are not model
+        collectives work in (comm_buffers: gradient reduction's staging, in
+        stage 3 the pool units are gathered into, and the step's exchange
+        row, a few bytes of pinned host memory), which are not model
         states. Stage 3 params count their shard. All of it is allocated at
         wrap: the report is the same before the first step and after, except
         that stage 3's gather pool grows once (a slot, kept) when ranks need
@@ -560,7 +561,7 @@ class Engine:
         by["host"]["buffers"] = 0
         by["device"]["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0) + \
             (self.scheduler.native.buffer_bytes if self.scheduler else 0)
-        by["host"]["comm_buffers"] = 0
+        by["host"]["comm_buffers"] = self.zero_step.buffer_bytes  # the step's exchange row
         by["device"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=False)
         by["host"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=True)
         return {**{k: by["device"][k] + by["host"][k] for k in by["device"]}, "by_device": by}

@@ -56,16 +56,22 @@ ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)) {
                           "engine's (the exchange reads a row the data queue's backend writes)");
   }
   for (const FlatRun& run : parts_.runs) grads_.push_back(run.grad);
+  size_row();
 }
 
-Mailbox& ZeroStep::row(size_t late_buckets) {
+void ZeroStep::set_grad_reducer(BucketReducer* reducer) {
+  parts_.grad_reducer = reducer;
+  size_row();
+}
+
+void ZeroStep::size_row() {
+  const size_t late_buckets = parts_.grad_reducer ? parts_.grad_reducer->late().size() : 0;
   const int width = int(kHead + (late_buckets + kLateBits - 1) / kLateBits);
   if (!row_ || row_->slots() != width) row_ = std::make_unique<Mailbox>(backend(), width, "the step's exchange row");
-  return *row_;
 }
 
 Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
-  Mailbox& box = row(late.size());
+  Mailbox& box = *row_;
   const size_t width = size_t(box.slots());
   std::vector<uint64_t> bits(width - kHead, 0);
   for (size_t i = 0; i < late.size(); ++i) {
@@ -116,7 +122,7 @@ const Exchanged& ZeroStep::exchange(int64_t changes) {
   if (parts_.grad_reduce != nullptr) parts_.grad_reduce->run();
   BucketReducer* reducer = parts_.grad_reducer;
   std::vector<bool> late = reducer ? reducer->late() : std::vector<bool>{};
-  Mailbox& box = row(late.size());
+  Mailbox& box = *row_;
   if (parts_.host_update != nullptr) {  // offload: the host's own sum of its host grads
     const double mine = parts_.host_update->grad_sum_of_squares();
     box.write(kSum, mine);

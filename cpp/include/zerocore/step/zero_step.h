@@ -133,17 +133,21 @@ class ZeroStep {
   StepResult step(const StepOptions& options);
 
   // The reducer was rebuilt (a test reorders the reduction on one rank).
-  void set_grad_reducer(BucketReducer* reducer) { parts_.grad_reducer = reducer; }
+  void set_grad_reducer(BucketReducer* reducer);
   // The grads were dropped (zero_grad): the next step exchanges afresh.
   void forget() { exchanged_.reset(); }
   bool exchanged() const { return exchanged_.has_value(); }
   double loss_scale() const { return parts_.loss_scaler ? parts_.loss_scaler->scale() : 1.0; }
+  // The step's own buffer, this rank's row of the exchange (pinned host
+  // memory of the backend, allocated with the step, not in it).
+  size_t buffer_bytes() const { return row_->buffer()->bytes(); }
 
  private:
   Backend& backend() const { return parts_.data->backend(); }
-  // This rank's row, sized for `late_buckets`; its sum of squares is the
-  // caller's to write (in the compute stream's order) before exchange_rows.
-  Mailbox& row(size_t late_buckets);
+  // (Re)allocates this rank's row for the reducer's buckets (one late bit
+  // each); its sum of squares is the caller's to write (in the compute
+  // stream's order) before exchange_rows.
+  void size_row();
   // One exchange of (sum of squares, changes, fingerprint, late buckets)
   // rows; returns the agreed sums and sets `late` to the buckets late on
   // any rank. Throws CollectiveOrderDiverged.
