@@ -141,7 +141,6 @@ def test_memory_report_is_what_the_backend_holds(dtype, backend_class):
     for rank, runs in enumerate(run_ranks(_report_and_backend, 2, dtype, backend_class, timeout=180)):
         for config, (report, allocated, arenas), after_steps, closed in runs:
             what = f"rank {rank} {dtype} {config}"
-            assert report["activations"] == 0, f"{what}: no checkpoint buffers in this model"
             assert_report_is_the_backends(report, allocated, f"{what} at wrap")
             assert arenas == sum(allocated.values()), f"{what}: wrap made {arenas} bytes of host arenas, " \
                                                       f"its backend holds {allocated}"
