@@ -319,8 +319,10 @@ def test_loss_scale_follows_deepspeeds_step_by_step(deepspeed, fp16, gen):
     ref = CreateLossScaler(torch.half, parsed.loss_scale, dynamic, parsed.dynamic_loss_scale_args())
     ours = LossScaler(DeepSpeedConfig(config).config.loss_scale, "fp16")
     assert ours.dynamic == dynamic
-    # Random outcomes, then overflows until both reach the minimum scale.
-    overflows = (torch.rand(200, generator=gen) < 0.3).tolist() + [True] * 40
+    # Random outcomes, then overflows until both reach the minimum scale: the
+    # random part can grow the scale by up to 2**(200 / window), and each
+    # halving back takes up to `hysteresis` overflows, so 400 always reach it.
+    overflows = (torch.rand(200, generator=gen) < 0.3).tolist() + [True] * 400
     raised = []
     for step, overflow in enumerate(overflows):
         assert ours.scale == ref.cur_scale, f"step {step}"
