@@ -6,6 +6,7 @@ cases that could hang run in a rank process with a deadline)."""
 import gc
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -21,6 +22,18 @@ ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = range(4)
 
 def _os_threads() -> int:
     return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def _os_threads_once_exited(expected: int, deadline_s: float = 2.0) -> int:
+    """The OS thread count, once threads already joined have left /proc.
+    pthread_join returns when the kernel clears the thread's tid, a moment
+    before the kernel unlists the exiting task, so a count taken right after
+    a join can still see it. A thread never joined stays listed past the
+    deadline, and the count then shows it."""
+    end = time.monotonic() + deadline_s
+    while _os_threads() != expected and time.monotonic() < end:
+        time.sleep(0.001)
+    return _os_threads()
 
 
 class RecordingTransport:
@@ -207,7 +220,7 @@ def _drop_communicators(group):
     before = (_os_threads(), zerocore.host_arena_bytes())
     for _ in range(5):
         use_and_drop()
-    return before, (_os_threads(), zerocore.host_arena_bytes())
+    return before, (_os_threads_once_exited(before[0]), zerocore.host_arena_bytes())
 
 
 def test_dropped_communicator_frees_its_queue_thread_and_tensors():
