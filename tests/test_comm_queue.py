@@ -86,6 +86,29 @@ def test_single_process_queue_keeps_the_books():
     assert (q.fingerprint, q.trace(), q.stats()) == (start, [], [0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("kind", ["host_pinned", "host_pageable"])
+def test_a_data_plane_collective_refuses_host_memory(kind):
+    # On CUDA the data plane is NCCL's, which moves device memory: a host
+    # buffer of the backend's (an offloaded shard) must be copied up first.
+    # The same check on every backend, so the CPU path is the CUDA path.
+    backend = _native.CpuBackend()
+    q = _native.CommQueue.single_process(backend)
+    host = torch.from_dlpack(backend.allocate(kind, 16, "offloaded shard", zeroed=True).view(0, "float32", [4]))
+    device = torch.from_dlpack(backend.allocate("device", 16, "gathered", zeroed=True).view(0, "float32", [4]))
+    for call in (lambda: q.all_gather((ALL_GATHER, 3, 0, 4), host, device),
+                 lambda: q.all_gather((ALL_GATHER, 3, 0, 4), device, host),
+                 lambda: q.all_reduce((ALL_REDUCE, 3, 0, 4), host)):
+        with pytest.raises(ValueError, match=f"an operand is {kind.replace('_', ' ')} memory; data-plane "
+                                             "collectives move device memory"):
+            call()
+    assert q.trace() == []  # refused before anything was issued
+    host.copy_(torch.arange(4.0))
+    q.all_gather((ALL_GATHER, 3, 0, 4), device.copy_(host), torch.zeros(4)).wait()  # copied up: fine
+    q.broadcast((BROADCAST, -1, 0, 4), host, 0).wait()  # the control plane moves host numbers
+    assert torch.equal(host, torch.arange(4.0))
+    q.close()
+
+
 def test_bad_keys_and_tensors_name_the_problem():
     q = _native.CommQueue.single_process(_native.process_backend())
     t = torch.zeros(4)

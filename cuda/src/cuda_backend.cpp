@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -13,6 +14,10 @@
 #include "zerocore/cuda_optim.h"
 #include "zerocore/cuda_reduce.h"
 #include "zerocore/error.h"
+#include "zerocore/kernels/cpu_accumulate.h"
+#include "zerocore/kernels/cpu_fill.h"
+#include "zerocore/kernels/cpu_optim.h"
+#include "zerocore/kernels/cpu_reduce.h"
 #include "zerocore/kernels/optim_args.h"
 #include "zerocore/runtime/arena.h"
 #include "zerocore/runtime/event.h"
@@ -259,17 +264,14 @@ void CudaBackend::check_device(const char* op, const char* what, const Tensor& t
                         (host_ok ? " or the host" : "") + " (this backend's device)");
 }
 
-void CudaBackend::check_runs(const char* op, const std::vector<FlatRun>& runs) const {
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const FlatRun& r = runs[i];
-    const std::pair<const char*, const Tensor*> arrays[] = {
-        {"param", &r.param}, {"grad", &r.grad}, {"state0", &r.state0}, {"state1", &r.state1}, {"param_copy", &r.param_copy}};
-    for (const auto& [name, t] : arrays) {
-      if (!is_given(*t)) continue;
-      const std::string what = "run " + std::to_string(i) + "'s " + name;
-      check_device(op, what.c_str(), *t, false);
-    }
+bool CudaBackend::runs_on_host(const std::string& op, const KernelOperands& operands) const {
+  std::vector<std::pair<std::string, bool>> sides;
+  for (const auto& [name, t] : operands) {
+    const bool host = t->device().type == DeviceType::kCPU;
+    if (!host) check_device(op.c_str(), name.c_str(), *t, false);
+    sides.emplace_back(name, host);
   }
+  return kernel_on_host(op, sides);
 }
 
 void CudaBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {
@@ -295,37 +297,61 @@ void CudaBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {
 
 void CudaBackend::fill(Stream& stream, const Tensor& dst, float value) {
   const cudaStream_t h = cuda_stream(stream).handle.load();
-  check_device("fill", "dst", dst, false);
+  if (runs_on_host("fill", {{"dst", &dst}})) {
+    DeviceGuard guard(device_);
+    launch_host_work(h, [dst, value] { zerocore::fill(dst, value); }, "cudaLaunchHostFunc(fill on the host)");
+    return;
+  }
   cuda_fill(dst, value, h);
 }
 
 void CudaBackend::accumulate(Stream& stream, const Tensor& dst, const Tensor& src) {
   const cudaStream_t h = cuda_stream(stream).handle.load();
-  check_device("accumulate", "dst", dst, false);
-  check_device("accumulate", "src", src, false);
+  if (runs_on_host("accumulate", {{"dst", &dst}, {"src", &src}})) {
+    DeviceGuard guard(device_);
+    launch_host_work(h, [dst, src] { zerocore::accumulate(dst, src); }, "cudaLaunchHostFunc(accumulate on the host)");
+    return;
+  }
   cuda_accumulate(dst, src, h);
 }
 
 void CudaBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
                                  int finite_slot) {
   const cudaStream_t h = cuda_stream(stream).handle.load();
-  for (size_t i = 0; i < xs.size(); ++i) {
-    check_device("sum_of_squares", ("xs[" + std::to_string(i) + "]").c_str(), xs[i], false);
+  double* sum = box.slot(sum_slot);
+  double* finite = box.slot(finite_slot);
+  if (runs_on_host("sum_of_squares", sum_operands(xs))) {
+    DeviceGuard guard(device_);
+    launch_host_work(h, [xs, memory = box.buffer(), sum, finite] {
+      *sum = zerocore::sum_of_squares(xs);
+      *finite = std::isfinite(*sum) ? 1.0 : 0.0;  // the fp64 sum is finite exactly when every element is
+    }, "cudaLaunchHostFunc(sum_of_squares on the host)");
+    return;
   }
-  cuda_sum_of_squares(xs, device_, box.slot(sum_slot), box.slot(finite_slot), h);
+  cuda_sum_of_squares(xs, device_, sum, finite, h);
 }
 
 void CudaBackend::adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
                                    double grad_scale, const std::vector<FlatRun>& runs) {
   const cudaStream_t h = cuda_stream(stream).handle.load();
-  check_runs("adam_update_runs", runs);
+  if (runs_on_host("adam_update_runs", update_operands(runs))) {  // the offloaded step
+    DeviceGuard guard(device_);
+    launch_host_work(h, [groups, step, grad_scale, runs] { zerocore::adam_update_runs(groups, step, grad_scale, runs); },
+                     "cudaLaunchHostFunc(adam_update_runs on the host)");
+    return;
+  }
   cuda_adam_update_runs(groups, step, grad_scale, runs, h);
 }
 
 void CudaBackend::sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,
                                   double grad_scale, const std::vector<FlatRun>& runs) {
   const cudaStream_t h = cuda_stream(stream).handle.load();
-  check_runs("sgd_update_runs", runs);
+  if (runs_on_host("sgd_update_runs", update_operands(runs))) {
+    DeviceGuard guard(device_);
+    launch_host_work(h, [groups, step, grad_scale, runs] { zerocore::sgd_update_runs(groups, step, grad_scale, runs); },
+                     "cudaLaunchHostFunc(sgd_update_runs on the host)");
+    return;
+  }
   cuda_sgd_update_runs(groups, step, grad_scale, runs, h);
 }
 
@@ -336,6 +362,8 @@ void CudaBackend::enqueue(Stream& stream, const std::string&, const std::vector<
 }
 
 void CudaBackend::declare_access(Stream&, const Access&, const std::string&) {}
+
+void CudaBackend::declare_host_access(const Access&, const std::string&) {}
 
 void CudaBackend::poison(Stream& stream, const Tensor& range) {
   const cudaStream_t h = cuda_stream(stream).handle.load();

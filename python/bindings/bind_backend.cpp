@@ -107,7 +107,15 @@ void bind_backend_base(nb::module_& m) {
             b.get().declare_access(s, Access{t.data(), t.nbytes(), parse_mode(mode)}, op);
           },
           "stream"_a, "range"_a, "mode"_a, "op"_a,
-          "`stream` (the compute stream for the host's own use) reads or writes `range` directly, as `op`.")
+          "Work on `stream` (torch's, on the compute stream) reads or writes `range` directly, as `op`.")
+      .def(
+          "declare_host_access",
+          [](BoundBackend& b, nb::handle range, const std::string& mode, const std::string& op) {
+            const Tensor t = tensor_from_dlpack(range, "declare_host_access: range");
+            b.get().declare_host_access(Access{t.data(), t.nbytes(), parse_mode(mode)}, op);
+          },
+          "range"_a, "mode"_a, "op"_a,
+          "The host itself reads or writes `range`, as `op`: ordered after a stream's work only by a host wait.")
       .def(
           "poison",
           [](BoundBackend& b, Stream& s, nb::handle range) {

@@ -208,6 +208,7 @@ void bind_schedule(nb::module_& m) {
           },
           "grad_parts"_a, "Where each group's reduced grads are added from now on; between backwards only.")
       .def_prop_ro("staging_bytes", &BucketReducer::staging_bytes)
+      .def_prop_ro("landing_bytes", &BucketReducer::landing_bytes)
       .def_prop_ro("staging_slots", &BucketReducer::staging_slots);
 
   nb::class_<BucketCollectives>(m, "BucketCollectives",

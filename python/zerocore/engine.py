@@ -539,8 +539,9 @@ class Engine:
         """Bytes of model states held on this rank: params, grads, optimizer
         states (fp32 master, moments), module buffers; plus the buffers
         collectives work in (comm_buffers: gradient reduction's staging, in
-        stage 3 the pool units are gathered into, and the step's exchange
-        row, a few bytes of pinned host memory), which are not model
+        stage 3 the pool units are gathered into, the step's exchange row,
+        a few bytes of pinned host memory, and with offloaded grads the
+        pinned buffer of one reduced shard they land in), which are not model
         states. Stage 3 params count their shard. All of it is allocated at
         wrap: the report is the same before the first step and after, except
         that stage 3's gather pool grows once (a slot, kept) when ranks need
@@ -561,7 +562,8 @@ class Engine:
         by["host"]["buffers"] = 0
         by["device"]["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0) + \
             (self.scheduler.native.buffer_bytes if self.scheduler else 0)
-        by["host"]["comm_buffers"] = self.zero_step.buffer_bytes  # the step's exchange row
+        # The step's exchange row; the landing buffer of reduced grads bound for the host.
+        by["host"]["comm_buffers"] = self.zero_step.buffer_bytes + getattr(self.reducer, "landing_bytes", 0)
         by["device"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=False)
         by["host"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=True)
         return {**{k: by["device"][k] + by["host"][k] for k in by["device"]}, "by_device": by}

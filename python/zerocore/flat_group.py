@@ -385,9 +385,12 @@ class FlatGroup:
         world, plan = self.plan.world_size, self.plan
         if world == 1:
             return part
-        parts = torch.empty(world * plan.partition_elems, dtype=torch.float32, device=part.device)
-        self.comm.all_gather(parts, part, (self.tag, -1), count=False)
-        flat = torch.empty(plan.total_elems, dtype=torch.float32, device=part.device)
+        device = self.params[0].device  # where training runs: the data group moves its memory (NCCL's on CUDA)
+        parts = torch.empty(world * plan.partition_elems, dtype=torch.float32, device=device)
+        mine = parts.view(world, -1)[self.rank]
+        mine.copy_(part)  # an offloaded master or shard is host memory
+        self.comm.all_gather(parts, mine, (self.tag, -1), count=False)
+        flat = torch.empty(plan.total_elems, dtype=torch.float32, device=device)
         for r, rank_part in enumerate(parts.view(world, -1)):
             for b in range(len(self.buckets)):
                 self.view(flat, "shard", b, r).copy_(self.view(rank_part, "bucket", b))

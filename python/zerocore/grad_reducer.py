@@ -151,6 +151,11 @@ class StagedReducer:
     def pool_bytes(self) -> int:
         return self.native.staging_bytes
 
+    @property
+    def landing_bytes(self) -> int:
+        """Host memory the reduced shards of host grad partitions land in."""
+        return self.native.landing_bytes
+
     def before_backward(self):
         """Reduction adds into each group's grad_part as it is now: a
         delayed offload update swaps it with the buffer it reads. The

@@ -116,10 +116,10 @@ Tensor update_then_upload(Rig<B>& r, const Waits& waits, const FlatRun& start) {
   Tensor device_grads = r.buffer("device_grads", MemoryKind::kDevice, DType::kBFloat16);
   Tensor device_params = r.buffer("device_params", MemoryKind::kDevice, DType::kBFloat16);
   FlatRun host{0,
-               r.buffer("master"),
+               r.buffer("master", MemoryKind::kHostPinned),
                r.buffer("host_grads", MemoryKind::kHostPinned, DType::kBFloat16),
-               r.buffer("exp_avg"),
-               r.buffer("exp_avg_sq"),
+               r.buffer("exp_avg", MemoryKind::kHostPinned),
+               r.buffer("exp_avg_sq", MemoryKind::kHostPinned),
                r.buffer("param_copy", MemoryKind::kHostPinned, DType::kBFloat16)};
   r.backend.copy(r.compute, device_grads, start.grad);
   r.backend.copy(r.compute, host.param, start.param);
@@ -145,8 +145,12 @@ std::pair<Tensor, double> host_reads(Rig<B>& r, const Waits& waits, Tensor grads
   r.backend.copy(r.copy, host_grads, device_grads);
   r.order(r.comm, r.compute);
   r.backend.sum_of_squares(r.comm, {device_grads}, box, 0, 1);
-  if (waits("a copy before the host reads")) r.backend.host_wait(*r.backend.record(r.copy));
-  r.backend.declare_access(r.compute, Access::read(host_grads), "host reads grads");
+  if (waits("a copy before the host reads")) {
+    r.backend.host_wait(*r.backend.record(r.copy));
+  } else {
+    r.order(r.compute, r.copy);  // orders the compute stream, not the host (on CUDA, the device's stream)
+  }
+  r.backend.declare_host_access(Access::read(host_grads), "host reads grads");
   Tensor seen = copy_of(host_grads);
   if (waits("the norm before the host reads")) r.backend.host_wait(*r.backend.record(r.comm));
   const double norm_sq = box.read(0);
@@ -207,10 +211,10 @@ void test_missing_waits_are_named() {
                 "'copy' on stream 'copy' reads"});
   expect_named("a copy before the host reads", host,
                {"buffer 'host_grads' (host pinned)", "'copy' on stream 'copy' writes " + all,
-                "'host reads grads' on stream 'compute' reads " + all, "(the host: host_wait for it)"});
+                "'host reads grads' on stream 'host' reads " + all, "make the host wait (host_wait"});
   expect_named("the norm before the host reads", host,
                {"buffer 'norm_mailbox' (host pinned)", "'sum_of_squares' on stream 'comm' writes bytes [0, 8)",
-                "'host read of mailbox slot 0' on stream 'compute' reads bytes [0, 8)"});
+                "'host read of mailbox slot 0' on stream 'host' reads bytes [0, 8)"});
 }
 
 // With every wait: no violation, and each result as computed directly.
@@ -451,7 +455,34 @@ void test_allocated_bytes_count_live_buffers(Options... options) {
 
 }  // namespace
 
+// A kernel runs on the side its memory is on (kernel_on_host): the checking
+// backend refuses one that mixes host and device memory, as CUDA must, and
+// takes memory that is no backend buffer (torch's) for device memory.
+void test_kernels_run_on_one_side() {
+  Checked r(quick());
+  Tensor device = r.buffer("device", MemoryKind::kDevice, DType::kFloat32, true);
+  Tensor pinned = r.buffer("pinned", MemoryKind::kHostPinned, DType::kFloat32, true);
+  Tensor pageable = r.buffer("pageable", MemoryKind::kHostPageable, DType::kFloat32, true);
+  Tensor torchs = uniform(kN);
+  r.backend.accumulate(r.compute, pinned, pageable);  // host and host
+  r.backend.accumulate(r.compute, device, torchs);    // device and device
+  for (const auto& [dst, src] : {std::pair<Tensor, Tensor>{pinned, device}, {pageable, torchs}, {device, pinned}}) {
+    std::string message;
+    try {
+      r.backend.accumulate(r.compute, dst, src);
+    } catch (const InvalidArgument& e) {
+      message = e.what();
+    }
+    const bool host_dst = dst.data() != device.data();
+    const std::string named = host_dst ? "dst is host memory and src device memory" : "src is host memory and dst device memory";
+    if (!contains(message, named)) std::fprintf(stderr, "'%s' not in '%s'\n", named.c_str(), message.c_str());
+    CHECK(contains(message, named) && contains(message, "accumulate"));
+  }
+  CHECK(r.backend.violations().empty());
+}
+
 int main() {
+  test_kernels_run_on_one_side();
   test_missing_waits_are_named();
   test_ordered_sequences<CheckingCpuBackend>(quick());
   test_ordered_sequences<CpuBackend>();

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -48,7 +49,10 @@ Stream& CheckingCpuBackend::create_stream(const std::string& name) {
 }
 
 void CheckingCpuBackend::checked(Stream& stream, const std::string& op, const std::vector<Access>& accesses) {
-  std::vector<std::string> found = checker_->access(index_of(stream), stream.name(), op, accesses);
+  report(checker_->access(clock_index(stream), stream.name(), op, accesses));
+}
+
+void CheckingCpuBackend::report(const std::vector<std::string>& found) {
   if (found.empty()) return;
   std::lock_guard<std::mutex> lock(mutex_);
   violations_.insert(violations_.end(), found.begin(), found.end());
@@ -56,29 +60,38 @@ void CheckingCpuBackend::checked(Stream& stream, const std::string& op, const st
 }
 
 std::shared_ptr<StreamEvent> CheckingCpuBackend::record(Stream& stream) {
-  return record_with(stream, checker_->clock(index_of(stream)));
+  return record_with(stream, checker_->clock(clock_index(stream)));
 }
 
 std::shared_ptr<StreamEvent> CheckingCpuBackend::record_done(Stream& stream, std::shared_ptr<Event> done) {
-  return std::make_shared<CpuEvent>(std::move(done), checker_->clock(index_of(stream)));
+  return std::make_shared<CpuEvent>(std::move(done), checker_->clock(clock_index(stream)));
 }
 
 void CheckingCpuBackend::wait(Stream& stream, const StreamEvent& event) {
   CpuBackend::wait(stream, event);
-  checker_->join(index_of(stream), static_cast<const CpuEvent&>(event).clock());
+  checker_->join(clock_index(stream), static_cast<const CpuEvent&>(event).clock());
 }
 
 void CheckingCpuBackend::host_wait(const StreamEvent& event) {
   ++host_waits_;
   CpuBackend::host_wait(event);
-  checker_->join(kCompute, static_cast<const CpuEvent&>(event).clock());
+  checker_->join(OrderChecker::kHostStream, static_cast<const CpuEvent&>(event).clock());
 }
 
 bool CheckingCpuBackend::query(const StreamEvent& event) {
   if (!CpuBackend::query(event)) return false;
-  // Seeing the event complete orders the host after it, as a wait does.
-  checker_->join(kCompute, static_cast<const CpuEvent&>(event).clock());
+  // Seeing the event complete orders the host after it, as a host wait does.
+  checker_->join(OrderChecker::kHostStream, static_cast<const CpuEvent&>(event).clock());
   return true;
+}
+
+void CheckingCpuBackend::check_kernel_memory(const std::string& op, const KernelOperands& operands) const {
+  std::vector<std::pair<std::string, bool>> sides;
+  for (const auto& [name, t] : operands) {
+    const std::optional<MemoryKind> kind = kind_of(t->data());
+    sides.emplace_back(name, kind && *kind != MemoryKind::kDevice);
+  }
+  kernel_on_host(op, sides);
 }
 
 void CheckingCpuBackend::enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
@@ -104,6 +117,12 @@ void CheckingCpuBackend::enqueue(Stream& stream, const std::string& op, const st
 void CheckingCpuBackend::declare_access(Stream& stream, const Access& access, const std::string& op) {
   checked(stream, op, {access});
 }
+
+void CheckingCpuBackend::declare_host_access(const Access& access, const std::string& op) {
+  report(checker_->access(OrderChecker::kHostStream, "host", op, {access}));
+}
+
+int CheckingCpuBackend::clock_index(const Stream& stream) const { return index_of(stream) + 1; }
 
 void CheckingCpuBackend::poison(Stream& stream, const Tensor& range) {
   enqueue(stream, "poison", {Access::write(range)},

@@ -122,16 +122,19 @@ void CpuBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {
 }
 
 void CpuBackend::fill(Stream& stream, const Tensor& dst, float value) {
+  check_kernel_memory("fill", {{"dst", &dst}});
   enqueue(stream, "fill", {Access::write(dst)}, [dst, value] { zerocore::fill(dst, value); });
 }
 
 void CpuBackend::accumulate(Stream& stream, const Tensor& dst, const Tensor& src) {
+  check_kernel_memory("accumulate", {{"dst", &dst}, {"src", &src}});
   enqueue(stream, "accumulate", {Access::write(dst), Access::read(src)},
           [dst, src] { zerocore::accumulate(dst, src); });
 }
 
 void CpuBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
                                 int finite_slot) {
+  check_kernel_memory("sum_of_squares", sum_operands(xs));
   std::vector<Access> accesses{box.write_access(sum_slot), box.write_access(finite_slot)};
   for (const Tensor& x : xs) accesses.push_back(Access::read(x));
   double* sum = box.slot(sum_slot);
@@ -145,12 +148,14 @@ void CpuBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, M
 
 void CpuBackend::adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
                                   double grad_scale, const std::vector<FlatRun>& runs) {
+  check_kernel_memory("adam_update_runs", update_operands(runs));
   enqueue(stream, "adam_update", update_accesses(runs),
           [groups, step, grad_scale, runs] { zerocore::adam_update_runs(groups, step, grad_scale, runs); });
 }
 
 void CpuBackend::sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,
                                  double grad_scale, const std::vector<FlatRun>& runs) {
+  check_kernel_memory("sgd_update_runs", update_operands(runs));
   enqueue(stream, "sgd_update", update_accesses(runs),
           [groups, step, grad_scale, runs] { zerocore::sgd_update_runs(groups, step, grad_scale, runs); });
 }
@@ -160,7 +165,11 @@ CpuBackend& default_cpu_backend() {
   return backend;
 }
 
+void CpuBackend::check_kernel_memory(const std::string&, const KernelOperands&) const {}
+
 void CpuBackend::declare_access(Stream&, const Access&, const std::string&) {}
+
+void CpuBackend::declare_host_access(const Access&, const std::string&) {}
 
 void CpuBackend::poison(Stream&, const Tensor&) {}
 

@@ -24,14 +24,14 @@ Access Mailbox::write_access(int i) const { return Access{slot(i), sizeof(double
 
 double Mailbox::read(int i) const {
   const double* p = slot(i);
-  backend_.declare_access(backend_.compute_stream(), Access{p, sizeof(double), AccessMode::kRead},
-                          "host read of mailbox slot " + std::to_string(i));
+  backend_.declare_host_access(Access{p, sizeof(double), AccessMode::kRead},
+                               "host read of mailbox slot " + std::to_string(i));
   return *p;
 }
 
 void Mailbox::write(int i, double value) {
   double* p = slot(i);
-  backend_.declare_access(backend_.compute_stream(), write_access(i), "host write of mailbox slot " + std::to_string(i));
+  backend_.declare_host_access(write_access(i), "host write of mailbox slot " + std::to_string(i));
   *p = value;
 }
 

@@ -28,16 +28,25 @@ bool OrderChecker::ordered(const Record& r, int stream) {
   return r.stream == stream || (size_t(r.stream) < c.size() && c[size_t(r.stream)] >= r.tick);
 }
 
+void OrderChecker::join_locked(int stream, const std::vector<uint64_t>& other) {
+  std::vector<uint64_t>& c = clock_of(stream);
+  if (c.size() < other.size()) c.resize(other.size(), 0);
+  for (size_t i = 0; i < other.size(); ++i) c[i] = std::max(c[i], other[i]);
+}
+
+void OrderChecker::follow_host(int stream) {
+  if (stream != kHostStream) join_locked(stream, std::vector<uint64_t>(clock_of(kHostStream)));
+}
+
 std::vector<uint64_t> OrderChecker::clock(int stream) {
   std::lock_guard<std::mutex> lock(mutex_);
+  follow_host(stream);  // a record is work the host gives the stream
   return clock_of(stream);
 }
 
 void OrderChecker::join(int stream, const std::vector<uint64_t>& other) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<uint64_t>& c = clock_of(stream);
-  if (c.size() < other.size()) c.resize(other.size(), 0);
-  for (size_t i = 0; i < other.size(); ++i) c[i] = std::max(c[i], other[i]);
+  join_locked(stream, other);
 }
 
 namespace {
@@ -51,15 +60,17 @@ std::string OrderChecker::describe(const History& h, const Record& first, const 
     return "'" + r.op + "' on stream '" + r.stream_name + "' " + access_mode_name(r.mode) + "s " +
            bytes_of(r.begin, r.end);
   };
+  const std::string waiter = second.stream == kHostStream ? "make the host wait (host_wait, not a stream wait)"
+                                                           : "make stream '" + second.stream_name + "' wait";
   return "unordered accesses to buffer '" + h.name + "' (" + memory_kind_name(h.kind) + "): " + says(first) +
-         ", then " + says(second) + " with no wait in between; make stream '" + second.stream_name +
-         "' wait for an event recorded on stream '" + first.stream_name + "' after '" + first.op + "'" +
-         (second.stream == kHostStream ? " (the host: host_wait for it)" : "");
+         ", then " + says(second) + " with no wait in between; " + waiter + " for an event recorded on stream '" +
+         first.stream_name + "' after '" + first.op + "'";
 }
 
 std::vector<std::string> OrderChecker::access(int stream, const std::string& stream_name, const std::string& op,
                                               const std::vector<Access>& accesses) {
   std::lock_guard<std::mutex> lock(mutex_);
+  follow_host(stream);
   const uint64_t tick = ++clock_of(stream)[size_t(stream)];
   std::vector<std::string> found;
   for (const Access& a : accesses) {

@@ -22,7 +22,14 @@ namespace zerocore {
 
 class OrderChecker {
  public:
-  // Stream 0 is the compute stream, which on the CPU is the host.
+  // Clock 0 is the host's own: what the host reads or writes directly (a
+  // mailbox slot, the offloaded grads) is ordered after another stream's
+  // work only by a host wait (host_wait, or a query that saw the event
+  // complete), never by a stream wait, as on CUDA, where the compute stream
+  // is the device's and not the host thread that drives it. Work the host
+  // enqueues on a stream comes after everything the host did before: every
+  // stream joins the host's clock when it is given work or an event is
+  // recorded on it.
   static constexpr int kHostStream = 0;
 
   void add_buffer(const Buffer& buffer);
@@ -56,6 +63,8 @@ class OrderChecker {
   };
 
   std::vector<uint64_t>& clock_of(int stream);  // mutex_ held
+  void join_locked(int stream, const std::vector<uint64_t>& other);
+  void follow_host(int stream);  // `stream` is given work by the host: it comes after the host's past
   bool ordered(const Record& r, int stream);    // r happens before `stream`'s next operation
   std::string describe(const History& h, const Record& first, const Record& second) const;
 

@@ -15,6 +15,7 @@
 #include "../fnv1a.h"
 #include "zerocore/backend/checking_backend.h"
 #include "zerocore/comm/comm.h"
+#include "zerocore/error.h"
 #include "zerocore/runtime/work_queue.h"
 
 namespace zerocore {
@@ -104,8 +105,9 @@ std::shared_ptr<StreamEvent> CommQueue::enqueue(const CollectiveKey& key, bool c
                                                 const std::vector<Access>& accesses,
                                                 std::function<Completion(Transport&)> work) {
   State& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
   const std::string op = describe(key);
+  if (key.group >= 0) check_device_memory(op, accesses);
+  std::lock_guard<std::mutex> lock(s.mutex);
   // An access the backend finds unordered (StreamOrderError) is this rank's
   // bug, not the collective's: its peers issue it too and would wait in it
   // for this rank until the timeout. So it is issued all the same (on a
@@ -139,6 +141,17 @@ std::shared_ptr<StreamEvent> CommQueue::enqueue(const CollectiveKey& key, bool c
   });
   if (unordered) std::rethrow_exception(unordered);
   return event;
+}
+
+void CommQueue::check_device_memory(const std::string& op, const std::vector<Access>& accesses) const {
+  for (const Access& a : accesses) {
+    const std::optional<MemoryKind> kind = backend_.kind_of(a.data);
+    if (kind && *kind != MemoryKind::kDevice) {
+      throw InvalidArgument(op + ": an operand is " + memory_kind_name(*kind) +
+                            " memory; data-plane collectives move device memory (NCCL's, on CUDA): copy it to "
+                            "device memory first");
+    }
+  }
 }
 
 std::shared_ptr<StreamEvent> CommQueue::all_gather(const CollectiveKey& key, const Tensor& shard,

@@ -194,9 +194,11 @@ bool OffloadOptimizer::busy() const {
   return (last_update_ && !backend_.query(*last_update_)) || (last_copy_ && !backend_.query(*last_copy_));
 }
 
+void OffloadOptimizer::wait_for_compute() { backend_.host_wait(*backend_.record(backend_.compute_stream())); }
+
 double OffloadOptimizer::grad_sum_of_squares() const {
   for (const Tensor& g : grads_) {
-    backend_.declare_access(backend_.compute_stream(), Access::read(g), "host reads grads");
+    backend_.declare_host_access(Access::read(g), "host reads grads");
   }
   return sum_of_squares(grads_);
 }

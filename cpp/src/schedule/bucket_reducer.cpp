@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "zerocore/error.h"
@@ -51,6 +52,22 @@ BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, D
   }
   pool_ = SlotPool(reduce_dtype, largest, largest > 0 ? staging_buffers : 0, backend_, MemoryKind::kDevice,
                    "grad staging");
+  int64_t largest_host_shard = 0;
+  for (const ReduceGroup& group : groups_) {
+    on_host_.push_back(on_host(group.grad_part));
+    for (int b = 0; on_host_.back() && b < int(group.plan.buckets().size()); ++b) {
+      largest_host_shard = std::max(largest_host_shard, group.plan.shard_elems(b));
+    }
+  }
+  if (largest_host_shard > 0) {
+    down_ = &backend_.create_stream("grads down");
+    landing_ = SlotPool(reduce_dtype, largest_host_shard, 1, backend_, MemoryKind::kHostPinned, "grad landing");
+  }
+}
+
+bool BucketReducer::on_host(const Tensor& grad_part) const {
+  const std::optional<MemoryKind> kind = backend_.kind_of(grad_part.data());
+  return kind && *kind != MemoryKind::kDevice;
 }
 
 BucketReducer::~BucketReducer() {
@@ -59,6 +76,10 @@ BucketReducer::~BucketReducer() {
       backend_.host_wait(*f.event);
     } catch (...) {  // the queue's error was raised to whoever waited first
     }
+  }
+  try {  // once the reducer is gone, nothing of its work touches the partitions
+    if (down_) backend_.host_wait(*backend_.record(*down_));
+  } catch (...) {  // NOLINT: an error of the adds was raised to whoever waited first
   }
 }
 
@@ -87,7 +108,14 @@ void BucketReducer::set_grad_partitions(const std::vector<Tensor>& grad_parts) {
     throw InvalidArgument("BucketReducer.set_grad_partitions: a backward is under way (grads staged or "
                           "reductions in flight); change the partitions between backwards");
   }
-  for (size_t g = 0; g < groups_.size(); ++g) check_grad_part(groups_[g], grad_parts[g]);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    check_grad_part(groups_[g], grad_parts[g]);
+    if (on_host(grad_parts[g]) != on_host_[g]) {
+      throw InvalidArgument("BucketReducer.set_grad_partitions: group " + std::to_string(groups_[g].tag) +
+                            "'s new partition is " + (on_host_[g] ? "device" : "host") +
+                            " memory, the old one was not");
+    }
+  }
   for (size_t g = 0; g < groups_.size(); ++g) groups_[g].grad_part = grad_parts[g];
 }
 
@@ -244,19 +272,36 @@ void BucketReducer::issue(int index) {
 void BucketReducer::complete_oldest() {
   InFlight f = in_flight_.front();
   in_flight_.pop_front();
-  backend_.wait(backend_.compute_stream(), *f.event);  // the add below runs on the compute stream
+  Stream& compute = backend_.compute_stream();
   const BucketState& b = buckets_[size_t(f.bucket)];
   const ReduceGroup& group = groups_[size_t(b.group)];
   const int64_t shard = group.plan.shard_elems(b.bucket);
-  backend_.accumulate(backend_.compute_stream(), group.grad_part.slice(group.plan.partition_offset(b.bucket), shard),
-                      pool_.slot(f.staging).slice(comm_.rank() * shard, shard));
-  pool_.release(f.staging, backend_.compute_stream());
+  const Tensor reduced = pool_.slot(f.staging).slice(comm_.rank() * shard, shard);
+  const Tensor part = group.grad_part.slice(group.plan.partition_offset(b.bucket), shard);
+  if (on_host_[size_t(b.group)]) {
+    backend_.wait(*down_, *f.event);
+    const int slot = landing_.acquire();
+    const Tensor landed = landing_.slot(slot).slice(0, shard);
+    backend_.copy(*down_, landed, reduced);
+    backend_.wait(compute, *backend_.record(*down_));  // the staging was read: it may go back
+    backend_.accumulate(*down_, part, landed);          // on the host
+    landing_.release(slot, *down_);
+  } else {
+    backend_.wait(compute, *f.event);
+    backend_.accumulate(compute, part, reduced);
+  }
+  pool_.release(f.staging, compute);
+}
+
+void BucketReducer::host_partitions_done() {
+  if (down_) backend_.wait(backend_.compute_stream(), *backend_.record(*down_));
 }
 
 void BucketReducer::end_backward() {
   for (size_t i = next_; i < buckets_.size(); ++i) buckets_[i].waiting = 0;  // no grad: zeros
   issue_ready();
   while (!in_flight_.empty()) complete_oldest();
+  host_partitions_done();
   for (BucketState& b : buckets_) {
     b.waiting = b.params;
     b.issued = false;  // a late bucket keeps its staging: the next backward's reduction takes it along
@@ -284,6 +329,7 @@ void BucketReducer::reduce_late(const std::vector<bool>& buckets) {
     if (buckets[i]) issue(int(i));
   }
   while (!in_flight_.empty()) complete_oldest();
+  host_partitions_done();
   for (BucketState& b : buckets_) b.issued = false;
 }
 

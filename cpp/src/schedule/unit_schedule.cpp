@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -28,6 +29,7 @@ UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitS
   for (size_t u = 0; u < units_.size(); ++u) {
     int64_t elems = 0;
     group_offsets_.emplace_back();
+    first_group_.push_back(int(shard_on_host_.size()));
     for (const UnitGroup& g : units_[u].groups) {
       if (g.shard.dtype() != dtype || g.shard.numel() != g.plan.partition_elems()) {
         throw InvalidArgument("UnitSchedule: unit " + std::to_string(u) + ", group " + std::to_string(g.tag) +
@@ -36,6 +38,8 @@ UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitS
       }
       group_offsets_.back().push_back(elems);
       elems += g.plan.total_elems();  // a multiple of world x alignment: the next group stays aligned
+      const std::optional<MemoryKind> kind = backend_.kind_of(g.shard.data());
+      shard_on_host_.push_back(kind && *kind != MemoryKind::kDevice);
     }
     unit_elems_.push_back(elems);
     if (units_[u].own_slot) {
@@ -127,18 +131,38 @@ size_t UnitSchedule::buffer_bytes() const {
 std::vector<std::shared_ptr<StreamEvent>> UnitSchedule::issue(int unit, const Tensor& out, bool counted) {
   std::vector<std::shared_ptr<StreamEvent>> events;
   const UnitSpec& spec = units_[size_t(unit)];
-  // What compute last did with `out` (a slot's previous unit) is done.
-  backend_.wait(comm_.stream(), *backend_.record(backend_.compute_stream()));
+  // Each bucket's (shard, output). A shard in host memory (offload_params)
+  // goes up first, on the compute stream, into this rank's block of the
+  // output, which is then gathered in place: a data-plane collective moves
+  // device memory.
+  std::vector<std::pair<Tensor, Tensor>> gathers;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
     const UnitGroup& group = spec.groups[g];
     const int64_t base = group_offsets_[size_t(unit)][g];
     for (int b = 0; b < int(group.plan.buckets().size()); ++b) {
       const Bucket& bucket = group.plan.buckets()[size_t(b)];
+      const int64_t shard = group.plan.shard_elems(b);
+      const Tensor output = out.slice(base + bucket.offset, bucket.numel);
+      Tensor input = group.shard.slice(group.plan.partition_offset(b), shard);
+      if (shard_on_host_[size_t(first_group_[size_t(unit)]) + g]) {
+        const Tensor mine = output.slice(comm_.rank() * shard, shard);
+        backend_.copy(backend_.compute_stream(), mine, input);
+        input = mine;
+      }
+      gathers.emplace_back(input, output);
+    }
+  }
+  // What compute last did with `out` (a slot's previous unit) is done, and the shards that went up.
+  backend_.wait(comm_.stream(), *backend_.record(backend_.compute_stream()));
+  size_t next = 0;
+  for (size_t g = 0; g < spec.groups.size(); ++g) {
+    const UnitGroup& group = spec.groups[g];
+    for (int b = 0; b < int(group.plan.buckets().size()); ++b) {
+      const Bucket& bucket = group.plan.buckets()[size_t(b)];
       const CollectiveKey key{CollectiveKind::kAllGather, group.tag, b, bucket.numel};
+      const auto& [input, output] = gathers[next++];
       try {
-        events.push_back(comm_.all_gather(
-            key, group.shard.slice(group.plan.partition_offset(b), group.plan.shard_elems(b)),
-            out.slice(base + bucket.offset, bucket.numel), counted));
+        events.push_back(comm_.all_gather(key, input, output, counted));
       } catch (const StreamOrderError&) {
         // Issued all the same (CommQueue::enqueue), as the other ranks issue
         // it and the rest of the round's gathers: this rank goes on with

@@ -6,6 +6,7 @@ HostUpdate::HostUpdate(OffloadOptimizer& optimizer, bool swaps_grads, std::optio
     : optimizer_(optimizer), swaps_grads_(swaps_grads), delays_from_(delays_from) {}
 
 double HostUpdate::grad_sum_of_squares() {
+  optimizer_.wait_for_compute();  // stages 2-3: the reducer's adds into the host grads
   if (swaps_grads_) {
     // The grads just reduced become the update's, and the buffer a pending
     // update reads (waited for) the next backward's.

@@ -15,8 +15,11 @@
 //   record_done: see below.
 // - Work: copy is cudaMemcpyAsync between any kinds (host to host: a
 //   memcpy in a host function, which keeps the stream's order); fill, accumulate, the
-//   sum of squares (into a mailbox) and the optimizer updates are the CUDA
-//   kernels, which instantiate kernels/element_math.h as the CPU ones do;
+//   sum of squares (into a mailbox) and the optimizer updates over device
+//   memory are the CUDA kernels, which instantiate kernels/element_math.h
+//   as the CPU ones do; over host memory (the offloaded step) they are the
+//   CPU kernels in a host function, in the stream's order; over both, an
+//   InvalidArgument (kernel_on_host, backend.h);
 //   enqueue runs its body on the calling thread, in program order: host
 //   code that issues device work on the stream (an NCCL collective).
 //   declare_access does nothing; poison fills the range with NaN (all
@@ -115,6 +118,7 @@ class CudaBackend : public Backend {
                std::function<void()> body) override;
 
   void declare_access(Stream& stream, const Access& access, const std::string& op) override;
+  void declare_host_access(const Access& access, const std::string& op) override;
   // Device ranges by cudaMemsetAsync, host ranges by a host function in the
   // stream's order.
   void poison(Stream& stream, const Tensor& range) override;
@@ -125,7 +129,9 @@ class CudaBackend : public Backend {
   // Throws InvalidArgument unless `t` is on this backend's device (or, with
   // `host_ok`, on the host): "<op>: <what> is on cpu, not cuda:N".
   void check_device(const char* op, const char* what, const Tensor& t, bool host_ok) const;
-  void check_runs(const char* op, const std::vector<FlatRun>& runs) const;
+  // Whether a kernel over `operands` runs on the host (all host memory) or
+  // on this device (all its memory); kernel_on_host's error otherwise.
+  bool runs_on_host(const std::string& op, const KernelOperands& operands) const;
 
   const int device_;
   const CudaBackendOptions options_;

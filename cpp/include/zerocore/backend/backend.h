@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,9 @@ class Backend {
   // alive: a buffer counts from allocate until its last view is dropped
   // (on CUDA, until it is freed), whatever outlives the backend.
   size_t allocated_bytes(MemoryKind kind) const;
+  // The kind of the live buffer of this backend that `address` lies in;
+  // none for memory it did not allocate (a torch tensor's).
+  std::optional<MemoryKind> kind_of(const void* address) const;
 
   // Streams. The compute stream is the caller's; the others are the
   // backend's own, alive as long as it is.
@@ -89,9 +93,14 @@ class Backend {
                        std::function<void()> body) = 0;
 
   // What only the checking backend acts on; the others do nothing.
-  // `stream` (the host: the compute stream) uses `access` directly, for
-  // example autograd reading a gathered unit's params.
+  // `stream` uses `access` directly, for example autograd reading a
+  // gathered unit's params on the compute stream.
   virtual void declare_access(Stream& stream, const Access& access, const std::string& op) = 0;
+  // The host itself (not work on a stream) uses `access`, for example a
+  // read of a mailbox slot or of the offloaded grads: ordered after a
+  // stream's work only by a host wait for it (host_wait, or a query that
+  // returned true), as on CUDA.
+  virtual void declare_host_access(const Access& access, const std::string& op) = 0;
   // A released slot or staging buffer: overwritten with NaN in `stream`'s
   // order (the stream of its last use), so a stale read shows. The checking
   // and CUDA backends do; the plain CPU one does nothing.
@@ -112,5 +121,22 @@ class Backend {
 // The accesses of one optimizer step over `runs` (params, state and copies
 // written, grads read): what every backend's update declares.
 std::vector<Access> update_accesses(const std::vector<FlatRun>& runs);
+
+// Kernels run where their memory is: with every tensor in host memory, on
+// the host in the stream's order (the offload optimizer's update, the add
+// of reduced grads into an offloaded partition); with every tensor in
+// device memory, on the device. A kernel given both (a device kernel
+// cannot write pageable host memory, and one over pinned memory would
+// cross the bus element by element) is an InvalidArgument naming them:
+// copy across first. Each operand is (what it is, whether it is host
+// memory); returns whether the kernel runs on the host. The mailbox a
+// reduction writes is not an operand: it is pinned host memory a device
+// kernel writes once.
+bool kernel_on_host(const std::string& op, const std::vector<std::pair<std::string, bool>>& operands);
+// A kernel's tensors, each with what it is ("dst", "run 0's grad").
+using KernelOperands = std::vector<std::pair<std::string, const Tensor*>>;
+// The operands of an update over `runs`, and of a sum of squares of `xs`.
+KernelOperands update_operands(const std::vector<FlatRun>& runs);
+KernelOperands sum_operands(const std::vector<Tensor>& xs);
 
 }  // namespace zerocore

@@ -2,7 +2,9 @@
 // runtime's ordering without a GPU (../docs/design.md, "The backend seam").
 // - Every stream is its own thread (the compute stream: the caller) with a
 //   vector clock; recording an event captures the clock, waiting for one
-//   (a stream or the host) joins it.
+//   joins it. The host has a clock of its own, separate from the compute
+//   stream's (on CUDA the compute stream is the device's): only a host wait
+//   joins it, and every stream given work joins it.
 // - Every access to a backend buffer (kernels, copies, enqueued work such
 //   as collectives, and what the host declares with declare_access) is
 //   checked against the buffer's last conflicting accesses from other
@@ -62,6 +64,7 @@ class CheckingCpuBackend : public CpuBackend {
   void enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
                std::function<void()> body) override;
   void declare_access(Stream& stream, const Access& access, const std::string& op) override;
+  void declare_host_access(const Access& access, const std::string& op) override;
   void poison(Stream& stream, const Tensor& range) override;
 
   // The violations found so far, each naming both accesses and the buffer.
@@ -77,6 +80,13 @@ class CheckingCpuBackend : public CpuBackend {
 
  private:
   void checked(Stream& stream, const std::string& op, const std::vector<Access>& accesses);
+  // A kernel's tensors are all host or all device memory, as the CUDA
+  // backend needs (kernel_on_host, backend.h): memory of no backend buffer
+  // (torch's) is device memory, where training runs.
+  void check_kernel_memory(const std::string& op, const KernelOperands& operands) const override;
+  void report(const std::vector<std::string>& found);  // records (and raises) what access() found
+  // The checker's clock of `stream`: the stream's index + 1 (clock 0 is the host's).
+  int clock_index(const Stream& stream) const;
 
   const CheckingOptions options_;
   const std::shared_ptr<OrderChecker> checker_;

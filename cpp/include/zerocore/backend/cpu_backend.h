@@ -62,9 +62,13 @@ class CpuBackend : public Backend {
                std::function<void()> body) override;
 
   void declare_access(Stream& stream, const Access& access, const std::string& op) override;
+  void declare_host_access(const Access& access, const std::string& op) override;
   void poison(Stream& stream, const Tensor& range) override;
 
  protected:
+  // Called by each kernel before it is enqueued: nothing here (a CPU kernel
+  // runs on any memory); the checking backend checks what CUDA needs.
+  virtual void check_kernel_memory(const std::string& op, const KernelOperands& operands) const;
   // Streams are numbered in creation order; the compute stream is 0.
   static constexpr int kCompute = 0;
   int index_of(const Stream& stream) const;

@@ -26,11 +26,11 @@ class Mailbox {
   // Where a kernel writes slot `i` (its Access, for the checker).
   double* slot(int i) const;
   Access write_access(int i) const;
-  // The host reads slot `i`, declared as a read on the compute stream: the
-  // checking backend raises if the write was not waited for.
+  // The host reads slot `i` (a declared host access): the checking backend
+  // raises if the host did not wait for the write.
   double read(int i) const;
-  // The host writes slot `i`, declared as a write on the compute stream:
-  // the checking backend raises if a reader of it was not waited for.
+  // The host writes slot `i` (a declared host access): the checking
+  // backend raises if the host did not wait for a reader of it.
   void write(int i, double value);
 
  private:

@@ -163,7 +163,8 @@ class CommQueue {
   // checking backend finds unordered (StreamOrderError) is still issued,
   // as its peers issue it, and then raises: its event is lost to the
   // caller, but the queue's later events come after it.
-  // A data-plane key (group >= 0) is folded into the fingerprint and trace
+  // A data-plane key (group >= 0) moves device memory (never host memory
+  // of the backend's: on CUDA it is NCCL's) and is folded into the fingerprint and trace
   // as it is issued, on the issuing thread, in queue order; its elements
   // are added to stats() unless `counted` is false (gathers that are not
   // training traffic).
@@ -194,6 +195,9 @@ class CommQueue {
 
   std::shared_ptr<StreamEvent> enqueue(const CollectiveKey& key, bool counted, const std::vector<Access>& accesses,
                                        std::function<Completion(Transport&)> work);
+  // A data-plane collective's operands are not host memory of the backend's
+  // (InvalidArgument, before anything is issued: every rank has the same plan).
+  void check_device_memory(const std::string& op, const std::vector<Access>& accesses) const;
 
   std::unique_ptr<Transport> transport_;
   Backend& backend_;

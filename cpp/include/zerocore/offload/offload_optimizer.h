@@ -99,6 +99,9 @@ class OffloadOptimizer {
   // The sum of squares of the runs' host grads, in fp64: a host read
   // (after wait(); the checking backend names a read that did not wait).
   double grad_sum_of_squares() const;
+  // The host waits for the compute stream's work so far: where a reducer
+  // put the host grads of stages 2-3 (it orders its adds before it).
+  void wait_for_compute();
 
  private:
   template <class Options, class Update>

@@ -42,6 +42,14 @@
 //   open --all params reported--> ready --its turn--> in flight --event--> open
 //    (staging taken on the first grad,                  (shard added, staging back)
 //     or on its turn when views are handed out)
+//
+// A grad partition in host memory (ZeRO-Offload's, stages 2-3) is filled
+// on a stream of the reducer's own ("grads down"): each reduced shard is
+// copied into a pinned landing buffer there, and added into the partition
+// by the host, in that stream's order, while backward goes on; the compute
+// stream waits only for the copy (to reuse the staging) and, at the end of
+// backward, for the adds (what reads the partitions next is ordered after
+// the compute stream).
 #pragma once
 #include <cstdint>
 #include <deque>
@@ -128,7 +136,8 @@ class BucketReducer {
 
   int num_groups() const { return int(groups_.size()); }
   bool on_request() const { return on_request_; }
-  size_t staging_bytes() const { return pool_.bytes(); }
+  size_t staging_bytes() const { return pool_.bytes(); }  // device memory
+  size_t landing_bytes() const { return landing_.bytes(); }  // host memory, with host partitions
   int staging_slots() const { return pool_.size(); }
 
  private:
@@ -150,6 +159,7 @@ class BucketReducer {
   };
 
   void check_grad_part(const ReduceGroup& group, const Tensor& grad_part) const;
+  bool on_host(const Tensor& grad_part) const;  // host memory of the backend's (an offloaded partition)
   bool between_backwards() const;
   int take_staging(BucketState& b);
   // The param's grad view, or undefined (see grad_views).
@@ -161,6 +171,8 @@ class BucketReducer {
   void issue_ready();
   void issue(int bucket);
   void complete_oldest();
+  // The compute stream is ordered after every add into a host partition.
+  void host_partitions_done();
   const std::vector<Piece>& pieces(int group, int param) const;
   // The buckets of group `group`, as indices into buckets_.
   std::pair<int, int> bucket_range(int group) const;
@@ -175,6 +187,12 @@ class BucketReducer {
   std::vector<std::vector<std::vector<Piece>>> pieces_;  // [group][param]
   std::vector<std::vector<std::vector<bool>>> reported_;  // [group][param][piece]
   SlotPool pool_;
+  // Per group, whether its grad partition is host memory; with any, the
+  // stream its shards go down on and the landing buffer they arrive in
+  // (one: every use of it is on that stream, in order).
+  std::vector<bool> on_host_;
+  Stream* down_ = nullptr;
+  SlotPool landing_;
   std::deque<InFlight> in_flight_;
   size_t next_ = 0;    // the next bucket to issue
   bool on_request_ = false;
