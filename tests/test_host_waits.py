@@ -22,15 +22,15 @@ pytestmark = pytest.mark.skipif(not isinstance(CHECKER, _native.CheckingBackend)
 
 STEPS = 3
 # (forward, backward, engine.step()) host waits of a step after the first.
-# Stages 0-2: the step's control exchange, the one the host must read (the
+# Every stage: the step's control exchange, the one the host must read (the
 # norm, flags, the order fingerprint, stage 2's late grads: before they rode
-# on it, stage 2's backward made one more, (0, 1, 1)). Stage 3: the step's
-# exchange and its end-of-step round (not folded into the exchange:
-# docs/design.md, the step); the unit hooks settle rounds (control-plane
-# reads of the ranks' flags), 6 in backward before the late grads' fold.
+# on it, stage 2's backward made one more, (0, 1, 1); stage 3's end-of-step
+# round: before it rode on it, stage 3's step made 2). At stage 3 the unit
+# hooks settle rounds (control-plane reads of the ranks' flags), 6 in
+# backward before the late grads' fold.
 # The step's own waits do not grow with the number of buckets (checked with
 # small ones).
-MEASURED = {0: (0, 0, 1), 1: (0, 0, 1), 2: (0, 0, 1), 3: (3, 5, 2)}
+MEASURED = {0: (0, 0, 1), 1: (0, 0, 1), 2: (0, 0, 1), 3: (3, 5, 1)}
 # A step whose last backward left late grads (models.LateGrads at stage 2)
 # exchanges twice: once to agree on them, once for the sums after reducing them.
 MEASURED_LATE = (0, 0, 2)

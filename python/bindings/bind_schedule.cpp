@@ -127,7 +127,8 @@ void bind_schedule(nb::module_& m) {
           "unit"_a, "The unit's buffer for a read outside its hooks (its gather waited for), or None.")
       .def("end_forward", unlocked(&UnitSchedule::end_forward), "failed"_a = false)
       .def("end_backward", unlocked(&UnitSchedule::end_backward), "failed"_a = false)
-      .def("end_step", unlocked(&UnitSchedule::end_step))
+      .def("end_step", unlocked(static_cast<void (UnitSchedule::*)()>(&UnitSchedule::end_step)),
+           "The end-of-step round on its own (the engine's ZeroStep carries it in its exchange instead).")
       .def("release_all", unlocked(&UnitSchedule::release_all),
            "Releases every unit no hook holds (their params changed).")
       .def("gather_into", unlocked(&UnitSchedule::gather_into), "unit"_a, "out"_a,

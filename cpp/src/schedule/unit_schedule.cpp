@@ -281,6 +281,18 @@ Tensor UnitSchedule::read(int unit) {
 // Rounds ----------------------------------------------------------------------
 
 void UnitSchedule::post(int need, int at, bool done, bool failed, bool backward) {
+  fill_flags(need, at, done, failed, backward);
+  if (comm_.world_size() == 1) {  // one rank: its flags are the sums, nothing to agree on
+    posted_ = backend_.record(backend_.compute_stream());  // complete
+  } else {
+    posted_ = rounds_queue_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, round_flags_.numel()},
+                                      round_flags_);
+  }
+  posted_failed_ = failed;
+  ++rounds_;
+}
+
+void UnitSchedule::fill_flags(int need, int at, bool done, bool failed, bool backward) {
   const int n = num_units();
   float* flags = round_flags_.data_as<float>();
   for (int u = 0; u < n; ++u) {
@@ -301,14 +313,6 @@ void UnitSchedule::post(int need, int at, bool done, bool failed, bool backward)
   // then, as a rule (not for a unit that holds nested ones: a lent slot then).
   const bool at_done = at >= 0 && !units_[size_t(at)].own_slot && state_[size_t(at)].buffer.data() != nullptr;
   global[kGlobals + std::min(pool_.free_slots() + (at_done ? 1 : 0), pool_.planned())] = 1.0f;
-  if (comm_.world_size() == 1) {  // one rank: its flags are the sums, nothing to agree on
-    posted_ = backend_.record(backend_.compute_stream());  // complete
-  } else {
-    posted_ = rounds_queue_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, round_flags_.numel()},
-                                      round_flags_);
-  }
-  posted_failed_ = failed;
-  ++rounds_;
 }
 
 UnitSchedule::Sums UnitSchedule::settle() {
@@ -317,6 +321,10 @@ UnitSchedule::Sums UnitSchedule::settle() {
   const std::shared_ptr<StreamEvent> posted = std::move(posted_);
   backend_.host_wait(*posted);
   round_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return decide();
+}
+
+UnitSchedule::Sums UnitSchedule::decide() {
   const int n = num_units();
   const float* flags = round_flags_.data_as<float>();
   const float* global = flags + size_t(n) * kFlags;
@@ -585,18 +593,50 @@ void UnitSchedule::end_backward(bool failed) {
   in_backward_ = false;
 }
 
-void UnitSchedule::end_step() {
+int UnitSchedule::root() const {
+  const auto own = std::find_if(units_.begin(), units_.end(), [](const UnitSpec& u) { return u.own_slot; });
+  return own == units_.end() ? -1 : int(own - units_.begin());
+}
+
+void UnitSchedule::next_order() {
   if (!order_.empty()) last_order_.swap(order_);
   order_.clear();
+}
+
+void UnitSchedule::end_step() {
+  next_order();
   release_all();
   // The next forward starts with the units of its own buffer (the root) and
   // the first of the order: one round gathers them now, so that the gathers
   // overlap what comes before that forward.
-  const auto own = std::find_if(units_.begin(), units_.end(), [](const UnitSpec& u) { return u.own_slot; });
-  if (own == units_.end()) return;
-  post(-1, int(own - units_.begin()), false, false, false);
+  if (root() < 0) return;
+  post(-1, root(), false, false, false);
   ++blocking_rounds_;
   settle();
+}
+
+int64_t UnitSchedule::step_round_width() const { return root() < 0 ? 0 : round_flags_.numel(); }
+
+std::vector<float> UnitSchedule::step_round_flags() {
+  release_all();
+  if (root() < 0) return {};
+  fill_flags(-1, root(), false, false, false);
+  const float* flags = round_flags_.data_as<float>();
+  return std::vector<float>(flags, flags + round_flags_.numel());
+}
+
+void UnitSchedule::end_step(const std::vector<float>& summed) {
+  next_order();
+  release_all();  // units gathered since the flags were taken (a whole-model view) held the old params
+  if (int64_t(summed.size()) != step_round_width()) {
+    throw InvalidArgument("UnitSchedule::end_step: " + std::to_string(summed.size()) + " summed flags for a round of " +
+                          std::to_string(step_round_width()));
+  }
+  if (summed.empty()) return;
+  std::copy(summed.begin(), summed.end(), round_flags_.data_as<float>());
+  posted_failed_ = false;
+  ++rounds_;
+  decide();  // the sums are here already: nothing to wait for
 }
 
 void UnitSchedule::release_all() {

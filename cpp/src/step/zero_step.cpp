@@ -15,7 +15,8 @@ namespace {
 
 // A row of the exchange: this rank's sum of squares (and the kernel's
 // finite flag beside it, which the sum already carries), its trainability
-// changes, its data queue's fingerprint and its late buckets, as float64.
+// changes, its data queue's fingerprint, its late buckets and, at stage 3,
+// the flags of the unit schedule's end-of-step round, as float64.
 // The fingerprint keeps 52 bits, exact in a double; the late buckets are
 // bit flags, kLateBits to a double (exact integers: the row crosses as raw
 // bytes, but every value in it stays a plain finite number).
@@ -64,16 +65,22 @@ void ZeroStep::set_grad_reducer(BucketReducer* reducer) {
   size_row();
 }
 
-void ZeroStep::size_row() {
+size_t ZeroStep::late_words() const {
   const size_t late_buckets = parts_.grad_reducer ? parts_.grad_reducer->late().size() : 0;
-  const int width = int(kHead + (late_buckets + kLateBits - 1) / kLateBits);
+  return (late_buckets + kLateBits - 1) / kLateBits;
+}
+
+void ZeroStep::size_row() {
+  const int64_t flags = parts_.units ? parts_.units->step_round_width() : 0;
+  const int width = int(kHead + late_words() + size_t(flags));
   if (!row_ || row_->slots() != width) row_ = std::make_unique<Mailbox>(backend(), width, "the step's exchange row");
 }
 
 Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
   Mailbox& box = *row_;
   const size_t width = size_t(box.slots());
-  std::vector<uint64_t> bits(width - kHead, 0);
+  std::vector<uint64_t> bits(late_words(), 0);
+  const size_t flags_at = kHead + bits.size();
   for (size_t i = 0; i < late.size(); ++i) {
     if (late[i]) bits[i / kLateBits] |= uint64_t(1) << (i % kLateBits);
   }
@@ -81,6 +88,7 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
   const double fingerprint = double(parts_.data->fingerprint() >> 12);
   box.write(kFingerprint, fingerprint);
   for (size_t w = 0; w < bits.size(); ++w) box.write(int(kHead + w), double(bits[w]));
+  for (size_t i = 0; i < unit_flags_.size(); ++i) box.write(int(flags_at + i), double(unit_flags_[i]));
   // The all-gather reads the row once the compute stream's work before it
   // (the sum of squares) is done: on the device, not the host.
   Backend& b = backend();
@@ -95,12 +103,14 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
   Exchanged out;
   bool diverged = false;
   std::vector<uint64_t> any(bits.size(), 0);
+  out.unit_flags.assign(unit_flags_.size(), 0.0f);
   for (int r = 0; r < world; ++r) {  // in rank order, so every rank gets the same bits
     const double* theirs = rows_.data() + size_t(r) * width;
     out.sum_of_squares += theirs[kSum];
     out.changes += int64_t(theirs[kChanges]);
     diverged |= theirs[kFingerprint] != fingerprint;
     for (size_t w = 0; w < any.size(); ++w) any[w] |= uint64_t(theirs[kHead + w]);
+    for (size_t i = 0; i < out.unit_flags.size(); ++i) out.unit_flags[i] += float(theirs[flags_at + i]);
   }
   std::vector<CollectiveKey> trace = diverged ? parts_.data->trace() : std::vector<CollectiveKey>{};
   parts_.data->restart_trace();
@@ -122,6 +132,9 @@ const Exchanged& ZeroStep::exchange(int64_t changes) {
   if (parts_.grad_reduce != nullptr) parts_.grad_reduce->run();
   BucketReducer* reducer = parts_.grad_reducer;
   std::vector<bool> late = reducer ? reducer->late() : std::vector<bool>{};
+  // Stage 3's end-of-step round rides on the exchange: its flags do not
+  // change before the round settles, after the update.
+  unit_flags_ = parts_.units ? parts_.units->step_round_flags() : std::vector<float>{};
   Mailbox& box = *row_;
   if (parts_.host_update != nullptr) {  // offload: the host's own sum of its host grads
     const double mine = parts_.host_update->grad_sum_of_squares();
@@ -186,7 +199,7 @@ StepResult ZeroStep::step(const StepOptions& options) {
     out.grad_scale = grad_scale;
   }
   exchanged_.reset();
-  if (parts_.units != nullptr) parts_.units->end_step();  // gathers the next forward's first units, updated
+  if (parts_.units != nullptr) parts_.units->end_step(agreed.unit_flags);  // the next forward's first units, updated
   return out;
 }
 

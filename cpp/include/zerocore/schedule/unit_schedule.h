@@ -154,8 +154,17 @@ class UnitSchedule {
   void end_backward(bool failed = false);
   // This step's agreed forward order guides the next step's prefetch; any
   // unit still gathered (a root kept after a forward with no backward) is
-  // released, since the step changed its params.
+  // released, since the step changed its params; with a root, a round
+  // gathers it and the first units of the order for the next forward.
   void end_step();
+  // The same round carried by the step's exchange (ZeroStep), which costs
+  // it no wait of its own: step_round_flags() releases every unit no hook
+  // holds and gives this rank's flags (none without a root: no round),
+  // before the update (the update changes no flag); end_step(summed) takes
+  // them summed over the ranks in rank order, after it.
+  std::vector<float> step_round_flags();
+  void end_step(const std::vector<float>& summed);
+  int64_t step_round_width() const;  // the number of step_round_flags()'s flags
   // Releases every unit no hook holds: their params changed (the step, an
   // edit inside gathered_params). Between passes, where every rank calls it.
   void release_all();
@@ -211,8 +220,12 @@ class UnitSchedule {
   // rank finishing the forward's join is still in the forward: the ranks
   // take a round's decisions for backward only when all are there).
   void post(int need, int at, bool done, bool failed, bool backward);
+  void fill_flags(int need, int at, bool done, bool failed, bool backward);  // post's, not issued
+  int root() const;  // the unit with a buffer of its own, or -1
+  void next_order();  // this step's forward order becomes the last
   // Waits for the posted round, if any, and takes its decisions.
-  Sums settle();
+  Sums settle();  // waits for the round posted, then decide()
+  Sums decide();  // acts on the round's summed flags
   Tensor acquire(int unit);  // a pre hook: settle, post, and wait only if the unit is not here
   void prefetch(const Sums& sums);
   void finalize_grads(const Sums& sums, bool all);

@@ -79,6 +79,7 @@ struct StepOptions {
 struct Exchanged {
   double sum_of_squares = 0.0;  // of the reduced, loss-scaled grads; non-finite when any grad is
   int64_t changes = 0;          // trainability changes, summed over ranks
+  std::vector<float> unit_flags;  // stage 3's end-of-step round, summed over ranks
 };
 
 struct StepResult {
@@ -103,7 +104,7 @@ class ZeroStep {
     // Stages 2-3: the reducer whose late grads (staged after their bucket
     // was reduced) the exchange agrees on and reduces (set_grad_reducer).
     BucketReducer* grad_reducer = nullptr;
-    UnitSchedule* units = nullptr;      // stage 3: its end-of-step round, after the update
+    UnitSchedule* units = nullptr;      // stage 3: its end-of-step round, carried by the exchange
     LossScaler* loss_scaler = nullptr;  // the loss scale and its bookkeeping; nullptr: none (1)
     // Offload (runs empty): the partition lives on the host. The step takes
     // this rank's sum of squares from it once the reduction is done, and
@@ -148,8 +149,9 @@ class ZeroStep {
   // each); its sum of squares is the caller's to write (in the compute
   // stream's order) before exchange_rows.
   void size_row();
-  // One exchange of (sum of squares, changes, fingerprint, late buckets)
-  // rows; returns the agreed sums and sets `late` to the buckets late on
+  size_t late_words() const;  // the row's doubles of late-bucket bits
+  // One exchange of (sum of squares, changes, fingerprint, late buckets,
+  // unit flags) rows; returns the agreed sums and sets `late` to the buckets late on
   // any rank. Throws CollectiveOrderDiverged.
   Exchanged exchange_rows(int64_t changes, std::vector<bool>& late);
 
@@ -157,6 +159,7 @@ class ZeroStep {
   std::vector<Tensor> grads_;    // the runs' grads, for the sum of squares
   std::unique_ptr<Mailbox> row_; // this rank's row of the exchange
   std::vector<double> rows_;     // the exchange's gathered rows
+  std::vector<float> unit_flags_;  // this rank's flags of stage 3's end-of-step round, this step
   std::optional<Exchanged> exchanged_;
 };
 
