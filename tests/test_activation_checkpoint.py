@@ -11,8 +11,9 @@ input gets a clear error. The slices are a backend's memory: on a checking
 backend given as backend= every variant, on 1 and 2 ranks, runs with no
 violation, no host wait and the grads of no checkpointing (a missing wait
 would read its late copies' NaN), a read of offloaded slices before their
-copy is named with the copy, and the backend holds buffer_bytes() after
-the first step and nothing once free_buffers() gave them back.
+copy is named with the copy, the backend holds buffer_bytes() after the
+first step and nothing once free_buffers() gave them back, and ranks
+forked from a process that offloaded on its backend still offload.
 """
 import pytest
 import torch
@@ -439,3 +440,21 @@ def test_device_buffers_offload_comes_back_to_are_reused(gen):
     assert activation_checkpoint.buffer_bytes(offloaded=False) >= held[-1]
     activation_checkpoint.free_buffers()
     assert backend.allocated_bytes() == NO_BYTES
+
+
+def _offloaded_grad(rank, world, seed):
+    torch.manual_seed(seed)  # every rank alike
+    x = torch.randn(5, 3, dtype=torch.double, requires_grad=True)
+    zerocore.checkpoint(torch.tanh, x, group=dist.group.WORLD, offload="cpu").square().sum().backward()
+    return x.detach(), x.grad
+
+
+def test_forked_ranks_copy_on_streams_of_their_own(zerocore_seed):
+    """This process offloads on its backend first, which starts the copy
+    stream's thread here; ranks forked from it inherit the stream but not
+    the thread, and still offload (on streams of their own)."""
+    x = torch.randn(5, 3, requires_grad=True)
+    zerocore.checkpoint(torch.tanh, x, offload="cpu").sum().backward()
+    activation_checkpoint.free_buffers()  # the ranks inherit no buffers, only the stream
+    for x, grad in run_ranks(_offloaded_grad, 2, zerocore_seed, timeout=60):
+        torch.testing.assert_close(grad, 2 * torch.tanh(x) * (1 - torch.tanh(x) ** 2), rtol=1e-12, atol=0)
