@@ -395,8 +395,9 @@ def test_reading_offloaded_slices_before_their_copy_is_named(gen):
 @pytest.mark.parametrize("offload", [None, "cpu"])
 def test_buffers_are_the_backends(offload, gen):
     """What the backend given holds, by kind: the separate slices during the
-    first step, the contiguous buffer from its end on, and offloaded, the 3
-    device buffers backward copies them back to (it recomputes one, gathers
+    first step, the contiguous buffer from its end on, and offloaded, the
+    device buffers offload works in (one the forward packs each checkpoint
+    in, then the 3 backward copies them back to: it recomputes one, gathers
     the next, copies back the one after), all of it buffer_bytes(); nothing
     more during the second step, and nothing once given back."""
     backend = _native.CpuBackend()
@@ -413,8 +414,8 @@ def test_buffers_are_the_backends(offload, gen):
         h.sum().backward()
         held.append(backend.allocated_bytes())
     total = 3 * per_checkpoint
-    first_forward = {**NO_BYTES, kind: total}
-    after = {**first_forward, "device": total}  # offloaded: the slices on the host, the landings on the device
+    first_forward = {**NO_BYTES, kind: total, **({"device": per_checkpoint} if offload else {})}
+    after = {**NO_BYTES, kind: total, "device": total}
     assert held == [first_forward, after, after, after], held
     assert activation_checkpoint.buffer_bytes() - before == sum(after.values())
     activation_checkpoint.free_buffers()
@@ -423,10 +424,10 @@ def test_buffers_are_the_backends(offload, gen):
 
 
 def test_device_buffers_offload_comes_back_to_are_reused(gen):
-    """Offloaded, backward copies each checkpoint back to a device buffer
-    kept for later ones: as many as it uses at once (3 in a chain of 5),
-    each replaced by a larger one when the inputs grow, reused when they
-    shrink."""
+    """Offloaded, the forward packs each checkpoint in a device buffer and
+    backward copies each back to one, kept for later use: as many as are
+    used at once (3, in backward through a chain of 5), each replaced by a
+    larger one when the inputs grow, reused when they shrink."""
     backend = _native.CpuBackend()
     held = []
     for rows in (4, 9, 2, 9):

@@ -38,12 +38,14 @@ Where a checkpoint's slices live:
   `engine.memory_report()["activations"]`; `free_buffers()` gives it back
   between steps.
 - contiguous=False: one allocation per checkpoint.
-- offload="cpu": the slices are packed on the compute stream and copied to
-  pinned host memory on the backend's copy stream ("activation offload"),
-  and copied back to a device buffer of their own on that stream two
-  checkpoints ahead of backward's need; the compute stream waits for that
-  copy (a stream wait: on CUDA the host goes on) before the gather. On the
-  CPU the same copies run between host buffers.
+- offload="cpu": the slices are packed into a device buffer on the compute
+  stream and copied to pinned host memory on the backend's copy stream
+  ("activation offload"), and copied back to a device buffer on that
+  stream two checkpoints ahead of backward's need; the compute stream waits
+  for that copy (a stream wait: on CUDA the host goes on) before the
+  gather. The device buffers are kept for reuse (as many as were in use at
+  once: three in backward) and counted by `buffer_bytes()`. On the CPU the
+  same copies run between host buffers.
 
 The gathers run asynchronously (torch.distributed, async_op) on a process
 group of the same ranks as `group` but of this module alone, so none waits
@@ -163,17 +165,18 @@ def _floats(t: torch.Tensor) -> torch.Tensor:
 
 class _Home:
     """What the checkpoints on one backend share: its contiguous buffers (one
-    per memory kind) and the stream the offload copies run on."""
+    per memory kind), the device buffers offload works in and the stream
+    the offload copies run on."""
 
     def __init__(self, backend):
         self.backend = backend
         self.free()
-        self._copy = None  # (pid, stream, torch's handle of it on CUDA) once an offload made it
+        self._copy = None  # (pid, stream) once an offload made it
 
     def free(self):
         """Drops the buffers (their memory goes once no view is left)."""
         self.arenas = {kind: _Arena(self.backend, kind) for kind in ("device", "host_pinned")}
-        self.landings = _Landings(self.backend)
+        self.offload_buffers = _OffloadBuffers(self.backend)
 
     def compute(self):
         """The backend's compute stream, where torch's work of a checkpoint
@@ -188,19 +191,8 @@ class _Home:
         offload: a forked rank inherits its parent's stream but not the
         thread that runs a CPU backend's stream, so it makes its own."""
         if self._copy is None or self._copy[0] != os.getpid():
-            stream = self.backend.create_stream("activation offload")
-            handle = torch.cuda.ExternalStream(self.backend.stream_handle(stream),
-                                               device=self.backend.device) if devices.is_cuda(self.backend) else None
-            self._copy = (os.getpid(), stream, handle)
+            self._copy = (os.getpid(), self.backend.create_stream("activation offload"))
         return self._copy[1]
-
-    def keep_for_copy(self, tensor: torch.Tensor):
-        """Keeps torch memory a copy on the copy stream reads from reuse
-        until the copy ran: on CUDA the caching allocator is told the stream
-        uses it (the backend keeps no references); a CPU backend's queued
-        copy holds the tensor itself."""
-        if self._copy[2] is not None:
-            tensor.record_stream(self._copy[2])
 
 
 _homes: dict = {}  # backend -> its _Home
@@ -243,48 +235,49 @@ class _Arena:
         self.top = 0
 
 
-class _Landings:
-    """The device buffers offloaded checkpoints are copied back to in
-    backward, each kept for the next checkpoint once its own is released:
-    on CUDA freeing a buffer is a cudaFree, which synchronises the device.
-    A backward through a chain of checkpoints uses three at once (the
-    checkpoint it recomputes, the one being gathered, the one being copied
-    back), and there are never more buffers than were in use at once."""
+class _OffloadBuffers:
+    """The device buffers offload works in, each kept for the next use once
+    given back (on CUDA freeing one is a cudaFree, which synchronises the
+    device): the compute stream packs a checkpoint's slices into one for
+    the copy down, and backward copies a checkpoint back into one. A buffer
+    comes back with the event after its last use, which the stream that
+    takes it next waits for. There are never more of them than were in use
+    at once: one in a forward, three in a backward through a chain of
+    checkpoints (the one recomputed, the one being gathered, the one being
+    copied back)."""
 
     def __init__(self, backend):
         self.backend = backend
-        self.spare = []  # buffers (torch uint8 views of a whole backend buffer) no checkpoint uses
+        self.spare = []  # (buffer: a torch uint8 view of a whole backend buffer, the event after its last use)
         self.bytes = 0  # of the buffers kept, spare or in use
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least nbytes: the smallest spare that fits, else a
-        new one in place of the smallest spare (which fits none so far)."""
-        fits = [b for b in self.spare if b.numel() >= nbytes]
+    def take(self, nbytes: int, stream) -> torch.Tensor:
+        """A buffer of at least nbytes for `stream` to use: the smallest
+        spare that fits, once `stream` waited for its last use; else a new
+        one in place of the smallest spare (which fits none so far)."""
+        fits = [spare for spare in self.spare if spare[0].numel() >= nbytes]
+        chosen = min(fits or self.spare, key=lambda spare: spare[0].numel(), default=None)
+        self.spare = [spare for spare in self.spare if spare is not chosen]  # by identity: tensors compare by value
         if fits:
-            buffer = min(fits, key=torch.Tensor.numel)
-            self.spare.remove(buffer)
-            return buffer
-        if self.spare:
-            smallest = min(self.spare, key=torch.Tensor.numel)
-            self.spare.remove(smallest)
-            self.bytes -= smallest.numel()
-        self.bytes += nbytes
-        return _allocate(self.backend, "device", nbytes, "offloaded activation checkpoints back on the device")
+            self.backend.wait(stream, chosen[1])
+            return chosen[0]
+        self.bytes += nbytes - (chosen[0].numel() if chosen else 0)
+        return _allocate(self.backend, "device", nbytes, "offloaded activation checkpoints on the device")
 
-    def give_back(self, buffer: torch.Tensor):
-        self.spare.append(buffer)
+    def give_back(self, buffer: torch.Tensor, last_use):
+        self.spare.append((buffer, last_use))
 
 
 def buffer_bytes(offloaded=None) -> int:
-    """Bytes of the checkpoint buffers this process holds (0 until the
-    first step's backward): the contiguous buffers and the device buffers
-    offloaded checkpoints come back to; offloaded: True, only those on the
-    host (offload="cpu"), False, only those on the tensors' device."""
+    """Bytes of the checkpoint buffers this process holds: the contiguous
+    buffers (from the end of the first step) and the device buffers offload
+    works in; offloaded: True, only those on the host (offload="cpu"),
+    False, only those on the tensors' device."""
     held = 0
     for home in _homes.values():
         held += sum(a.buffer.numel() for kind, a in home.arenas.items()
                     if a.buffer is not None and offloaded in (None, kind == "host_pinned"))
-        held += home.landings.bytes if offloaded in (None, False) else 0
+        held += home.offload_buffers.bytes if offloaded in (None, False) else 0
     return held
 
 
@@ -370,24 +363,22 @@ class _Stash:
 
     def _write_slices(self, tensors):
         """The slices into the segment: written there by torch on the
-        compute stream, or, offloaded, packed on the device and copied down
-        on the copy stream once the compute stream has packed them."""
+        compute stream, or, offloaded, packed into a device buffer there and
+        copied down on the copy stream once the compute stream packed them."""
         backend, compute = self.home.backend, self.home.compute()
-        if self.offloaded:
-            packed = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        else:
-            backend.declare_access(compute, _floats(self.segment), "write", f"{self.name} writes its slices")
-            packed = self.segment
+        packing = self.home.offload_buffers.take(self.nbytes, compute) if self.offloaded else None
+        target = self.segment if packing is None else packing[:self.nbytes]
+        backend.declare_access(compute, _floats(target), "write", f"{self.name} writes its slices")
         offset = 0
         for t, nbytes in zip(tensors, self.slice_bytes):
             mine = self._my_slice(t.detach().reshape(-1), nbytes // t.element_size())
-            packed[offset:offset + mine.numel() * t.element_size()].view(t.dtype).copy_(mine)
+            target[offset:offset + mine.numel() * t.element_size()].view(t.dtype).copy_(mine)
             offset += nbytes
-        if self.offloaded:
+        if packing is not None:
             stream = self.home.copy_stream()
             backend.wait(stream, backend.record(compute))
-            backend.copy(stream, _floats(self.segment), _floats(packed))
-            self.home.keep_for_copy(packed)
+            backend.copy(stream, _floats(self.segment), _floats(target))
+            self.home.offload_buffers.give_back(packing, backend.record(stream))
 
     def _my_slice(self, flat: torch.Tensor, per_rank: int) -> torch.Tensor:
         start = min(self.partition.rank * per_rank, flat.numel())
@@ -407,10 +398,7 @@ class _Stash:
             return
         self._refuse_released()
         backend, stream = self.home.backend, self.home.copy_stream()
-        self.landing = self.home.landings.take(self.nbytes)
-        # The buffer's last checkpoint was read on the compute stream (its
-        # gather and recomputation, waited for there before its release).
-        backend.wait(stream, backend.record(self.home.compute()))
+        self.landing = self.home.offload_buffers.take(self.nbytes, stream)
         backend.copy(stream, _floats(self.landing[:self.nbytes]), _floats(self.segment))
         self.landed = backend.record(stream)
 
@@ -464,7 +452,10 @@ class _Stash:
         if self.pending is not None and self.pending[0] is not None:
             self.pending[0].wait()  # the collective must not outlive the buffers it reads
         if self.landing is not None:
-            self.home.landings.give_back(self.landing)
+            # Its last use: the copy back, or, once fetched, the gather and the
+            # recomputation on the compute stream (which waited for the copy).
+            last_use = self.landed if self.pending is None else self.home.backend.record(self.home.compute())
+            self.home.offload_buffers.give_back(self.landing, last_use)
         self.pending = self.segment = self.landing = None
         _live.remove(self)
         if self.arena is not None:

@@ -463,7 +463,7 @@ def _activation_report(args, results) -> list:
     lines.append("  kept: this rank's slices of the blocks' inputs (1/TP of each, padded to split evenly); "
                  "unpartitioned: the same checkpoints whole, as torch.utils.checkpoint keeps them on every rank; "
                  "buffer: the contiguous buffer they live in, allocated once, and offloaded, the device buffers "
-                 "backward copies them back to (memory_report()['activations'])")
+                 "they are packed in and copied back to (memory_report()['activations'])")
     return lines
 
 
