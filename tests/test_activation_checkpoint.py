@@ -12,9 +12,12 @@ backend given as backend= every variant, on 1 and 2 ranks, runs with no
 violation, no host wait and the grads of no checkpointing (a missing wait
 would read its late copies' NaN), a read of offloaded slices before their
 copy is named with the copy, the backend holds buffer_bytes() after the
-first step and nothing once free_buffers() gave them back, and ranks
-forked from a process that offloaded on its backend still offload.
+first step and nothing once free_buffers() gave them back, a device
+buffer copied back into is packed into again only after that copy, and
+ranks forked from a process that offloaded on its backend still offload.
 """
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -459,3 +462,28 @@ def test_forked_ranks_copy_on_streams_of_their_own(zerocore_seed):
     activation_checkpoint.free_buffers()  # the ranks inherit no buffers, only the stream
     for x, grad in run_ranks(_offloaded_grad, 2, zerocore_seed, timeout=60):
         torch.testing.assert_close(grad, 2 * torch.tanh(x) * (1 - torch.tanh(x) ** 2), rtol=1e-12, atol=0)
+
+
+def test_a_device_buffer_copied_back_into_is_reused_after_the_copy(gen):
+    """A checkpoint copied back ahead of need whose graph is then dropped
+    (backward of a later graph reached past it) gives its device buffer
+    back with the copy as its last use: the forward that packs into that
+    buffer next waits for the copy, not only for the compute stream."""
+    backend = _native.CheckingBackend(seed=int(torch.randint(2**31, (), generator=gen)), max_delay_us=2000)
+    small = torch.randn(8, generator=gen, requires_grad=True)
+    # Graph A: a1 keeps 8 floats, a2 the 32 a1 made; graph B: b1, made last, keeps 32.
+    a1 = zerocore.checkpoint(lambda t: t.repeat(4), small, offload="cpu", backend=backend)
+    a2 = zerocore.checkpoint(torch.tanh, a1, offload="cpu", backend=backend)
+    del a1
+    b1 = zerocore.checkpoint(torch.tanh, torch.randn(32, generator=gen, requires_grad=True), offload="cpu",
+                             backend=backend)
+    b1.sum().backward()  # prefetches a2 and copies a1 back, the checkpoints made before it
+    del a2
+    gc.collect()  # graph A dropped: a1's device buffer goes back with its copy back in flight
+    assert not activation_checkpoint._live
+    # The smallest spare that fits 8 floats is a1's: packing into it must wait for that copy.
+    y = zerocore.checkpoint(torch.tanh, small, offload="cpu", backend=backend)
+    y.sum().backward()
+    assert backend.violations() == []
+    torch.testing.assert_close(small.grad, 1 - torch.tanh(small.detach()) ** 2, rtol=1e-6, atol=0)
+    activation_checkpoint.free_buffers()
