@@ -374,8 +374,9 @@ def test_reading_offloaded_slices_before_their_copy_is_named(gen):
     after the checkpoint, waiting for nothing: the checker names the copy
     it did not wait for, and the read sees the fresh buffer's NaN, not the
     slices. The checkpoint's own accesses then wait as they must."""
-    backend = _native.CheckingBackend(seed=int(torch.randint(2**31, (), generator=gen)), min_delay_us=100000,
-                                      max_delay_us=100000, throw_on_violation=False)
+    # Each copy starts 250 ms late: long enough that the test's read comes first even on a busy machine.
+    backend = _native.CheckingBackend(seed=int(torch.randint(2**31, (), generator=gen)), min_delay_us=250000,
+                                      max_delay_us=250000, throw_on_violation=False)
     x = torch.randn(64, generator=gen, requires_grad=True)
     saved = []
     with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -426,7 +427,7 @@ def test_buffers_are_the_backends(offload, gen):
     assert activation_checkpoint.buffer_bytes() == 0
 
 
-def test_device_buffers_offload_comes_back_to_are_reused(gen):
+def test_offload_device_buffers_are_reused(gen):
     """Offloaded, the forward packs each checkpoint in a device buffer and
     backward copies each back to one, kept for later use: as many as are
     used at once (3, in backward through a chain of 5), each replaced by a
