@@ -10,7 +10,8 @@ KINDS_OF = {"device": ("device",), "host": ("host_pinned", "host_pageable")}
 # What the report counts that is not its backend's memory, and why.
 NOT_THE_BACKENDS = {
     "buffers": "the module's buffers are torch tensors the module keeps (wrap casts them in place)",
-    "activations": "zerocore.checkpoint's buffers are torch tensors of its own, beside the engine",
+    "activations": "zerocore.checkpoint's buffers are its own backend's (the process's on the CPU, a CudaBackend of "
+                   "its own per CUDA device), not the engine's where it was given one or runs on CUDA",
 }
 
 

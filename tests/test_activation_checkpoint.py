@@ -7,8 +7,17 @@ saved-tensor hooks, is 1/MP of what torch's checkpoint keeps (plus
 padding); the contiguous buffer is allocated once and reused; the next
 checkpoint's gather is in flight while one recomputes; TP x ZeRO-DP trains
 as without checkpointing, and as single-process torch, at every stage; bad
-input gets a clear error.
+input gets a clear error. The slices are a backend's memory: on a checking
+backend given as backend= every variant, on 1 and 2 ranks, runs with no
+violation, no host wait and the grads of no checkpointing (a missing wait
+would read its late copies' NaN), a read of offloaded slices before their
+copy is named with the copy, the backend holds buffer_bytes() after the
+first step and nothing once free_buffers() gave them back, a device
+buffer copied back into is packed into again only after that copy, and
+ranks forked from a process that offloaded on its backend still offload.
 """
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +25,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.graph import saved_tensors_hooks
 
 import zerocore
-from zerocore import activation_checkpoint
+from zerocore import _native, activation_checkpoint
 from dist_harness import RankError, run_ranks
 from models import VOCAB, lm_batch
 from zerocore.examples.gpt import GPTConfig
@@ -119,7 +128,7 @@ def _buffer_reuse(rank, world):
             x, y = lm_batch(step, 0, 1)
             loss = model(x, y)["loss"]
         loss.backward()
-        (arena,) = activation_checkpoint._arenas.values()
+        arena = activation_checkpoint._homes[activation_checkpoint._chosen[torch.device("cpu")]].arenas["device"]
         base, size = arena.buffer.data_ptr(), arena.buffer.numel()
         assert len(starts) == CFG["n_layer"]
         inside = all(base <= p and p + n <= base + size for p, n in starts)
@@ -137,29 +146,40 @@ def test_contiguous_buffer_is_allocated_once_and_reused():
             assert (later_size, later_base, later_inside) == (size, base, True)
 
 
-def _prefetch_seen(rank, world):
-    """For each recomputation in backward, whether the gather of the
-    checkpoint backward reaches next was already issued."""
+def _prefetch_seen(rank, world, offload):
+    """For each recomputation in backward, per live checkpoint: whether its
+    gather was already issued, and whether its copy back to the device was."""
     seen = []
 
     def block(x):
         if torch.is_grad_enabled():  # the recomputation
             live = activation_checkpoint._live
-            seen.append([s.pending is not None for s in live])
+            seen.append([(s.pending is not None, s.landed is not None) for s in live])
         return torch.tanh(x) * 2
 
     h = torch.randn(4, 8, requires_grad=True)
-    for _ in range(3):
-        h = zerocore.checkpoint(block, h, group=dist.group.WORLD)
+    for _ in range(4):
+        h = zerocore.checkpoint(block, h, group=dist.group.WORLD, offload=offload)
     h.sum().backward()
     return seen
 
 
 def test_next_gather_is_in_flight_during_recomputation():
-    for seen in run_ranks(_prefetch_seen, 2):
-        # Recomputing checkpoint 3, then 2, then 1: the one before it is already being gathered,
+    for seen in run_ranks(_prefetch_seen, 2, None):
+        # Recomputing checkpoint 4, then 3, 2, 1: the one before it is already being gathered,
         # and none further ahead.
-        assert seen == [[False, True, True], [True, True], [True]]
+        assert seen == [[(False, False), (False, False), (True, False), (True, False)],
+                        [(False, False), (True, False), (True, False)], [(True, False), (True, False)],
+                        [(True, False)]]
+
+
+def test_offloaded_copy_back_runs_two_ahead():
+    for seen in run_ranks(_prefetch_seen, 2, "cpu"):
+        # The one before is being gathered, its copy back done; the one before that is being
+        # copied back, not yet gathered; none further ahead.
+        assert seen == [[(False, False), (False, True), (True, True), (True, True)],
+                        [(False, True), (True, True), (True, True)], [(True, True), (True, True)],
+                        [(True, True)]]
 
 
 STAGES = (0, 1, 2, 3)
@@ -278,6 +298,9 @@ def test_bad_input_is_named():
         zerocore.checkpoint(torch.tanh, x, offload="gpu")
     with pytest.raises(RuntimeError, match=r"zerocore.checkpoint: group= needs torch.distributed"):
         zerocore.checkpoint(torch.tanh, x, group=object())
+    with pytest.raises(ValueError, match=r"zerocore.checkpoint: fn's tensor arguments are on cpu: backend= must be "
+                                         r"a backend of that device .*, got object"):
+        zerocore.checkpoint(torch.tanh, x, backend=object())
     assert not activation_checkpoint._live  # a failed call keeps nothing
 
 
@@ -298,3 +321,170 @@ def test_outputs_of_any_structure_and_non_tensor_inputs():
     (ref["y"].square().sum() + ref["pair"][0]).backward()
     for g, r in zip(got, lin.parameters()):
         torch.testing.assert_close(g, r.grad, rtol=0, atol=0)
+
+
+# The slices on a backend's memory ----------------------------------------------------------------
+NO_BYTES = {"host_pageable": 0, "host_pinned": 0, "device": 0}
+
+
+def _checked_variants(rank, world, seed):
+    """Per variant, on a checking backend of this rank's given as backend=:
+    grads through 5 checkpointed blocks over 2 steps (offloaded, a block's
+    backward reuses the device buffer of one 3 blocks later; the second step
+    reuses the contiguous buffers) and without checkpointing; the checker's
+    violations and host waits."""
+    group = dist.group.WORLD if world > 1 else None
+    out = {}
+    for offload, contiguous in VARIANTS:
+        # Late completion of up to 2 ms on the copy stream: a read it is not waited for sees NaN.
+        backend = _native.CheckingBackend(seed=seed + rank, max_delay_us=2000, throw_on_violation=False)
+        torch.manual_seed(seed)  # every rank alike, as a model-parallel group computes the same inputs
+        layers = [torch.nn.Linear(6, 6).double() for _ in range(5)]
+        x = torch.randn(5, 6, dtype=torch.double, requires_grad=True)
+        grads = {}
+        for mode in ("zerocore", "none"):
+            for step in range(2):
+                h = x * (step + 1)
+                for lin in layers:
+                    block = lambda t, lin=lin: torch.tanh(lin(t))  # noqa: E731
+                    h = zerocore.checkpoint(block, h, group=group, offload=offload, contiguous=contiguous,
+                                            backend=backend) if mode == "zerocore" else block(h)
+                h.square().sum().backward()
+            grads[mode] = [t.grad.clone() for t in (x, *[p for lin in layers for p in lin.parameters()])]
+            for t in (x, *[p for lin in layers for p in lin.parameters()]):
+                t.grad = None
+        out[(offload, contiguous)] = (grads, backend.violations(), backend.take_host_waits())
+        activation_checkpoint.free_buffers()  # forgets the backend
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_access_is_ordered_on_the_checking_backend(world, zerocore_seed):
+    for rank, out in enumerate(run_ranks(_checked_variants, world, zerocore_seed, timeout=120)):
+        for variant, (grads, violations, host_waits) in out.items():
+            what = f"rank {rank} of {world}, offload, contiguous = {variant}"
+            assert violations == [], f"{what}: {violations}"
+            assert host_waits == 0, f"{what}: the host waited {host_waits} times; only streams wait"
+            for got, ref in zip(grads["zerocore"], grads["none"]):
+                torch.testing.assert_close(got, ref, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def test_reading_offloaded_slices_before_their_copy_is_named(gen):
+    """The test reads the offloaded slices on the compute stream right
+    after the checkpoint, waiting for nothing: the checker names the copy
+    it did not wait for, and the read sees the fresh buffer's NaN, not the
+    slices. The checkpoint's own accesses then wait as they must."""
+    # Each copy starts 250 ms late: long enough that the test's read comes first even on a busy machine.
+    backend = _native.CheckingBackend(seed=int(torch.randint(2**31, (), generator=gen)), min_delay_us=250000,
+                                      max_delay_us=250000, throw_on_violation=False)
+    x = torch.randn(64, generator=gen, requires_grad=True)
+    saved = []
+    with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = zerocore.checkpoint(torch.tanh, x, offload="cpu", backend=backend)
+    (segment,) = [t for t in saved if t.dtype == torch.uint8]
+    backend.declare_access(backend.compute_stream(), segment.view(torch.float32), "read", "the test reads")
+    assert torch.isnan(segment.view(torch.float32)).all()
+    (violation,) = backend.violations()
+    assert "unordered accesses to buffer 'slices of checkpoint " in violation and "(host pinned)" in violation
+    assert "'copy' on stream 'activation offload' writes bytes [0, 256)" in violation
+    assert "'the test reads' on stream 'compute' reads bytes [0, 256)" in violation
+    y.sum().backward()
+    assert len(backend.violations()) == 1
+    ref = x.detach().clone().requires_grad_()
+    torch.tanh(ref).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+    activation_checkpoint.free_buffers()
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_buffers_are_the_backends(offload, gen):
+    """What the backend given holds, by kind: the separate slices during the
+    first step, the contiguous buffer from its end on, and offloaded, the
+    device buffers offload works in (one the forward packs each checkpoint
+    in, then the 3 backward copies them back to: it recomputes one, gathers
+    the next, copies back the one after), all of it buffer_bytes(); nothing
+    more during the second step, and nothing once given back."""
+    backend = _native.CpuBackend()
+    kind = "host_pinned" if offload else "device"
+    x = torch.randn(7, 3, generator=gen, requires_grad=True)
+    per_checkpoint = -(-x.numel() * 4 // ALIGN) * ALIGN
+    before = activation_checkpoint.buffer_bytes()
+    held = []
+    for step in range(2):
+        h = x
+        for _ in range(3):
+            h = zerocore.checkpoint(torch.tanh, h, offload=offload, backend=backend)
+        held.append(backend.allocated_bytes())
+        h.sum().backward()
+        held.append(backend.allocated_bytes())
+    total = 3 * per_checkpoint
+    first_forward = {**NO_BYTES, kind: total, **({"device": per_checkpoint} if offload else {})}
+    after = {**NO_BYTES, kind: total, "device": total}
+    assert held == [first_forward, after, after, after], held
+    assert activation_checkpoint.buffer_bytes() - before == sum(after.values())
+    activation_checkpoint.free_buffers()
+    assert backend.allocated_bytes() == NO_BYTES
+    assert activation_checkpoint.buffer_bytes() == 0
+
+
+def test_offload_device_buffers_are_reused(gen):
+    """Offloaded, the forward packs each checkpoint in a device buffer and
+    backward copies each back to one, kept for later use: as many as are
+    used at once (3, in backward through a chain of 5), each replaced by a
+    larger one when the inputs grow, reused when they shrink."""
+    backend = _native.CpuBackend()
+    held = []
+    for rows in (4, 9, 2, 9):
+        h = torch.randn(rows, 3, generator=gen, requires_grad=True)
+        for _ in range(5):
+            h = zerocore.checkpoint(torch.tanh, h, offload="cpu", contiguous=False, backend=backend)
+        h.sum().backward()
+        held.append(backend.allocated_bytes()["device"])
+    per_checkpoint = [-(-rows * 3 * 4 // ALIGN) * ALIGN for rows in (4, 9)]
+    assert held == [3 * per_checkpoint[0]] + [3 * per_checkpoint[1]] * 3, held
+    assert activation_checkpoint.buffer_bytes(offloaded=False) >= held[-1]
+    activation_checkpoint.free_buffers()
+    assert backend.allocated_bytes() == NO_BYTES
+
+
+def _offloaded_grad(rank, world, seed):
+    torch.manual_seed(seed)  # every rank alike
+    x = torch.randn(5, 3, dtype=torch.double, requires_grad=True)
+    zerocore.checkpoint(torch.tanh, x, group=dist.group.WORLD, offload="cpu").square().sum().backward()
+    return x.detach(), x.grad
+
+
+def test_forked_ranks_copy_on_streams_of_their_own(zerocore_seed):
+    """This process offloads on its backend first, which starts the copy
+    stream's thread here; ranks forked from it inherit the stream but not
+    the thread, and still offload (on streams of their own)."""
+    x = torch.randn(5, 3, requires_grad=True)
+    zerocore.checkpoint(torch.tanh, x, offload="cpu").sum().backward()
+    activation_checkpoint.free_buffers()  # the ranks inherit no buffers, only the stream
+    for x, grad in run_ranks(_offloaded_grad, 2, zerocore_seed, timeout=60):
+        torch.testing.assert_close(grad, 2 * torch.tanh(x) * (1 - torch.tanh(x) ** 2), rtol=1e-12, atol=0)
+
+
+def test_a_device_buffer_copied_back_into_is_reused_after_the_copy(gen):
+    """A checkpoint copied back ahead of need whose graph is then dropped
+    (backward of a later graph reached past it) gives its device buffer
+    back with the copy as its last use: the forward that packs into that
+    buffer next waits for the copy, not only for the compute stream."""
+    backend = _native.CheckingBackend(seed=int(torch.randint(2**31, (), generator=gen)), max_delay_us=2000)
+    small = torch.randn(8, generator=gen, requires_grad=True)
+    # Graph A: a1 keeps 8 floats, a2 the 32 a1 made; graph B: b1, made last, keeps 32.
+    a1 = zerocore.checkpoint(lambda t: t.repeat(4), small, offload="cpu", backend=backend)
+    a2 = zerocore.checkpoint(torch.tanh, a1, offload="cpu", backend=backend)
+    del a1
+    b1 = zerocore.checkpoint(torch.tanh, torch.randn(32, generator=gen, requires_grad=True), offload="cpu",
+                             backend=backend)
+    b1.sum().backward()  # prefetches a2 and copies a1 back, the checkpoints made before it
+    del a2
+    gc.collect()  # graph A dropped: a1's device buffer goes back with its copy back in flight
+    assert not activation_checkpoint._live
+    # The smallest spare that fits 8 floats is a1's: packing into it must wait for that copy.
+    y = zerocore.checkpoint(torch.tanh, small, offload="cpu", backend=backend)
+    y.sum().backward()
+    assert backend.violations() == []
+    torch.testing.assert_close(small.grad, 1 - torch.tanh(small.detach()) ** 2, rtol=1e-6, atol=0)
+    activation_checkpoint.free_buffers()

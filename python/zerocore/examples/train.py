@@ -462,7 +462,8 @@ def _activation_report(args, results) -> list:
                      f"{_ratio(a['kept'], a['unpartitioned']):>12} {_fmt(a['buffers']):>12}")
     lines.append("  kept: this rank's slices of the blocks' inputs (1/TP of each, padded to split evenly); "
                  "unpartitioned: the same checkpoints whole, as torch.utils.checkpoint keeps them on every rank; "
-                 "buffer: the contiguous buffer they live in, allocated once (memory_report()['activations'])")
+                 "buffer: the contiguous buffer they live in, allocated once, and offloaded, the device buffers "
+                 "they are packed in and copied back to (memory_report()['activations'])")
     return lines
 
 
