@@ -36,8 +36,8 @@ from zerocore import devices, param_guards
 from zerocore._native import BucketCollectives, UnitSchedule, ZeroStep
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
-from zerocore.engine_build import (allocate_agreeing, check_same_model, default_group, fill_agreeing, model_problem,
-                                   own_group, staging_buffers)
+from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_process_group, fill_agreeing,
+                                   model_problem, staging_buffers, training_process_group)
 from zerocore.engine_reports import Reports
 from zerocore.engine_state_io import StateIO
 from zerocore.engine_training import Training
@@ -74,15 +74,15 @@ class Engine(Training, StateIO, Reports):
         where = devices.decide([(names[id(p)][0], p.device) for p in params] +
                                [(name, b.device) for name, b in module.named_buffers()], backend)
         self.device, self.backend = where.device, where.backend
-        user_group = default_group(group, placement, where)
+        process_group = training_process_group(group, placement, where)
         # The control plane (agreements, the step's exchange, stage 3's
-        # rounds) runs on host groups beside the data group, so agreeing
+        # rounds) runs on host process groups beside the data's, so agreeing
         # never waits behind data collectives nor, with NCCL for data, makes
         # the GPU synchronise. Their queues are streams of the same backend.
-        self.control = Communicator(own_group(user_group, cfg.timeout, "gloo"), backend=self.backend) \
-            if user_group is not None else None
-        self.comm = Communicator(own_group(user_group, cfg.timeout), fails_with=self.control, control=self.control,
-                                 backend=self.backend)
+        self.control = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"), backend=self.backend) \
+            if process_group is not None else None
+        self.comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.control,
+                                 control=self.control, backend=self.backend)
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
@@ -95,7 +95,7 @@ class Engine(Training, StateIO, Reports):
         check_same_model(self.comm, cfg, spec, params, names, initializer, failed=problem is not None)
         if problem is not None:
             raise problem
-        opt_group = {id(p): i for i, g in enumerate(spec.param_groups) for p in g["params"]}
+        opt_group = {id(p): i for i, param_group in enumerate(spec.param_groups) for p in param_group["params"]}
         initializer.materialize()
         self.groups, self.units = build_groups(module, params, names, opt_group, config=cfg, placement=placement,
                                                dtype=self.dtype, reduce_dtype=self.reduce_dtype, comm=self.comm,
@@ -109,8 +109,8 @@ class Engine(Training, StateIO, Reports):
             g.note_param_versions()
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
         # requires_grad as planned, checked at each backward (_note_trainability).
-        self._planned_trainable = [(p, g.trainable, names[0]) for g in self.groups
-                                   for p, names in zip(g.params, g.names)]
+        self._planned_trainable = [(p, g.trainable, p_names[0]) for g in self.groups
+                                   for p, p_names in zip(g.params, g.names)]
         # Stage 3: the root unit's trainable params, gathered once per backward (accounting.predicted_comm).
         self.root_numel = sum(s.numel for g in self.units[0].groups if g.trainable for s in g.slots) \
             if self.units else 0
@@ -133,14 +133,14 @@ class Engine(Training, StateIO, Reports):
             self.reducer = StagedReducer(self.groups, self.comm, staging_buffers(self.groups, self.units),
                                          on_request=placement.partitions_params)
         if placement.partitions_params:
-            # The rounds run on a host group of their own, so that none waits
+            # The rounds run on a host process group of their own, so that none waits
             # behind the data collectives queued before it, nor the step's
             # agreements behind a round in flight.
-            self.rounds_comm = Communicator(own_group(user_group, cfg.timeout, "gloo"), "stage 3's round",
-                                            fails_with=self.comm, backend=self.backend)
+            self.rounds_comm = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"),
+                                            "stage 3's round", fails_with=self.comm, backend=self.backend)
             schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes)
-            # The rounds reduce each unit's trainable groups, by their places in the reduction order.
+            # The rounds reduce each unit's trainable flat groups, by their places in the reduction order.
             self.reducer.reduce_in_rounds(schedule, [[self.reducer.index[id(g)] for g in u.groups if g.trainable]
                                                      for u in self.units])
             self.scheduler = UnitScheduler(self.units, schedule, self.backend, self._attach_unit_grads)

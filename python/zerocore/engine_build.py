@@ -21,7 +21,7 @@ from zerocore.process_group import private_group
 
 
 # The process groups ---------------------------------------------------------
-def own_group(group, timeout, backend=None):
+def engine_process_group(group, timeout, backend=None):
     """A process group of the same ranks for the engine alone: its
     collectives run on native threads and may still be in flight when
     control returns to the user (a prefetch, a round), so they must never
@@ -31,7 +31,7 @@ def own_group(group, timeout, backend=None):
     return None if group is None else private_group(group, timeout, backend)
 
 
-def default_group(group, placement, where):
+def training_process_group(group, placement, where):
     """The process group to train over: `group`, or the world's. A group
     whose backend cannot move the module's tensors (where.device's) raises
     here, alike on every rank, before any collective; a module wrap
@@ -65,12 +65,13 @@ def model_problem(params, names, spec, where):
     bad = [names[id(p)][0] for p in params if not p.is_floating_point()]
     if bad:
         return TypeError(f"zerocore.wrap: parameter(s) {', '.join(bad)} are not floating point")
-    opt_group = {id(p) for g in spec.param_groups for p in g["params"]}
-    missing = [names[id(p)][0] for p in params if p.requires_grad and id(p) not in opt_group]
+    in_optimizer = {id(p) for param_group in spec.param_groups for p in param_group["params"]}
+    missing = [names[id(p)][0] for p in params if p.requires_grad and id(p) not in in_optimizer]
     if missing:
         return ValueError(f"zerocore.wrap: parameter(s) {', '.join(missing)} require grad but are not in the "
                           "optimizer; pass them to it or set requires_grad=False")
-    unknown = [i for i, g in enumerate(spec.param_groups) for p in g["params"] if id(p) not in names]
+    unknown = [i for i, param_group in enumerate(spec.param_groups) for p in param_group["params"]
+               if id(p) not in names]
     if unknown:
         return ValueError(f"zerocore.wrap: optimizer param group {unknown[0]} holds a tensor that is not a "
                           "parameter of this module")
@@ -114,21 +115,21 @@ def check_same_model(comm, config, spec, params, names, initializer, failed):
 
 
 # Building together ----------------------------------------------------------
-def allocate_agreeing(groups, placement, comm):
-    """Every group's buffers, on every rank or on none: a host that
+def allocate_agreeing(flat_groups, placement, comm):
+    """Every flat group's buffers, on every rank or on none: a host that
     cannot hold the offloaded states, or an allocation that fails on
     some rank, raises on every rank, naming the bytes, before the first
     broadcast of the params' values."""
     if placement.optimizer_on_host:
-        problem = host_memory_problem(groups, comm)
+        problem = host_memory_problem(flat_groups, comm)
         if problem is not None:
             raise problem
     error = None
     try:
-        for g in groups:
+        for g in flat_groups:
             g.allocate()
     except MemoryError as e:
-        need = {at: sum(g.planned_bytes(at) for g in groups) for at in ("device", "host")}
+        need = {at: sum(g.planned_bytes(at) for g in flat_groups) for at in ("device", "host")}
         error = MemoryError(f"zerocore.wrap: allocating this rank's model states failed ({need['device']:,} bytes "
                             f"where training runs and {need['host']:,} bytes on the host): {e}")
     comm.raise_together(error, "zerocore.wrap: allocating the model states failed on rank(s) {ranks} "
@@ -151,7 +152,7 @@ def fill_agreeing(initializer, comm, places):
 
 
 # Planning -------------------------------------------------------------------
-def staging_buffers(groups, units) -> int:
+def staging_buffers(flat_groups, units) -> int:
     """Staging buffers of gradient reduction planned at wrap: one in
     flight, plus the buckets open at once when grads arrive in about
     plan order. Stage 2: those one param spans, and one more for a
@@ -165,7 +166,7 @@ def staging_buffers(groups, units) -> int:
     completes it (BucketReducer) and takes its buffer, and until then the
     reduce-scatter runs behind the backward of the unit that followed it."""
     if not units:
-        spans = [s.last_bucket - s.first_bucket + 1 for g in groups if g.trainable for s in g.slots]
+        spans = [s.last_bucket - s.first_bucket + 1 for g in flat_groups if g.trainable for s in g.slots]
         return 2 + max(spans, default=1)
     buckets = [sum(len(g.buckets) for g in u.groups if g.trainable) for u in units]
     return buckets[0] + 2 * max(buckets[1:], default=0)

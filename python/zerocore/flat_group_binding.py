@@ -152,9 +152,9 @@ class ParamBinding:
 
     def zero_grad(self):
         """Zeroes the grad buffers; the params' .grad are None."""
-        for g in (self.grad_full, self.grad_part):
-            if g is not None:
-                g.zero_()
+        for grads in (self.grad_full, self.grad_part):
+            if grads is not None:
+                grads.zero_()
         for p in self.params:
             p.grad = None
         self._grads_zeroed = True
