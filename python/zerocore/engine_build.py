@@ -1,6 +1,7 @@
 """What building an engine needs besides its parts (engine.py builds them):
 the process groups it trains over, the checks of the model and optimizer,
-and the steps of building that every rank takes together.
+the steps of building that every rank takes together, and how many staging
+buffers gradient reduction is planned with.
 
 Every check a rank can fail alone (its model, its memory, its initial
 values) ends in an agreement: the ranks gather who failed before the next
