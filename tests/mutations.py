@@ -45,7 +45,7 @@ class Mutation:
         return any(path.startswith("cpp/") for path, _, _ in self.edits)
 
 
-ENGINE = "python/zerocore/engine.py"
+TRAINING = "python/zerocore/engine_training.py"
 STEP = "cpp/src/step/zero_step.cpp"
 GRAD_SCALE = "double grad_scale = 1.0 / (parts_.data->world_size() * loss_scale());"
 END_STEP = "  if (parts_.units != nullptr) parts_.units->end_step();"
@@ -57,16 +57,16 @@ MUTATIONS = [
              "accumulated grads scaled down by the backward calls: the engine's contract (and torch's, calling "
              "backward k times) is their sum, so a 1/accum factor is the bug here; the native step does not know "
              "the number of calls, so each call's loss is divided by its place in the step (1, 2, ...)",
-             ((ENGINE, "(loss * self.scaler.scale if self.scaler.enabled else loss).backward()",
+             ((TRAINING, "(loss * self.scaler.scale if self.scaler.enabled else loss).backward()",
                "(loss * self.scaler.scale / (self._backward_calls + 1)).backward()"),)),
     Mutation("drop-accumulation", "each backward call drops the grads of the ones before it (only the last "
              "micro-batch counts)",
-             ((ENGINE, "        self.reducer.before_backward()\n",
+             ((TRAINING, "        self.reducer.before_backward()\n",
                "        self.zero_grad()\n        self.reducer.before_backward()\n"),)),
     Mutation("skip-unscale", "the loss scale is not divided out of the grads",
              ((STEP, GRAD_SCALE, "double grad_scale = 1.0 / parts_.data->world_size();"),)),
     Mutation("round-master", "the fp32 master is rounded to the 16-bit dtype after each update",
-             ((ENGINE, "        self.step_count += applied\n",
+             ((TRAINING, "        self.step_count += applied\n",
                "        self.step_count += applied\n        for g in self.groups:\n"
                "            if g.master is not None:\n                g.master.copy_(g.master.to(g.dtype))\n"),)),
     Mutation("stale-root-unit", "stage 3: the root unit's own buffer is gathered once and never again, so "

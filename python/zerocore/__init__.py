@@ -38,8 +38,9 @@ from zerocore.deepspeed_config import DeepSpeedConfig, DeepSpeedConfigError
 from zerocore.activation_checkpoint import activation_memory, checkpoint
 from zerocore.comm import CollectiveOrderError
 from zerocore.checkpoint_format import CheckpointError
-from zerocore.engine import Engine, NonFiniteGradientError, wrap
+from zerocore.engine import Engine, wrap
 from zerocore.export import export
+from zerocore.loss_scale import NonFiniteGradientError
 from zerocore.materialize import init
 from zerocore.optim import SGD, Adam, AdamW
 from zerocore.sizing import estimate, largest_model

@@ -1,0 +1,68 @@
+"""The engine's reports: the bytes this rank holds (memory_report), the
+elements its collectives moved (comm_stats), and the loss scale. Each is
+read from what the engine holds or counts (the groups' buffers, the
+backend's comm buffers, the queues' counters), never estimated:
+zerocore.accounting and zerocore.estimate give the formulas they are
+checked against (docs/design.md, sections 2 and 3).
+"""
+from __future__ import annotations
+
+from zerocore import activation_checkpoint
+
+
+class Reports:
+    """Engine's reports (engine.py holds what they read)."""
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def memory_report(self) -> dict:
+        """Bytes of model states held on this rank: params, grads, optimizer
+        states (fp32 master, moments), module buffers; plus the buffers
+        collectives work in (comm_buffers: gradient reduction's staging, in
+        stage 3 the pool units are gathered into, the step's exchange row,
+        a few bytes of pinned host memory, and with offloaded grads the
+        pinned buffer of one reduced shard they land in), which are not model
+        states. Stage 3 params count their shard. All of it is allocated at
+        wrap: the report is the same before the first step and after, except
+        that stage 3's gather pool grows once (a slot, kept) when ranks need
+        more units at the same time than planned (different experts on
+        different ranks, units nested in units). "activations": the buffers
+        zerocore.checkpoint keeps activation checkpoints in on this rank
+        (allocated once, sized on the first step; with offload, the device
+        buffers it packs into and copies back into appear during it).
+        "by_device": the same categories split by where they live:
+        "device" (where training runs) and "host" (what offload moved there:
+        Config.offload_optimizer/offload_params, zerocore.checkpoint's
+        offload="cpu")."""
+        by = {at: {"param": 0, "grad": 0, "optim": 0} for at in ("device", "host")}
+        for at, counts in by.items():
+            for g in self.groups:
+                for k, v in g.memory(at).items():
+                    counts[k] += v
+        by["device"]["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        by["host"]["buffers"] = 0
+        by["device"]["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0) + \
+            (self.scheduler.native.buffer_bytes if self.scheduler else 0)
+        # The step's exchange row; the landing buffer of reduced grads bound for the host.
+        by["host"]["comm_buffers"] = self.zero_step.buffer_bytes + getattr(self.reducer, "landing_bytes", 0)
+        by["device"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=False)
+        by["host"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=True)
+        return {**{k: by["device"][k] + by["host"][k] for k in by["device"]}, "by_device": by}
+
+    def comm_stats(self) -> dict:
+        """Elements moved by each kind of collective ({"all_gather",
+        "reduce_scatter", "all_reduce"}), each counted at its full,
+        unpartitioned size, since wrap or the last reset_comm_stats(): reset
+        before a step to measure one step (zerocore.accounting.predicted_comm
+        gives the formula). Control traffic (the start-up model check, the
+        step's norm exchange, buffer broadcasts) is not counted. With
+        offload_optimizer, "offload" adds the bytes copied between the device
+        and the host: {"grad_bytes_to_host", "param_bytes_to_device"}."""
+        return {**self.comm.stats, **self.update.stats()}
+
+    def reset_comm_stats(self):
+        """Starts a new comm_stats() window at zero."""
+        self.comm.reset_stats()
+        self.update.reset_stats()

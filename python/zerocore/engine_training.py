@@ -1,0 +1,252 @@
+"""The engine's training loop: forward, backward, step, zero_grad and
+clip_grad_norm_, over the parts engine.py builds.
+
+forward runs the module (stage 3's hooks gather units as it goes);
+backward runs autograd with the hooks that reduce grads (grad_reducer.py)
+and, at stage 3, release and reduce units (stage3.py); the step is one
+native call (ZeroStep) that reduces what is left, takes the global norm,
+agrees across ranks, decides with the loss scaler, updates the partition
+and gathers the params. The user's optimizer drives it: its step() and
+zero_grad() are the engine's (optim.drive_engine).
+
+torch.compile: the engine's own work runs eagerly, never traced
+(torch.compiler.disable: dynamo must not trace native calls): the buffer
+broadcast before the forward, backward, the step and zero_grad, and stage
+3's hooks (stage3.py). The module's forward is compiled (in one graph at
+stages 0-2, between the units' hooks at stage 3), and so is the backward of
+what it compiled, through autograd as usual. (torch.compiler.disable imports
+torch._dynamo with zerocore; building any torch.optim optimizer does too.)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerocore import _native
+from zerocore.loss_scale import NonFiniteGradientError
+
+# Why a graph breaks at the engine's calls: dynamo's error under fullgraph=True.
+_BUFFERS = ("zerocore: engine.forward broadcasts the module's buffers from rank 0 eagerly, a graph break before the "
+            "module runs; for fullgraph=True compile the module (model.compile(fullgraph=True)), not the engine")
+_TRAINING = ("zerocore: engine.backward, step and zero_grad run eagerly (native collectives and hooks), graph breaks; "
+             "for fullgraph=True compile the forward alone (torch.compile(engine) or model.compile()) and call "
+             "them outside it: the backward of the compiled forward is compiled all the same")
+_training = torch.compiler.disable(reason=_TRAINING)
+
+
+class Training:
+    """Engine's training methods (engine.py holds what they run on)."""
+
+    # Forward ---------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Runs the module. Floating-point inputs are cast to the training
+        dtype; buffers come from rank 0, as DDP does."""
+        if next(self.module.buffers(), None) is not None:  # compiled, a model without buffers has no graph break
+            self._sync_buffers()
+        if self.dtype != torch.float32:
+            cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            args = torch.utils._pytree.tree_map(cast, args)
+            kwargs = torch.utils._pytree.tree_map(cast, kwargs)
+        failed = True
+        try:
+            out = self.module(*args, **kwargs)
+            failed = False
+            return out
+        finally:
+            if self.scheduler:
+                self.scheduler.end_forward(failed)
+
+    @torch.compiler.disable(reason=_BUFFERS)
+    def _sync_buffers(self):
+        """Every rank takes rank 0's buffers (running statistics...), as DDP does."""
+        for b in self.module.buffers():
+            self.comm.broadcast(b)
+
+    # Backward --------------------------------------------------------------
+    @_training
+    def backward(self, loss: torch.Tensor):
+        """loss.backward() with gradient reduction. Call it k times before
+        step() to accumulate: grads sum over calls and average over ranks."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward: loss must be a scalar tensor")
+        if self.placement.partitions_grads and getattr(torch._dynamo.compiled_autograd, "compiled_autograd_enabled",
+                                                       False):
+            hooks = "hand each grad to native reduction" + (" and gather units" if self.scheduler else "")
+            raise RuntimeError(
+                f"engine.backward: compiled autograd cannot run the backward of stage {self.placement.stage}, whose "
+                f"hooks {hooks} as autograd goes, outside any graph. Leave compiled autograd off "
+                "(torch._dynamo.config.compiled_autograd = False) for engine.backward: the backward of a compiled "
+                "forward is compiled all the same")
+        if self.zero_step.exchanged:
+            raise RuntimeError("engine.backward: the grads of this step were already reduced (engine.clip_grad_norm_ "
+                               "or a step that raised); call engine.step() or engine.zero_grad() first")
+        self._note_trainability()
+        self.reducer.before_backward()
+        if self.scheduler:
+            self.scheduler.begin_backward()
+        failed = True
+        try:
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+            failed = False
+        finally:
+            try:
+                if self.scheduler:  # first: its last round reduces the units' grads not reduced yet
+                    self.scheduler.end_backward(failed)
+            finally:
+                self.reducer.after_backward()
+        self._backward_calls += 1
+        for g in self.groups:
+            if g.trainable:
+                g.hide_grads()
+
+    def _attach_unit_grads(self, unit):
+        """Stage 3, before a unit's backward (UnitScheduler's
+        on_unit_backward): its trainable groups' grads become views into
+        gradient reduction's staging."""
+        for g in unit.groups:
+            if g.trainable:
+                self.reducer.attach_grad_views(g)
+
+    # Step ------------------------------------------------------------------
+    @_training
+    def step(self) -> bool:
+        """Applies the accumulated gradients. Returns False when an fp16
+        overflow on any rank skipped the step (on every rank)."""
+        return self.optimizer.step()
+
+    @_training
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips this step's grads to the global norm max_norm, as
+        torch.nn.utils.clip_grad_norm_ does, and returns their global norm
+        (over every param and rank, before clipping; inf or NaN when a grad
+        is). Call it on every rank, between the last engine.backward() of a
+        step and engine.step(), which applies the clipped grads. With
+        Config(max_grad_norm) too, the smaller bound wins."""
+        if norm_type != 2.0:
+            raise ValueError(f"engine.clip_grad_norm_: norm_type={norm_type!r}; zerocore clips by the L2 norm "
+                             "(norm_type=2.0)")
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"engine.clip_grad_norm_: max_norm={max_norm!r}; use a positive number")
+        norm = math.sqrt(self._reduce_grads()) / (self.comm.world_size * self.scaler.scale)
+        self._clip_norm = max_norm if self._clip_norm is None else min(self._clip_norm, max_norm)
+        return torch.tensor(norm, device=self.device)
+
+    def _reduce_grads(self) -> float:
+        """Reduces this step's grads across ranks, once a step, and returns
+        their global sum of squares (of loss-scaled grads summed over ranks);
+        raises if a param was frozen or unfrozen on any rank."""
+        self._check_grads()
+        total, changes = self._agreeing(lambda: self.zero_step.exchange(len(self._trainability_changed)))
+        if changes:
+            self._refuse_trainability_change()
+        return total
+
+    def _check_grads(self):
+        if self._backward_calls == 0:
+            raise RuntimeError("engine.step: no gradients; call engine.backward(loss) first")
+
+    def _agreeing(self, call):
+        """A native call of the step: its refusals (ranks that issued
+        different collectives, a param frozen or unfrozen on some rank)
+        become the errors that name what differed, on every rank."""
+        if not self.zero_step.exchanged:  # this call takes the grads
+            self.update.count_grads(self._backward_calls)
+        try:
+            return call()
+        except _native.CollectiveOrderDiverged as e:
+            trace = e.args[1]
+        except _native.TrainabilityChanged:
+            trace = None
+        finally:
+            self.update.follow_swaps()
+        if trace is None:
+            self._refuse_trainability_change()
+        raise self.comm.order_error(trace)
+
+    def _note_trainability(self):
+        """Notes params whose requires_grad differs from the plan made at
+        wrap; the step refuses them on every rank (_refuse_trainability_change)."""
+        for p, trainable, name in self._planned_trainable:
+            if p.requires_grad != trainable:
+                self._trainability_changed.add(name)
+
+    def _refuse_trainability_change(self):
+        """A param was frozen or unfrozen after wrap, on some rank: every
+        rank raises before anything is updated. The engine laid out and
+        partitioned the trainable params at wrap, so it cannot train a param
+        unfrozen since (its grads go nowhere) nor leave one frozen since as
+        torch would (it would still get weight decay and moment updates)."""
+        mine = sorted(self._trainability_changed)
+        for p, trainable, _ in self._planned_trainable:
+            if not trainable:
+                p.grad = None  # grads autograd made for a frozen param unfrozen since
+        here = (f"{', '.join(mine[:5])}{' and more' if len(mine) > 5 else ''} changed requires_grad" if mine
+                else "another rank changed requires_grad of some params")
+        raise RuntimeError(
+            f"zerocore: {here} after zerocore.wrap; the engine plans which params train when it wraps the model, "
+            "so this step would not train them as torch would. Nothing was updated. To change which params "
+            "train: model = engine.close() (the trained params), set requires_grad, and wrap the model again "
+            "(the optimizer's moments start afresh); or, to unfreeze a layer later without that, keep it "
+            "trainable from the start in a param group of its own with lr=0 until it should train (a scheduler "
+            "can raise it).")
+
+    @_training
+    def _step(self) -> bool:
+        self._check_grads()
+        bounds = [b for b in (self.config.max_grad_norm, self._clip_norm) if b is not None]
+        self._carry_param_writes()
+        try:
+            applied, _, _ = self._agreeing(lambda: self.zero_step.step(
+                self.kind, self.optimizer.param_groups, step=self.step_count + 1,
+                max_norm=min(bounds) if bounds else None, changes=len(self._trainability_changed)))
+        except NonFiniteGradientError:  # nothing was updated; a pending offload update lands
+            self.finish_update()
+            raise
+        self.step_count += applied
+        self._end_step()
+        return applied
+
+    def finish_update(self):
+        """Offload with a delayed update: the update still running on the
+        host finishes and its params go up (and, in stages 1-2, to every
+        rank), so the module and the engine hold the latest params. Reading
+        or saving the model calls it first; nothing to do otherwise. Call
+        it on every rank. Before it, writes the user made to params held
+        whole reach the fp32 masters (FlatGroup.carry_param_writes)."""
+        self._carry_param_writes()
+        if self.scheduler and self.placement.optimizer_on_host and self.update.pending:
+            # Stage 3's end of step gathered the next forward's first units
+            # from the shards the params up replace: they go (their gathers
+            # done), and the next forward gathers the new params.
+            self.scheduler.free_all()
+        if self.update.params_up() and self.param_gather:
+            self.param_gather.run()
+
+    def _carry_param_writes(self):
+        for g in self.groups:
+            g.carry_param_writes()
+
+    def _end_step(self):
+        self._backward_calls = 0
+        self._forget_reduction()
+        if self.scheduler:
+            self.scheduler.end_step()
+
+    @_training
+    def zero_grad(self):
+        """Zeroes the grads (a step's reduced ones too, after a step that
+        raised); every param's .grad is None."""
+        for g in self.groups:
+            g.zero_grad()
+        self.reducer.drop_staged()
+        self._forget_reduction()
+
+    def _forget_reduction(self):
+        """A new step begins: nothing of the last one's reduction applies."""
+        self._clip_norm = None
+        self.zero_step.forget()
+        self._trainability_changed = set()  # names of this rank's params whose requires_grad changed
