@@ -8,8 +8,10 @@
 # may be older than the CPU pin): it builds zerocore with CUDA into a
 # scratch folder with the python3 already there (its torch, nanobind,
 # scikit-build-core, cmake, ninja and pytest), runs the C++ tests with the
-# CUDA ones (ctest), every Python test marked gpu and the GPU benchmarks,
-# and writes all they print to the results file. Without a visible GPU it
+# CUDA ones (ctest), every Python test marked gpu (with
+# ZEROCORE_CUDA_POISON=1: the engine's CUDA backend fills what it releases
+# with NaN, so a stale read shows) and the GPU benchmarks (without it), and
+# writes all they print to the results file. Without a visible GPU it
 # fails at once instead of skipping everything quietly.
 #
 # ZEROCORE_REUSE_BUILD names a CMake build folder of this tree, built with
@@ -66,7 +68,8 @@ native=${ZEROCORE_REUSE_BUILD:-$scratch/native}
     "$PYTHON" bench/gpu_gpt_bench.py --mode offload --dry-run
   else
     "$PYTHON" -c 'import zerocore.cuda as c; assert c.is_available(), "zerocore was built without usable CUDA kernels"'
-    "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests
+    # Poisoned: a read of a released slot or staging range shows as NaN.
+    ZEROCORE_CUDA_POISON=1 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests
     "$PYTHON" bench/gpu_adam_bench.py
     "$PYTHON" bench/gpu_gpt_bench.py
     "$PYTHON" bench/gpu_gpt_bench.py --mode offload --budget 90

@@ -13,7 +13,8 @@
   cannot run the module's device, a CUDA module without a process group.
   Where zerocore is built with CUDA, the CudaBackend chosen for cuda:k is
   made (which touches no CUDA) with torch's current stream as its compute
-  stream. tests/test_gpu_engine.py has what needs a GPU.
+  stream, and poisons released memory only under ZEROCORE_CUDA_POISON=1.
+  tests/test_gpu_engine.py has what needs a GPU.
 """
 import gc
 
@@ -197,12 +198,14 @@ def test_a_cuda_module_is_refused_where_torch_cannot_use_a_gpu(monkeypatch):
 @cuda_build
 def test_a_cuda_module_runs_on_a_cuda_backend_of_its_device_on_torchs_stream(monkeypatch):
     monkeypatch.setattr(devices, "cuda_usable", lambda: True)
-    monkeypatch.setattr(devices, "_current_stream", lambda device: 0x1000 + device.index)
+    monkeypatch.setattr(devices, "current_stream", lambda device: 0x1000 + device.index)
     where = devices.decide(_gpu_tensors(1))
     assert where.problem is None and where.device == torch.device("cuda", 1)
     assert isinstance(where.backend, _native.CudaBackend) and isinstance(where.backend, _native.Backend)
     assert where.backend.device == 1 and where.backend.stream_handle(where.backend.compute_stream()) == 0x1001
     assert devices.is_cuda(where.backend) and not devices.is_cuda(_native.process_backend())
+    assert not where.backend.poison_released  # a debug option (ZEROCORE_CUDA_POISON=1): off
+    assert _native.CudaBackend(1, 0x1001, poison_released=True).poison_released
     given = _native.CudaBackend(1)
     assert devices.decide(_gpu_tensors(1), given).backend is given
     assert "must be a CudaBackend of device 1, got a CudaBackend of cuda:0" in \
@@ -211,6 +214,23 @@ def test_a_cuda_module_runs_on_a_cuda_backend_of_its_device_on_torchs_stream(mon
         devices.decide(_gpu_tensors(0), _native.CheckingBackend()).problem
     assert "must be a CPU backend (CpuBackend or CheckingBackend), got a CudaBackend of cuda:0" in \
         devices.decide([("w", CPU)], _native.CudaBackend(0)).problem
+
+
+def test_zerocore_cuda_poison_turns_the_cuda_backends_poisoning_on(monkeypatch):
+    made = []
+    monkeypatch.setattr(devices, "cuda_usable", lambda: True)
+    monkeypatch.setattr(devices, "current_stream", lambda device: 0x1000)
+    monkeypatch.setattr(_native, "CudaBackend", lambda *args, **kw: made.append((args, kw)), raising=False)
+    for value, poison in [(None, False), ("0", False), ("1", True)]:
+        if value is None:
+            monkeypatch.delenv("ZEROCORE_CUDA_POISON", raising=False)
+        else:
+            monkeypatch.setenv("ZEROCORE_CUDA_POISON", value)
+        devices.decide(_gpu_tensors(1))
+        assert made.pop() == ((1, 0x1000), {"poison_released": poison}), value
+    monkeypatch.setenv("ZEROCORE_CUDA_POISON", "yes")
+    with pytest.raises(ValueError, match=r"ZEROCORE_CUDA_POISON='yes': set it to 1 .* or to 0"):
+        devices.decide(_gpu_tensors(1))
 
 
 def test_a_module_on_two_devices_is_refused(monkeypatch):

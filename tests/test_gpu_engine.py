@@ -1,7 +1,8 @@
 """The engine on a CUDA device (issue 21): training at world size 1 against
 single-process torch on the same GPU, for every stage and dtype, with
-offload and with partitioned activation checkpoints; memory_report()
-against the bytes of the CUDA backend's device and pinned arenas.
+offload, with partitioned activation checkpoints and under side streams
+(against the default stream's); memory_report() against the bytes of the
+CUDA backend's device and pinned arenas.
 
 All of it is marked `gpu` and skipped without a CUDA device and a CUDA
 build; `bash tests/gpu.sh` runs it on a GPU machine. Each test makes a
@@ -11,15 +12,17 @@ forked ranks cannot use CUDA. The references are the CPU tests' own
 (models.reference_train, mixed_precision_reference), run on the GPU.
 
 wrap puts a CUDA module on a CudaBackend of its device, torch's current
-stream its compute stream (zerocore/devices.py), with the data plane on
-NCCL and the control plane on gloo groups beside it. The native step's
-norm and update are the backend's kernels; what is not on the backend yet
-(docs/design.md, Status) may still fail these tests on a GPU: they are the
-engine's acceptance tests (issue 21). With
-the group made on gloo, the device on the CPU and one torch thread, the
-same tests pass on the CPU (checked by hand when they were written), so
-what they compare is known to hold where the engine runs. None of this has
-run on a GPU yet.
+stream its compute stream (zerocore/devices.py; a stream made current
+between steps is followed, zerocore/compute_stream.py: checked here under
+side streams), with the data plane on NCCL and the control plane on gloo
+groups beside it. tests/gpu.sh runs these with ZEROCORE_CUDA_POISON=1, so
+that a read of a released slot or staging range shows as NaN. The native
+step's norm and update are the backend's kernels; what is not on the
+backend yet (docs/design.md, Status) may still fail these tests on a GPU:
+they are the engine's acceptance tests (issue 21). With the group made on
+gloo, the device on the CPU and one torch thread, the same tests pass on
+the CPU (checked by hand when they were written), so what they compare is
+known to hold where the engine runs. None of this has run on a GPU yet.
 """
 import copy
 import gc
@@ -32,7 +35,7 @@ import zerocore
 import zerocore.cuda
 from backend_bytes import assert_report_is_the_backends
 from mixed_precision_reference import assert_moved_like, mp_reference_train
-from models import TinyLM, assert_state_close, engine_train, lm_batch, make, reference_train
+from models import TinyLM, assert_state_close, engine_train, lm_batch, lm_loss, make, reference_train
 
 STEPS, ACCUM = 4, 2
 STAGES = (0, 1, 2, 3)
@@ -120,6 +123,34 @@ def test_offload_matches_torch(world1, stage, offload_params):
     config = zerocore.Config(stage=stage, bucket_bytes=256, offload_optimizer="cpu", offload_params=offload_params)
     assert_state_close(train(world1, config), fp32_reference(world1), rtol=1e-5, atol=1e-6,
                        what=f"stage {stage} offload_params={offload_params}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_training_under_side_streams_matches_the_default_stream(world1, stage):
+    """Each step under a stream of its own (with torch.cuda.stream(s) around
+    its forwards, backwards and step): the engine adopts it at the step's
+    first forward, the new stream waiting for the runtime's work on the one
+    before (the wrap's, then the last step's), so the result is the
+    default stream's."""
+    config = zerocore.Config(stage=stage, bucket_bytes=256)
+    expected = train(world1, config)
+    model = make().to(world1)
+    engine = zerocore.wrap(model, adamw(model.parameters()), config)
+    backend, batch = engine.backend, on(world1)
+    sides = (torch.cuda.Stream(world1), torch.cuda.Stream(world1))
+    for step in range(STEPS):
+        side = sides[step % 2]
+        with torch.cuda.stream(side):
+            for micro in range(ACCUM):
+                x, y = batch(step, micro, 1)
+                engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            engine.zero_grad()
+        assert backend.stream_handle(backend.compute_stream()) == side.cuda_stream
+    with torch.cuda.stream(side):  # the engine's last stream: stage 3 gathers on it
+        got = {k: v.cpu() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    assert_state_close(got, expected, rtol=1e-5, atol=1e-6, what=f"stage {stage} under side streams")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

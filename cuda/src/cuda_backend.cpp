@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <utility>
 
@@ -136,8 +137,10 @@ CudaBackend::~CudaBackend() {
 
 void CudaBackend::set_compute_stream(void* handle) {
   const auto h = static_cast<cudaStream_t>(handle);
+  const cudaStream_t old = compute_->handle.load();
+  if (h == old) return;  // nothing to order, and no CUDA touched
+  DeviceGuard guard(device_);
   if (h) {  // a stream of another device would fail later, far from its cause
-    DeviceGuard guard(device_);
     int device = -1;
     check(cudaStreamGetDevice(h, &device), "cudaStreamGetDevice(compute stream)");
     if (device != device_) {
@@ -145,6 +148,14 @@ void CudaBackend::set_compute_stream(void* handle) {
                             ", not cuda:" + std::to_string(device_) + " (this backend's device)");
     }
   }
+  // The new stream waits, on the device, for what the old one was given so
+  // far (the runtime's work and the caller's), so nothing issued on the new
+  // stream overtakes it: the compute stream's work keeps its order.
+  cudaEvent_t switched = nullptr;
+  check(cudaEventCreateWithFlags(&switched, cudaEventDisableTiming), "cudaEventCreateWithFlags(stream switch)");
+  const std::unique_ptr<CUevent_st, cudaError_t (*)(cudaEvent_t)> owned(switched, cudaEventDestroy);
+  check(cudaEventRecord(switched, old), "cudaEventRecord(old compute stream)");
+  check(cudaStreamWaitEvent(h, switched, 0), "cudaStreamWaitEvent(new compute stream)");
   compute_->handle = h;
 }
 
@@ -368,7 +379,7 @@ void CudaBackend::declare_host_access(const Access&, const std::string&) {}
 void CudaBackend::poison(Stream& stream, const Tensor& range) {
   const cudaStream_t h = cuda_stream(stream).handle.load();
   check_device("poison", "range", range, true);
-  if (range.numel() == 0) return;
+  if (range.numel() == 0 || !options_.poison_released) return;
   DeviceGuard guard(device_);
   if (range.device().type == DeviceType::kCUDA) {
     check(cudaMemsetAsync(range.data(), 0xFF, range.nbytes(), h), "cudaMemsetAsync(poison)");

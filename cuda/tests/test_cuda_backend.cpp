@@ -12,6 +12,8 @@
 //                           double sum to float64 rounding, and its finiteness
 //                           flag with a NaN and an inf; events ordering work
 //                           across a compute, a comm and a copy stream; a
+//                           change of compute stream waiting for the old
+//                           one; poison writing NaN only when asked to; a
 //                           collective's pending event; an injected CUDA
 //                           failure raising with the call named; the pageable
 //                           fallback when pinning fails (one warning); the
@@ -20,6 +22,8 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -76,6 +80,7 @@ Tensor fake(int64_t n, DType dtype, Device device) {
 void test_args() {
   CHECK(has(message_of<InvalidArgument>([] { CudaBackend(-1); }), "device index -1"));
   CudaBackend gpu(0);  // touches no CUDA
+  gpu.set_compute_stream(nullptr);  // the stream it has: nothing to order, no CUDA touched
   CpuBackend cpu;
   Stream& s = gpu.compute_stream();
   const Device cuda0{DeviceType::kCUDA, 0}, cuda1{DeviceType::kCUDA, 1};
@@ -375,21 +380,67 @@ void test_event_ordering(CudaBackend& g) {
   cuda_ok(cudaStreamDestroy(caller), "cudaStreamDestroy");
 }
 
-void test_poison(CudaBackend& g) {
-  for (MemoryKind kind : kKinds) {
-    Tensor t = make(g, kind, 1001, DType::kBFloat16, 0, true);
-    g.poison(g.compute_stream(), t.slice(10, 990));
-    Tensor back = make(g, MemoryKind::kHostPageable, 1001, DType::kBFloat16);
-    g.copy(g.compute_stream(), back, t);
-    finish(g, g.compute_stream());
-    bool ok = true;
-    for (int64_t i = 0; i < 1001; ++i) {
-      const bool poisoned = std::isnan(bf16_to_float(back.data_as<uint16_t>()[i]));
-      ok = ok && poisoned == (i >= 10 && i < 1000);
-    }
-    if (!ok) {
-      std::fprintf(stderr, "poison wrong on %s memory\n", memory_kind_name(kind));
-      ++failures;
+// A change of compute stream keeps the compute stream's order: the new
+// stream waits for what the old one was given. The old stream is held by a
+// host function until the host lets it go, so what the check sees does not
+// depend on timing: without the wait, the copy on the new stream would be
+// done long before.
+void test_compute_stream_switch(CudaBackend& g) {
+  cudaStream_t first = nullptr, second = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&first, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  cuda_ok(cudaStreamCreateWithFlags(&second, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  g.set_compute_stream(first);
+  const int64_t n = 1 << 20;
+  Tensor x = make(g, MemoryKind::kDevice, n, DType::kFloat32, 0, true);
+  Tensor y = make(g, MemoryKind::kDevice, n, DType::kFloat32, 0, true);
+  std::atomic<bool> go{false};
+  cuda_ok(cudaLaunchHostFunc(
+              first,
+              [](void* flag) {
+                while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
+              },
+              &go),
+          "cudaLaunchHostFunc");
+  g.fill(g.compute_stream(), x, 3.0f);  // on the first stream, behind the held host function
+  g.set_compute_stream(second);
+  CHECK(g.handle(g.compute_stream()) == second);
+  g.copy(g.compute_stream(), y, x);  // on the second: after the fill through the switch alone
+  auto copied = g.record(g.compute_stream());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK(!g.query(*copied));
+  go = true;
+  g.host_wait(*copied);
+  Tensor threes = make(g, MemoryKind::kHostPageable, n, DType::kFloat32);
+  for (int64_t i = 0; i < n; ++i) threes.data_as<float>()[i] = 3.0f;
+  CHECK(same_bits(g, threes, y));
+  g.set_compute_stream(nullptr);
+  cuda_ok(cudaStreamDestroy(first), "cudaStreamDestroy");
+  cuda_ok(cudaStreamDestroy(second), "cudaStreamDestroy");
+}
+
+// Poisoning is a debug option: by default a released range keeps its
+// bytes; with poison_released it reads as NaN, on every memory kind.
+void test_poison() {
+  CudaBackendOptions on;
+  on.poison_released = true;
+  CudaBackend quiet(0), poisoning(0, nullptr, on);
+  for (CudaBackend* g : {&quiet, &poisoning}) {
+    for (MemoryKind kind : kKinds) {
+      Tensor t = make(*g, kind, 1001, DType::kBFloat16, 0, true);
+      g->poison(g->compute_stream(), t.slice(10, 990));
+      Tensor back = make(*g, MemoryKind::kHostPageable, 1001, DType::kBFloat16);
+      g->copy(g->compute_stream(), back, t);
+      finish(*g, g->compute_stream());
+      bool ok = true;
+      for (int64_t i = 0; i < 1001; ++i) {
+        const float value = bf16_to_float(back.data_as<uint16_t>()[i]);
+        ok = ok && (g == &poisoning && i >= 10 && i < 1000 ? std::isnan(value) : value == 0.0f);
+      }
+      if (!ok) {
+        std::fprintf(stderr, "poison wrong on %s memory (poison_released=%d)\n", memory_kind_name(kind),
+                     int(g == &poisoning));
+        ++failures;
+      }
     }
   }
 }
@@ -469,7 +520,8 @@ void test_gpu() {
   test_updates(g, cpu, rng, false);
   test_updates(g, cpu, rng, true);
   test_event_ordering(g);
-  test_poison(g);
+  test_compute_stream_switch(g);
+  test_poison();
   test_injected_failure(g);
   test_pageable_fallback(rng);
   test_allocated_bytes();

@@ -24,17 +24,23 @@ void bind_cuda_backend(nb::module_& m) {
                                       "copies.")
       .def(
           "__init__",
-          [](BoundCuda* self, int device, uintptr_t compute_stream) {
-            new (self) BoundCuda(std::make_unique<CudaBackend>(device, reinterpret_cast<void*>(compute_stream)));
+          [](BoundCuda* self, int device, uintptr_t compute_stream, bool poison_released) {
+            CudaBackendOptions options;
+            options.poison_released = poison_released;
+            new (self) BoundCuda(
+                std::make_unique<CudaBackend>(device, reinterpret_cast<void*>(compute_stream), options));
           },
-          "device"_a, "compute_stream"_a = 0,
+          "device"_a, "compute_stream"_a = 0, nb::kw_only(), "poison_released"_a = false,
           "A backend on CUDA device `device`; `compute_stream` is a cudaStream_t as an int (0: the legacy default "
-          "stream).")
+          "stream); `poison_released`: fill released slots and staging with NaN (a debug option).")
       .def_prop_ro("device", [](BoundCuda& b) { return b.get().device(); })
+      .def_prop_ro("poison_released", [](BoundCuda& b) { return b.get().options().poison_released; })
       .def(
           "set_compute_stream",
           [](BoundCuda& b, uintptr_t handle) { b.get().set_compute_stream(reinterpret_cast<void*>(handle)); },
-          "handle"_a, "The cudaStream_t (an int) the compute stream stands for from now on: torch's current stream.")
+          "handle"_a,
+          "The cudaStream_t (an int) the compute stream stands for from now on: torch's current stream. The new "
+          "stream waits on the device for the work the old one was given.")
       .def(
           "stream_handle",
           [](BoundCuda& b, const Stream& s) { return reinterpret_cast<uintptr_t>(b.get().handle(s)); }, "stream"_a,

@@ -9,16 +9,19 @@ on (decide).
   process group that moves CPU tensors (gloo, or a group with a CPU backend
   beside another, such as "cpu:gloo,cuda:nccl").
 - A module all on one CUDA device k runs on a CudaBackend of device k whose
-  compute stream is torch's current stream there, where zerocore was built
+  compute stream is torch's current stream there (followed from step to
+  step: zerocore/compute_stream.py), where zerocore was built
   with CUDA and torch can use a GPU (cuda_usable()); its data collectives run
   over a group that moves CUDA tensors (NCCL: "cpu:gloo,cuda:nccl"), its
-  control plane on gloo groups the engine makes beside it. Nothing of this
-  path has run on a GPU yet.
+  control plane on gloo groups the engine makes beside it; under
+  ZEROCORE_CUDA_POISON=1 the backend poisons released memory
+  (_poison_released). Nothing of this path has run on a GPU yet.
 - A backend given to wrap (backend=: a CheckingBackend for a test) replaces
   the one chosen, where it can run the module's device.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -146,13 +149,26 @@ def _backend_for(device: torch.device):
     """The backend a module on `device` runs on when given none."""
     if device.type == "cpu":
         return _native.process_backend()
-    return _native.CudaBackend(device.index, _current_stream(device))
+    return _native.CudaBackend(device.index, current_stream(device), poison_released=_poison_released())
 
 
-def _current_stream(device: torch.device) -> int:
+def current_stream(device: torch.device) -> int:
     """The cudaStream_t of torch's current stream on `device`: the compute
-    stream of the engine's CUDA backend."""
+    stream of the engine's CUDA backend (zerocore/compute_stream.py keeps
+    it so from step to step)."""
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def _poison_released() -> bool:
+    """ZEROCORE_CUDA_POISON=1: the CUDA backend fills every slot and staging
+    range the runtime releases with NaN, so a read after the release shows
+    in the results (a debug option; tests/gpu.sh runs the GPU tests so). Off
+    (unset or 0) it writes nothing: it is a memset per release."""
+    value = os.environ.get("ZEROCORE_CUDA_POISON", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"ZEROCORE_CUDA_POISON={value!r}: set it to 1 to poison released CUDA memory with NaN, "
+                         "or to 0 (or leave it unset) for none")
+    return value == "1"
 
 
 def group_problem(device_types: Iterable[str], backend: str, device_type: str = "cpu") -> Optional[str]:

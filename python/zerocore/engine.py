@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from zerocore import devices, param_guards
+from zerocore import compute_stream, devices, param_guards
 from zerocore._native import BucketCollectives, UnitSchedule, ZeroStep
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
@@ -74,6 +74,7 @@ class Engine(Training, StateIO, Reports):
         where = devices.decide([(names[id(p)][0], p.device) for p in params] +
                                [(name, b.device) for name, b in module.named_buffers()], backend)
         self.device, self.backend = where.device, where.backend
+        self.compute_stream = compute_stream.of(self.backend)  # torch's current stream, followed between steps
         process_group = training_process_group(group, placement, where)
         # The control plane (agreements, the step's exchange, stage 3's
         # rounds) runs on host process groups beside the data's, so agreeing

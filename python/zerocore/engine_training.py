@@ -45,6 +45,7 @@ class Training:
     def forward(self, *args, **kwargs):
         """Runs the module. Floating-point inputs are cast to the training
         dtype; buffers come from rank 0, as DDP does."""
+        self.compute_stream.follow()
         if next(self.module.buffers(), None) is not None:  # compiled, a model without buffers has no graph break
             self._sync_buffers()
         if self.dtype != torch.float32:
@@ -73,6 +74,7 @@ class Training:
         step() to accumulate: grads sum over calls and average over ranks."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a scalar tensor")
+        self.compute_stream.check("engine.backward")
         if self.placement.partitions_grads and getattr(torch._dynamo.compiled_autograd, "compiled_autograd_enabled",
                                                        False):
             hooks = "hand each grad to native reduction" + (" and gather units" if self.scheduler else "")
@@ -131,6 +133,7 @@ class Training:
                              "(norm_type=2.0)")
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ValueError(f"engine.clip_grad_norm_: max_norm={max_norm!r}; use a positive number")
+        self.compute_stream.check("engine.clip_grad_norm_")
         norm = math.sqrt(self._reduce_grads()) / (self.comm.world_size * self.scaler.scale)
         self._clip_norm = max_norm if self._clip_norm is None else min(self._clip_norm, max_norm)
         return torch.tensor(norm, device=self.device)
@@ -196,6 +199,7 @@ class Training:
 
     @_training
     def _step(self) -> bool:
+        self.compute_stream.check("engine.step")
         self._check_grads()
         bounds = [b for b in (self.config.max_grad_norm, self._clip_norm) if b is not None]
         self._carry_param_writes()
@@ -247,6 +251,7 @@ class Training:
 
     def _forget_reduction(self):
         """A new step begins: nothing of the last one's reduction applies."""
+        self.compute_stream.end_step()
         self._clip_norm = None
         self.zero_step.forget()
         self._trainability_changed = set()  # names of this rank's params whose requires_grad changed

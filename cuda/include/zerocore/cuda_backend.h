@@ -7,7 +7,9 @@
 //   from it are then synchronous, not wrong.
 // - Streams: the compute stream is the caller's (torch's current stream,
 //   given as a cudaStream_t handle and settable, since torch's current
-//   stream can change between calls; nullptr is the legacy default stream);
+//   stream can change between calls; nullptr is the legacy default stream;
+//   a change makes the new stream wait for the old one's work on the
+//   device);
 //   create_stream makes non-blocking streams of the backend's own (comm,
 //   copy), destroyed with it.
 // - Events: cudaEvent_t without timing; wait is cudaStreamWaitEvent (the
@@ -22,8 +24,10 @@
 //   InvalidArgument (kernel_on_host, backend.h);
 //   enqueue runs its body on the calling thread, in program order: host
 //   code that issues device work on the stream (an NCCL collective).
-//   declare_access does nothing; poison fills the range with NaN (all
-//   bytes 0xFF, a NaN in fp32, bf16 and fp16) in the stream's order.
+//   declare_access does nothing; poison does nothing by default, and with
+//   options.poison_released (a debug option: a write of every released
+//   slot on the hot path) fills the range with NaN (all bytes 0xFF, a NaN
+//   in fp32, bf16 and fp16) in the stream's order.
 //
 // Every entry checks what it is given before touching CUDA: the stream and
 // event are this backend's, every tensor is on its device (or on the host,
@@ -61,6 +65,11 @@ struct CudaBackendOptions {
   // the cudaError_t of the failure. nullptr: cudaHostAlloc. A test puts a
   // failing one here to play the pageable fallback.
   int (*pin_host)(void** ptr, size_t bytes) = nullptr;
+  // poison writes NaN over each released slot and staging range, so that
+  // a read of one after its release shows; off by default, since it is a
+  // memset per release on the hot path (the engine turns it on for
+  // ZEROCORE_CUDA_POISON=1; tests/gpu.sh runs the GPU tests so).
+  bool poison_released = false;
 };
 
 class CudaBackend : public Backend {
@@ -72,9 +81,15 @@ class CudaBackend : public Backend {
   ~CudaBackend() override;  // destroys its own streams (their work still runs)
 
   int device() const { return device_; }
+  const CudaBackendOptions& options() const { return options_; }
   // The cudaStream_t the compute stream stands for from now on (torch's
-  // current stream at the call); work already enqueued stays where it was.
-  // Throws InvalidArgument for a stream of another device.
+  // current stream at the call). Work already enqueued stays where it was,
+  // and the new stream waits (on the device, the host goes on) for the work
+  // the old one was given before the call, so a change keeps the compute
+  // stream's order; the same stream again changes nothing. Call it where no
+  // other thread issues work on the compute stream (the engine: at the
+  // start of a forward). Throws InvalidArgument for a stream of another
+  // device.
   void set_compute_stream(void* handle);
   // The cudaStream_t of one of this backend's streams.
   void* handle(const Stream& stream) const;
@@ -119,8 +134,9 @@ class CudaBackend : public Backend {
 
   void declare_access(Stream& stream, const Access& access, const std::string& op) override;
   void declare_host_access(const Access& access, const std::string& op) override;
-  // Device ranges by cudaMemsetAsync, host ranges by a host function in the
-  // stream's order.
+  // With options.poison_released: device ranges by cudaMemsetAsync, host
+  // ranges by a host function in the stream's order; else nothing (the
+  // range is checked all the same).
   void poison(Stream& stream, const Tensor& range) override;
 
  private:

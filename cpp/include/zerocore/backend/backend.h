@@ -103,7 +103,8 @@ class Backend {
   virtual void declare_host_access(const Access& access, const std::string& op) = 0;
   // A released slot or staging buffer: overwritten with NaN in `stream`'s
   // order (the stream of its last use), so a stale read shows. The checking
-  // and CUDA backends do; the plain CPU one does nothing.
+  // backend does, the CUDA one when asked (CudaBackendOptions::
+  // poison_released, a debug option); the plain CPU one does nothing.
   virtual void poison(Stream& stream, const Tensor& range) = 0;
 
  protected:
