@@ -124,15 +124,15 @@ void launch_host_work(cudaStream_t stream, std::function<void()> work, const cha
 CudaBackend::CudaBackend(int device, void* compute_stream, CudaBackendOptions options)
     : device_(device), options_(options) {
   if (device < 0) throw InvalidArgument("CudaBackend: device index " + std::to_string(device) + " is negative");
-  streams_.push_back(std::make_unique<CudaStream>("compute", kCompute, static_cast<cudaStream_t>(compute_stream)));
-  compute_ = streams_[kCompute].get();
+  compute_ = &streams_.add("compute", static_cast<cudaStream_t>(compute_stream));
 }
 
 CudaBackend::~CudaBackend() {
-  for (size_t i = 1; i < streams_.size(); ++i) {
-    const cudaStream_t h = streams_[i]->handle.load();
+  streams_.each([this](const CudaStream& s) {
+    if (s.index == kCompute) return;  // the caller's
+    const cudaStream_t h = s.handle.load();
     release_on(device_, [h] { return cudaStreamDestroy(h); });
-  }
+  });
 }
 
 void CudaBackend::set_compute_stream(void* handle) {
@@ -198,19 +198,10 @@ Stream& CudaBackend::create_stream(const std::string& name) {
   DeviceGuard guard(device_);
   cudaStream_t h = nullptr;
   check(cudaStreamCreateWithFlags(&h, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-  std::lock_guard<std::mutex> lock(mutex_);
-  streams_.push_back(std::make_unique<CudaStream>(name, int(streams_.size()), h));
-  return *streams_.back();
+  return streams_.add(name, h);
 }
 
-CudaBackend::CudaStream& CudaBackend::cuda_stream(const Stream& stream) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const auto* s = dynamic_cast<const CudaStream*>(&stream);
-  if (!s || size_t(s->index) >= streams_.size() || streams_[size_t(s->index)].get() != s) {
-    throw InvalidArgument("stream '" + stream.name() + "' belongs to another backend");
-  }
-  return *streams_[size_t(s->index)];
-}
+CudaBackend::CudaStream& CudaBackend::cuda_stream(const Stream& stream) const { return streams_.of(stream); }
 
 namespace {
 const CudaEvent& cuda_event(const StreamEvent& event, const CudaBackend* backend) {

@@ -7,7 +7,7 @@
 // matches the same computation done directly, on the checking and the plain
 // backend alike. Late completion makes a missing wait read wrong data; host
 // waits are counted; event waits order transitively; each backend counts
-// the bytes of its live buffers by kind.
+// the bytes of its live buffers by kind and refuses another's streams.
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -453,6 +453,23 @@ void test_allocated_bytes_count_live_buffers(Options... options) {
   view = Tensor();
 }
 
+// A stream of another backend is refused, of the same kind too (the
+// backends' OwnedStreams): the error names the stream.
+template <class B, class... Options>
+void test_another_backends_stream_is_refused(Options... options) {
+  B mine(options...), theirs(options...);
+  for (Stream* s : {&theirs.compute_stream(), &theirs.create_stream("their comm")}) {
+    std::string message;
+    try {
+      mine.record(*s);
+    } catch (const InvalidArgument& e) {
+      message = e.what();
+    }
+    CHECK(message.find("stream '" + s->name() + "' belongs to another backend") != std::string::npos);
+  }
+  mine.host_wait(*mine.record(mine.create_stream("comm")));  // its own
+}
+
 }  // namespace
 
 // A kernel runs on the side its memory is on (kernel_on_host): the checking
@@ -495,5 +512,7 @@ int main() {
   test_event_runs_what_follows_its_set();
   test_allocated_bytes_count_live_buffers<CpuBackend>();
   test_allocated_bytes_count_live_buffers<CheckingCpuBackend>(quick());
+  test_another_backends_stream_is_refused<CpuBackend>();
+  test_another_backends_stream_is_refused<CheckingCpuBackend>(quick());
   return finish("test_backend");
 }

@@ -44,7 +44,7 @@ const CpuEvent& cpu_event(const StreamEvent& event) {
 }
 }  // namespace
 
-CpuBackend::CpuBackend() { streams_.push_back(std::make_unique<CpuStream>("compute", kCompute)); }
+CpuBackend::CpuBackend() : compute_(&streams_.add("compute")) {}
 
 CpuBackend::~CpuBackend() = default;  // each WorkQueue runs what it was given, then joins
 
@@ -53,27 +53,14 @@ std::shared_ptr<Buffer> CpuBackend::allocate(MemoryKind kind, size_t bytes, cons
   return counted_buffer(kind, Device{}, name, arena->data(), bytes, arena);
 }
 
-Stream& CpuBackend::compute_stream() { return *streams_[kCompute]; }
+Stream& CpuBackend::compute_stream() { return *compute_; }
 
-Stream& CpuBackend::create_stream(const std::string& name) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  streams_.push_back(std::make_unique<CpuStream>(name, int(streams_.size())));
-  return *streams_.back();
-}
+Stream& CpuBackend::create_stream(const std::string& name) { return streams_.add(name); }
 
-CpuBackend::CpuStream& CpuBackend::cpu_stream(const Stream& stream) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const auto* s = dynamic_cast<const CpuStream*>(&stream);
-  if (!s || size_t(s->index) >= streams_.size() || streams_[size_t(s->index)].get() != s) {
-    throw InvalidArgument("stream '" + stream.name() + "' belongs to another backend");
-  }
-  return *streams_[size_t(s->index)];
-}
-
-int CpuBackend::index_of(const Stream& stream) const { return cpu_stream(stream).index; }
+int CpuBackend::index_of(const Stream& stream) const { return streams_.of(stream).index; }
 
 std::shared_ptr<CpuEvent> CpuBackend::record_with(Stream& stream, std::vector<uint64_t> clock) {
-  CpuStream& s = cpu_stream(stream);
+  CpuStream& s = streams_.of(stream);
   return std::make_shared<CpuEvent>(s.queue && s.last ? s.last : completed(), std::move(clock));
 }
 
@@ -82,7 +69,7 @@ std::shared_ptr<StreamEvent> CpuBackend::record(Stream& stream) { return record_
 void CpuBackend::wait(Stream& stream, const StreamEvent& event) {
   const std::shared_ptr<Event>& done = cpu_event(event).done();
   if (done->ready()) return;
-  CpuStream& s = cpu_stream(stream);
+  CpuStream& s = streams_.of(stream);
   if (s.index == kCompute) {
     done->wait();  // the compute stream is the caller: it waits where it stands
     return;
@@ -93,14 +80,14 @@ void CpuBackend::wait(Stream& stream, const StreamEvent& event) {
 void CpuBackend::host_wait(const StreamEvent& event) { cpu_event(event).done()->wait(); }
 
 std::shared_ptr<StreamEvent> CpuBackend::record_done(Stream& stream, std::shared_ptr<Event> done) {
-  cpu_stream(stream);  // the stream must be this backend's
+  streams_.of(stream);  // the stream must be this backend's
   return std::make_shared<CpuEvent>(std::move(done), std::vector<uint64_t>{});
 }
 
 bool CpuBackend::query(const StreamEvent& event) { return cpu_event(event).done()->ready(); }
 
 void CpuBackend::enqueue(Stream& stream, const std::string&, const std::vector<Access>&, std::function<void()> body) {
-  CpuStream& s = cpu_stream(stream);
+  CpuStream& s = streams_.of(stream);
   if (s.index == kCompute) {
     body();
     return;

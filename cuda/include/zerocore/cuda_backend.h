@@ -52,11 +52,11 @@
 #pragma once
 #include <cstddef>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "zerocore/backend/backend.h"
+#include "zerocore/backend/owned_streams.h"
 
 namespace zerocore {
 
@@ -141,7 +141,7 @@ class CudaBackend : public Backend {
 
  private:
   struct CudaStream;
-  CudaStream& cuda_stream(const Stream& stream) const;
+  CudaStream& cuda_stream(const Stream& stream) const;  // InvalidArgument for another backend's
   // Throws InvalidArgument unless `t` is on this backend's device (or, with
   // `host_ok`, on the host): "<op>: <what> is on cpu, not cuda:N".
   void check_device(const char* op, const char* what, const Tensor& t, bool host_ok) const;
@@ -151,9 +151,8 @@ class CudaBackend : public Backend {
 
   const int device_;
   const CudaBackendOptions options_;
-  mutable std::mutex mutex_;  // the stream list
-  std::vector<std::unique_ptr<CudaStream>> streams_;  // [0]: compute
-  CudaStream* compute_;  // streams_[0], read without the lock
+  OwnedStreams<CudaStream> streams_;
+  CudaStream* compute_;  // the first of streams_, read without their lock
 };
 
 }  // namespace zerocore

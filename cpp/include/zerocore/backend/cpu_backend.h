@@ -10,11 +10,11 @@
 // a stream only named in events (a comm queue's) costs no thread.
 #pragma once
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "zerocore/backend/backend.h"
+#include "zerocore/backend/owned_streams.h"
 #include "zerocore/runtime/event.h"
 
 namespace zerocore {
@@ -77,9 +77,8 @@ class CpuBackend : public Backend {
 
  private:
   struct CpuStream;
-  CpuStream& cpu_stream(const Stream& stream) const;
-  mutable std::mutex mutex_;  // the stream list
-  std::vector<std::unique_ptr<CpuStream>> streams_;
+  OwnedStreams<CpuStream> streams_;
+  CpuStream* compute_;  // the first of streams_, read without their lock
 };
 
 // The process's plain CPU backend: what the runtime allocates through when
