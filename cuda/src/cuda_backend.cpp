@@ -113,6 +113,13 @@ void CUDART_CB run_host_work(void* arg) {
   (*work)();
 }
 
+// Host memory CUDA did not pin (cudaHostAlloc or cudaHostRegister).
+bool pageable(const void* host) {
+  cudaPointerAttributes attributes{};
+  check(cudaPointerGetAttributes(&attributes, host), "cudaPointerGetAttributes");
+  return attributes.type == cudaMemoryTypeUnregistered;
+}
+
 void launch_host_work(cudaStream_t stream, std::function<void()> work, const char* what) {
   auto arg = std::make_unique<std::function<void()>>(std::move(work));
   check(cudaLaunchHostFunc(stream, run_host_work, arg.get()), what);
@@ -293,6 +300,13 @@ void CudaBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {
     launch_host_work(h, [d = dst.data(), s = src.data(), bytes = dst.nbytes()] { std::memcpy(d, s, bytes); },
                      "cudaLaunchHostFunc(host to host copy)");
     return;
+  }
+  if (src.device().type == DeviceType::kCPU && pageable(src.data())) {
+    // CUDA stages a pageable source into its own pinned memory when the
+    // copy is issued, not when the stream reaches it (seen on an H200): the
+    // host first waits for what the stream was given before (a host
+    // function filling the source, say).
+    check(cudaStreamSynchronize(h), "cudaStreamSynchronize(before a copy from pageable memory)");
   }
   check(cudaMemcpyAsync(dst.data(), src.data(), dst.nbytes(), cudaMemcpyDefault, h), "cudaMemcpyAsync");
 }

@@ -38,7 +38,9 @@
 // and CUDA's error (cuda/src/cuda_check.h). Nothing here synchronises the
 // device; the host blocks only in host_wait (the step's one wait, for the
 // mailbox), in a stream wait for a host-completed event (record_done), in
-// copies to or from pageable memory (CUDA stages them synchronously), in
+// copies to or from pageable memory (CUDA stages them synchronously; from
+// pageable memory the host first waits for the stream, since CUDA reads the
+// source when the copy is issued), in
 // allocating a zeroed device buffer (once, at plan size) and in a buffer's
 // release (cudaFree synchronises, so memory is never freed under work still
 // using it). Making the backend touches no CUDA: a bad device index is
