@@ -14,7 +14,10 @@ would leave work unordered and is refused. Adopting a new stream makes it
 wait, on the device, for what the old one was given (set_compute_stream),
 so the runtime's work keeps its order across the change.
 
-On a CPU backend (no stream to follow) every call does nothing.
+On a CPU backend (no stream to follow) every call does nothing, so
+torch.compile(engine, fullgraph=True) traces the forward whole there; on
+CUDA following the stream is host work, a graph break before the module
+(compile the module instead, as for buffers).
 """
 from __future__ import annotations
 
