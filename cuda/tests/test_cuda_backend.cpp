@@ -1,10 +1,11 @@
 // C++ tests of the CUDA backend (zerocore/cuda_backend.h), without torch.
 //   test_cuda_backend args  what is checked before any CUDA call (a stream
-//                           or event of another backend, a tensor on the
-//                           host or another device, each error naming the op
-//                           and the tensor) and, without a device, that the
-//                           first CUDA call raises naming that call: runs on
-//                           machines without a GPU or driver;
+//                           or event of another backend, a tensor on another
+//                           device, a kernel over host and device memory at
+//                           once, each error naming the op and the tensors)
+//                           and, without a device, that the first CUDA call
+//                           raises naming that call: runs on machines
+//                           without a GPU or driver;
 //   test_cuda_backend gpu   every op against the CpuBackend on the same
 //                           fresh random inputs: copies between all memory
 //                           kinds, fill, accumulate and the Adam/SGD updates
@@ -93,8 +94,10 @@ void test_args() {
             "another backend"));
   CHECK(has(message_of<InvalidArgument>([&] { gpu.record_done(s, nullptr); }), "record_done"));
 
-  // Tensors on the host or another device, named with the op.
-  CHECK(has(message_of<InvalidArgument>([&] { gpu.fill(s, host, 1.0f); }), "fill: dst is on cpu, not cuda:0"));
+  // Tensors on another device, or a kernel over host and device memory at
+  // once (over host memory alone it runs on the host), named with the op.
+  CHECK(has(message_of<InvalidArgument>([&] { gpu.accumulate(s, dev, host); }),
+            "accumulate: src is host memory and dst device memory"));
   CHECK(has(message_of<InvalidArgument>([&] { gpu.accumulate(s, dev, other); }), "accumulate: src is on cuda:1"));
   CHECK(has(message_of<InvalidArgument>([&] { gpu.copy(s, other, dev); }), "copy: dst is on cuda:1"));
   CHECK(has(message_of<InvalidArgument>([&] { gpu.poison(s, other); }), "poison: range is on cuda:1"));
@@ -102,10 +105,10 @@ void test_args() {
             "does not convert"));
   Mailbox box(cpu, 2, "norm");
   CHECK(has(message_of<InvalidArgument>([&] { gpu.sum_of_squares(s, {dev, host}, box, 0, 1); }),
-            "sum_of_squares: xs[1] is on cpu"));
+            "sum_of_squares: xs[1] is host memory and xs[0] device memory"));
   const FlatRun run{0, dev, host, dev, dev, Tensor()};
   CHECK(has(message_of<InvalidArgument>([&] { gpu.adam_update_runs(s, {AdamOptions{}}, 1, 1.0, {run}); }),
-            "adam_update_runs: run 0's grad is on cpu"));
+            "adam_update_runs: run 0's grad is host memory and run 0's param device memory"));
   const FlatRun copy_elsewhere{0, dev, dev, dev, Tensor(), other};
   CHECK(has(message_of<InvalidArgument>([&] { gpu.sgd_update_runs(s, {SgdOptions{}}, 1, 1.0, {copy_elsewhere}); }),
             "sgd_update_runs: run 0's param_copy is on cuda:1"));
