@@ -30,8 +30,8 @@ def test_built_with_cuda_exactly_when_the_kernels_are():
 def test_arguments_are_checked_before_any_cuda_call():
     backend = _native.CudaBackend(0)  # touches no CUDA
     stream = backend.compute_stream()
-    with pytest.raises(ValueError, match=r"fill: dst is on cpu, not cuda:0"):
-        backend.fill(stream, torch.zeros(4), 1.0)
+    with pytest.raises(ValueError, match=r"copy: 4 float32 elements into 4 bfloat16 .* does not convert"):
+        backend.copy(stream, torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4))
     other = _native.CheckingBackend()
     with pytest.raises(ValueError, match="belongs to another backend"):
         backend.fill(other.compute_stream(), torch.zeros(4), 1.0)
