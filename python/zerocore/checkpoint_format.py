@@ -55,6 +55,8 @@ def stretch_key(kind: str, name: str, first: int) -> str:
 # Writing ----------------------------------------------------------------------
 def write_rank_file(path, save_id: str, rank: int, world_size: int, tensors: dict):
     """One rank's file, with its checksums, flushed to disk."""
+    # Checksummed and written from host memory: a CUDA engine's states come down here.
+    tensors = {key: t.detach().contiguous().cpu() for key, t in tensors.items()}
     crcs = {key: crc32(t) for key, t in tensors.items()}
     meta = {"format": FORMAT, "version": VERSION, "id": save_id, "rank": rank, "world_size": world_size,
             "crc32": crcs}
