@@ -118,7 +118,9 @@ class GPT(nn.Module):
                 p.fill_(1.0)
             else:
                 std = resid_std if name.endswith("proj.weight") else 0.02
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+                # Drawn on the CPU (the generator's device), also under a `with torch.device("cuda")`:
+                # the same values wherever the model is built.
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32, device="cpu") * std)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> dict:
         b, t = idx.shape
