@@ -3,7 +3,6 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -338,10 +337,8 @@ void CudaBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, 
   double* finite = box.slot(finite_slot);
   if (runs_on_host("sum_of_squares", sum_operands(xs))) {
     DeviceGuard guard(device_);
-    launch_host_work(h, [xs, memory = box.buffer(), sum, finite] {
-      *sum = zerocore::sum_of_squares(xs);
-      *finite = std::isfinite(*sum) ? 1.0 : 0.0;  // the fp64 sum is finite exactly when every element is
-    }, "cudaLaunchHostFunc(sum_of_squares on the host)");
+    launch_host_work(h, [xs, memory = box.buffer(), sum, finite] { sum_of_squares_into(xs, sum, finite); },
+                     "cudaLaunchHostFunc(sum_of_squares on the host)");
     return;
   }
   cuda_sum_of_squares(xs, device_, sum, finite, h);

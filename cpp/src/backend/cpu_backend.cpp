@@ -1,6 +1,5 @@
 #include "zerocore/backend/cpu_backend.h"
 
-#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -126,11 +125,8 @@ void CpuBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, M
   for (const Tensor& x : xs) accesses.push_back(Access::read(x));
   double* sum = box.slot(sum_slot);
   double* finite = box.slot(finite_slot);
-  enqueue(stream, "sum_of_squares", accesses, [xs, memory = box.buffer(), sum, finite] {
-    *sum = zerocore::sum_of_squares(xs);
-    // The fp64 sum is finite exactly when every element is (cpu_reduce.h).
-    *finite = std::isfinite(*sum) ? 1.0 : 0.0;
-  });
+  enqueue(stream, "sum_of_squares", accesses,
+          [xs, memory = box.buffer(), sum, finite] { sum_of_squares_into(xs, sum, finite); });
 }
 
 void CpuBackend::adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,

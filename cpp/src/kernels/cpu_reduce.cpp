@@ -64,4 +64,9 @@ double sum_of_squares(const std::vector<Tensor>& xs) {
   return total;
 }
 
+void sum_of_squares_into(const std::vector<Tensor>& xs, double* sum, double* finite) {
+  *sum = sum_of_squares(xs);
+  *finite = std::isfinite(*sum) ? 1.0 : 0.0;
+}
+
 }  // namespace zerocore

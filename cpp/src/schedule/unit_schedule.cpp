@@ -29,7 +29,7 @@ UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitS
   for (size_t u = 0; u < units_.size(); ++u) {
     int64_t elems = 0;
     group_offsets_.emplace_back();
-    first_group_.push_back(int(shard_on_host_.size()));
+    shard_on_host_.emplace_back();
     for (const UnitGroup& g : units_[u].groups) {
       if (g.shard.dtype() != dtype || g.shard.numel() != g.plan.partition_elems()) {
         throw InvalidArgument("UnitSchedule: unit " + std::to_string(u) + ", group " + std::to_string(g.tag) +
@@ -39,7 +39,7 @@ UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitS
       group_offsets_.back().push_back(elems);
       elems += g.plan.total_elems();  // a multiple of world x alignment: the next group stays aligned
       const std::optional<MemoryKind> kind = backend_.kind_of(g.shard.data());
-      shard_on_host_.push_back(kind && *kind != MemoryKind::kDevice);
+      shard_on_host_.back().push_back(kind && *kind != MemoryKind::kDevice);
     }
     unit_elems_.push_back(elems);
     if (units_[u].own_slot) {
@@ -144,7 +144,7 @@ std::vector<std::shared_ptr<StreamEvent>> UnitSchedule::issue(int unit, const Te
       const int64_t shard = group.plan.shard_elems(b);
       const Tensor output = out.slice(base + bucket.offset, bucket.numel);
       Tensor input = group.shard.slice(group.plan.partition_offset(b), shard);
-      if (shard_on_host_[size_t(first_group_[size_t(unit)]) + g]) {
+      if (shard_on_host_[size_t(unit)][g]) {
         const Tensor mine = output.slice(comm_.rank() * shard, shard);
         backend_.copy(backend_.compute_stream(), mine, input);
         input = mine;

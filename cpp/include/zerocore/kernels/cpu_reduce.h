@@ -14,5 +14,8 @@ namespace zerocore {
 // the same bits on every call. Throws TypeMismatch for another dtype or a
 // device tensor.
 double sum_of_squares(const std::vector<Tensor>& xs);
+// The same into a mailbox's two slots: *sum, and *finite = 1 when it is
+// finite (every element is), else 0: what a backend's host kernel writes.
+void sum_of_squares_into(const std::vector<Tensor>& xs, double* sum, double* finite);
 
 }  // namespace zerocore

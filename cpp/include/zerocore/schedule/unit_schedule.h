@@ -263,10 +263,9 @@ class UnitSchedule {
   std::vector<UnitSpec> units_;
   std::vector<int64_t> unit_elems_;
   std::vector<std::vector<int64_t>> group_offsets_;
-  // Per group of every unit (unit u's from first_group_[u]): its shard is
-  // host memory (offload_params), copied up before its gather.
-  std::vector<bool> shard_on_host_;
-  std::vector<int> first_group_;
+  // Per unit, per group: its shard is host memory (offload_params), copied
+  // up before its gather.
+  std::vector<std::vector<bool>> shard_on_host_;
   std::vector<Tensor> own_;  // per unit: its own buffer, or undefined
   SlotPool pool_;
   std::vector<State> state_;
