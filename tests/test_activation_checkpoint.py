@@ -486,5 +486,9 @@ def test_a_device_buffer_copied_back_into_is_reused_after_the_copy(gen):
     y = zerocore.checkpoint(torch.tanh, small, offload="cpu", backend=backend)
     y.sum().backward()
     assert backend.violations() == []
-    torch.testing.assert_close(small.grad, 1 - torch.tanh(small.detach()) ** 2, rtol=1e-6, atol=0)
+    # Against the same function's grad without a checkpoint, bit for bit: a stale or NaN-poisoned read
+    # differs; a closed form (1 - tanh^2) need not match autograd's float32 rounding.
+    reference = small.detach().clone().requires_grad_(True)
+    torch.tanh(reference).sum().backward()
+    assert torch.equal(small.grad, reference.grad)
     activation_checkpoint.free_buffers()
