@@ -203,7 +203,6 @@ def _collectives_over_gloo(rank, world):
         comm.broadcast(p)
     out["broadcast"] = [p.tolist() for p in payloads]
     out["ints"] = comm.gather_ints(100 + rank)
-    out["sums"] = comm.sum_scalars([0.5, float(rank)])
     out["stats"] = dict(comm.stats)
     out["trace"] = comm.trace
     # The native step's exchange over the control queue: the sums (rank r's
@@ -224,7 +223,6 @@ def test_communicator_over_gloo():
         assert r["summed"] == [3.0] * 3
         assert r["broadcast"] == [7, [True] * 3, torch.arange(12, dtype=torch.float64).view(3, 4).t().tolist()]
         assert r["ints"] == [100, 101]
-        assert r["sums"] == [1.0, 1.0]
         assert r["stats"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 3}
         assert r["trace"] == [(0, 0, 0, 4), (1, 0, 1, 4), (2, 1, 0, 3)]  # the data plane only
         assert r["exchanged"] == (3.0, 1) and r["trace after check"] == []

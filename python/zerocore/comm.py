@@ -66,10 +66,6 @@ def _as_halves(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8).view(torch.float16)
 
 
-def _column_sums(rows) -> list:
-    return [sum(column) for column in zip(*rows)]
-
-
 class CollectiveNames:
     """Names a collective by its key, for errors: a data-plane one by its
     flat group's params (once `groups` lists their labels, by tag), a
@@ -181,10 +177,6 @@ class Communicator:
 
     def _broadcast_halves(self, halves, src_rank):
         self.queue.broadcast((_BROADCAST, _CONTROL, _BROADCASTS, halves.numel()), halves, src_rank).compute_waits()
-
-    def sum_scalars(self, values):
-        """Sums a list of floats over ranks (float64, in rank order)."""
-        return _column_sums(self._gather_rows(values, torch.float64))
 
     def gather_ints(self, value: int) -> list:
         """Every rank's int, in rank order."""
