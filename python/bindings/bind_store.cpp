@@ -122,6 +122,8 @@ void bind_store(nb::module_& m) {
            "The buffer of `kind` with the plan and `tag`, the flat group's key in the collectives.")
       .def_prop_ro("swaps_grads", &PartitionStore::swaps_grads)
       .def("swap_grads", &PartitionStore::swap_grads)
+      .def("zero_grads", &PartitionStore::zero_grads,
+           "Zeroes grad_full and grad_part: device memory on the backend's compute stream, host memory at once.")
       .def("param_span", &PartitionStore::param_span, nb::arg("buffer_elems"), nb::arg("param"))
       .def(
           "param_spans",

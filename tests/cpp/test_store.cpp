@@ -6,7 +6,9 @@
 // on padding or on another rank's block reads the wrong label. The store's
 // buffers are its backend's, of the kind its placement puts them in, and
 // the checking backend checks accesses to them.
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -269,6 +271,31 @@ void step_runs() {
   CHECK(throws([&] { s.group_buffer(7, "full"); }));
 }
 
+// zero_grads zeroes the grads reduction adds into, device or host memory,
+// and nothing else.
+void zeroing() {
+  const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 1}}, LayoutOptions{2, 4, 16});
+  StorePlacement p;
+  p.rank = 1;
+  p.dtype = DType::kBFloat16;
+  p.state_names = {"exp_avg"};
+  for (int offloaded = 0; offloaded < 2; ++offloaded) {
+    // Stage 1 (grad_full on the device), or stage 2 offloaded with a delayed
+    // update (grad_part and a host_grad of its own on the host).
+    p.partitions_grads = p.optimizer_on_host = p.delayed = offloaded == 1;
+    PartitionStore s(plan, p);
+    s.allocate();
+    for (const BufferSpec& b : s.buffers()) std::memset(s.buffer(b.kind).data(), 1, b.bytes());
+    s.zero_grads();
+    for (const BufferSpec& b : s.buffers()) {
+      const Tensor t = s.buffer(b.kind);
+      const auto* bytes = static_cast<const unsigned char*>(t.data());
+      const unsigned char want = b.kind == "grad_full" || b.kind == "grad_part" ? 0 : 1;
+      CHECK(std::all_of(bytes, bytes + t.nbytes(), [want](unsigned char c) { return c == want; }));
+    }
+  }
+}
+
 void errors() {
   const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 0}}, LayoutOptions{2, 1, 8});
   StorePlacement p;
@@ -328,6 +355,7 @@ int main() {
   sweep();
   placements();
   step_runs();
+  zeroing();
   errors();
   on_a_checking_backend();
   return zerocore::test::finish("test_store");

@@ -1,6 +1,7 @@
 #include "zerocore/store/partition_store.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "zerocore/error.h"
@@ -124,6 +125,20 @@ void PartitionStore::swap_grads() {
   if (!swaps_grads()) throw InvalidArgument("store: swap_grads() needs a delayed offloaded update at stage 2 or 3");
   if (tensors_.empty()) throw InvalidArgument("store: call allocate() before swap_grads()");
   std::swap(tensors_[spec("grad_part") - buffers_.data()], tensors_[spec("host_grad") - buffers_.data()]);
+}
+
+void PartitionStore::zero_grads() {
+  for (const char* kind : {"grad_full", "grad_part"}) {
+    const BufferSpec* b = spec(kind);
+    if (b == nullptr) continue;
+    const Tensor grads = buffer(kind);
+    if (b->where == Where::kDevice) {
+      backend_->fill(backend_->compute_stream(), grads, 0.0f);
+    } else {
+      backend_->declare_host_access(Access::write(grads), "zero_grads");
+      std::memset(grads.data(), 0, grads.nbytes());
+    }
+  }
 }
 
 std::vector<FlatRun> PartitionStore::flat_runs() const {

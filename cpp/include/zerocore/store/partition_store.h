@@ -132,6 +132,10 @@ class PartitionStore {
   // the update reads host_grad; at each step they trade places.
   bool swaps_grads() const;
   void swap_grads();
+  // zero_grad: zeroes the grads reduction adds into (grad_full, grad_part).
+  // Device memory on the backend's compute stream, after what it did with
+  // them; host memory (an offloaded grad partition) by the host, at once.
+  void zero_grads();
 
   // The buffer of `kind` with the plan and `tag`, the flat group's key in
   // the collectives (the same on every rank): what the unit schedule, the
