@@ -143,8 +143,8 @@ void bind_schedule(nb::module_& m) {
           "queue"_a, "grad_parts"_a, "reduce_dtype"_a, "staging_buffers"_a, "on_request"_a = false,
           nb::keep_alive<1, 2>(),
           "grad_parts: per flat group, in reduction order, PartitionStore.group_buffer(tag, \"grad_part\"). "
-          "on_request: issue only on reduce_groups() and end_backward() (stage 3). Late grads are agreed on and reduced by the step's "
-          "exchange (ZeroStep).")
+          "on_request: issue only on reduce_groups() and end_backward() (stage 3). Late grads are agreed on and "
+          "reduced by the step's exchange (ZeroStep).")
       // Taking staging may wait for a reduction in flight: the GIL is
       // released while these run.
       .def(

@@ -96,11 +96,11 @@ class Engine(Training, StateIO, Reports):
         check_same_model(self.comm, cfg, spec, params, names, initializer, failed=problem is not None)
         if problem is not None:
             raise problem
-        param_group_of = {id(p): i for i, param_group in enumerate(spec.param_groups) for p in param_group["params"]}
+        param_group_of = {id(p): i for i, group in enumerate(spec.param_groups) for p in group["params"]}
         initializer.materialize()
-        self.groups, self.units = build_groups(module, params, names, param_group_of, config=cfg, placement=placement,
-                                               dtype=self.dtype, reduce_dtype=self.reduce_dtype, comm=self.comm,
-                                               state_names=self.state_names, units=units)
+        self.groups, self.units = build_groups(module, params, names, param_group_of, config=cfg,
+                                               placement=placement, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
+                                               comm=self.comm, state_names=self.state_names, units=units)
         self.comm.names.groups = [g.label for g in self.groups]  # errors name a collective's params
         allocate_agreeing(self.groups, placement, self.comm)
         for g in self.groups:

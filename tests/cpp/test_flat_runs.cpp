@@ -61,7 +61,9 @@ void test_sgd_runs() {
   for (const FlatRun& r : together) alone.push_back(copy_of(r));
   for (int64_t step = 1; step <= 3; ++step) {
     sgd_update_runs({a, b}, step, 2.0, together);
-    for (const FlatRun& r : alone) sgd_update(r.param_group ? b : a, step, 2.0, r.param, r.grad, r.state0, r.param_copy);
+    for (const FlatRun& r : alone) {
+      sgd_update(r.param_group ? b : a, step, 2.0, r.param, r.grad, r.state0, r.param_copy);
+    }
   }
   for (size_t i = 0; i < together.size(); ++i) CHECK(same(together[i], alone[i]));
 }

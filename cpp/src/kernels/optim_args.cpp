@@ -32,8 +32,9 @@ void check_tensor(const char* op, const char* name, const Tensor& t, Device devi
 size_t group_of(const char* op, size_t groups, const std::vector<FlatRun>& runs, size_t i) {
   const int g = runs[i].param_group;
   if (g < 0 || size_t(g) >= groups) {
-    throw InvalidArgument(std::string(op) + ": run " + std::to_string(i) + " belongs to param group " + std::to_string(g) +
-                          " but options were given for " + std::to_string(groups) + " param group(s)");
+    throw InvalidArgument(std::string(op) + ": run " + std::to_string(i) + " belongs to param group " +
+                          std::to_string(g) + " but options were given for " + std::to_string(groups) +
+                          " param group(s)");
   }
   return size_t(g);
 }
