@@ -96,7 +96,8 @@ def test_bad_runs_raise_before_writing(gen):
     before = runs[0]["param"].clone()
     with pytest.raises(ValueError, match="one entry per run"):
         ops.FlatRuns([0], [r["param"] for r in runs], [], [], [], [])
-    with pytest.raises(ValueError, match="run 1 belongs to group 1 but options were given for 1 group"):
+    with pytest.raises(ValueError, match=r"run 1 belongs to param group 1 but options were given for 1 param "
+                                         r"group\(s\)"):
         native(runs).adam_(ADAM_GROUPS[:1], step=1, grad_scale=1.0, adamw=True)
     runs[3]["state1"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"adam_ \(run 3\)"):

@@ -4,9 +4,10 @@
 // and AdamW written out in double on the whole batch (plain scalar code, no
 // zerocore). Exits non-zero if they disagree.
 //
-// Each layer is one unit with its own layout plan and partition store (its
-// params, grad partition and Adam moments, and where each param lies in
-// them: the trainer computes no offset). The trainer computes and says what
+// Each layer is one unit and one flat group: its partition store keeps its
+// buffers and hands out every view into them (the trainer computes no
+// offset), the step's runs (flat_runs) and the buffers the runtime's
+// collectives take (group_buffer). The trainer computes and says what
 // happens; the runtime does the distributed work, as for the Python engine:
 // stage 3's UnitSchedule gathers and releases units at the hooks
 // (pre_forward, post_forward, pre_backward, post_backward); the
@@ -14,6 +15,7 @@
 // partition, in stage 3 when the schedule says every rank has the unit's
 // grads; one ZeroStep call a step does the rest (the exchange, the dynamic
 // loss scale, the update, stage 2's param gather, stage 3's end-of-step round).
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -38,58 +40,57 @@ constexpr double kParamTolerance = 2e-6, kLossTolerance = 2e-6;
 float input(int sample, int i) { return std::sin(0.37f * float(sample * kIn + i)); }
 float target(int sample, int o) { return std::cos(0.11f * float(sample + 3 * o)); }
 
-// One layer y = x W^T + b: a unit of params W (out x in) and b (out).
+// One layer y = x W^T + b: a unit of params W (out x in) and b (out), and one flat group.
 constexpr int kBias = 0, kWeight = 1;  // in the layout: backward order
 struct Layer {
   int in, out;
+  int32_t tag;  // its flat group's: its place in the reduction order, the last layer first (its grads come first)
   PartitionStore store;
   Tensor params;  // stage 2: the full flat params; stage 3: this rank's shard
   Tensor grads;   // full flat grads of this rank's micro-batch
-  std::vector<FlatRun> runs;
-  const LayoutPlan& plan() const { return store.plan(); }
 };
 
 class ZeroMlp {
  public:
-  // rounds: stage 3's queue for the unit schedule's rounds, over a group of its own.
+  // rounds: stage 3's queue for the unit schedule's rounds, over a process group of its own.
   ZeroMlp(int stage, CommQueue& comm, CommQueue& rounds, const std::vector<float>& init)
-      : stage_(stage), rank_(comm.rank()), world_(comm.world_size()) {
-    layers_.push_back(make_layer(kIn, kHidden));
-    layers_.push_back(make_layer(kHidden, kOut));
-    size_t offset = 0;
-    for (Layer& l : layers_) {
-      const std::vector<float> values(init.begin() + long(offset), init.begin() + long(offset + l.in * l.out + l.out));
-      offset += values.size();
-      fill(l, values);
+      : rank_(comm.rank()), world_(comm.world_size()) {
+    const float* values = init.data();  // [W..., b...] layer by layer
+    for (auto [in, out, tag] : {std::array{kIn, kHidden, 1}, std::array{kHidden, kOut, 0}}) {
+      StorePlacement place;
+      place.rank = rank_;
+      place.sharded = stage == 3;
+      place.partitions_grads = true;
+      place.state_names = {"exp_avg", "exp_avg_sq"};
+      const LayoutPlan plan = LayoutPlan::make({{out, 0}, {int64_t(in) * out, 0}}, {world_, kAlign, kBucketElems});
+      Layer& l = layers_.emplace_back(Layer{in, out, tag, PartitionStore(plan, place), {}, {}});
+      l.store.allocate();
+      l.params = l.store.buffer(place.sharded ? "shard" : "full");
+      l.grads = Tensor::empty({plan.total_elems()}, DType::kFloat32);
+      values = fill(l, values);
     }
-    // Reduction in backward order: the last layer's grads are ready first.
-    std::vector<ReduceGroup> groups;
-    for (int u = int(layers_.size()) - 1; u >= 0; --u) {
-      groups.push_back(ReduceGroup{u, layers_[size_t(u)].plan(), layers_[size_t(u)].store.buffer("grad_part")});
+    // Each collective takes its flat groups' buffers from their stores, the step their runs.
+    std::vector<FlatGroupBuffer> grad_parts(layers_.size()), full;
+    std::vector<UnitSpec> units;
+    std::vector<FlatRun> runs;
+    for (const Layer& l : layers_) {
+      grad_parts[size_t(l.tag)] = l.store.group_buffer(l.tag, "grad_part");
+      if (stage == 3) units.push_back(UnitSpec{{l.store.group_buffer(l.tag, "shard")}});
+      if (stage == 2) full.push_back(l.store.group_buffer(l.tag, "full"));
+      const std::vector<FlatRun> mine = l.store.flat_runs();
+      runs.insert(runs.end(), mine.begin(), mine.end());
     }
-    reducer_ = std::make_unique<BucketReducer>(comm, groups, DType::kFloat32, 2, /*on_request=*/stage_ == 3);
-    if (stage_ == 3) {
-      std::vector<UnitSpec> units;
-      for (int u = 0; u < int(layers_.size()); ++u) {
-        units.push_back(UnitSpec{{UnitGroup{u, layers_[size_t(u)].plan(), layers_[size_t(u)].params}}, false});
-      }
+    reducer_ = std::make_unique<BucketReducer>(comm, grad_parts, DType::kFloat32, 2, /*on_request=*/stage == 3);
+    if (stage == 3) {
       schedule_ = std::make_unique<UnitSchedule>(comm, rounds, units, DType::kFloat32, /*prefetch_bytes=*/1);
-      // The rounds reduce each unit's group once every rank is done with its backward.
-      std::vector<std::vector<int>> unit_groups;
-      for (int u = 0; u < int(layers_.size()); ++u) unit_groups.push_back({reduce_group(u)});
-      schedule_->set_grad_reducer(reducer_.get(), unit_groups);
+      // The rounds reduce each unit's flat group (its place in the reduction order: its tag).
+      schedule_->set_grad_reducer(reducer_.get(), {{layers_[0].tag}, {layers_[1].tag}});
     } else {
-      std::vector<FlatBuffer> full;
-      for (int u = 0; u < int(layers_.size()); ++u) full.push_back(FlatBuffer{u, layers_[size_t(u)].plan(), layers_[size_t(u)].params});
       param_gather_ = std::make_unique<BucketCollectives>(comm, CollectiveKind::kAllGather, full);
     }
     // The step's exchange shares the rounds' queue: every rank issues on it in the same order.
-    ZeroStep::Parts parts{&comm, &rounds, {}, /*partitioned=*/true, nullptr, param_gather_.get()};
-    for (const Layer& l : layers_) parts.runs.insert(parts.runs.end(), l.runs.begin(), l.runs.end());
-    parts.grad_reducer = reducer_.get();
-    parts.units = schedule_.get();
-    parts.loss_scaler = &scaler_;
-    step_ = std::make_unique<ZeroStep>(std::move(parts));
+    step_ = std::make_unique<ZeroStep>(ZeroStep::Parts{&comm, &rounds, runs, /*partitioned=*/true, nullptr,
+                                                       param_gather_.get(), reducer_.get(), schedule_.get(), &scaler_});
   }
 
   // One optimizer step on this rank's rows of the global batch; returns the
@@ -102,9 +103,9 @@ class ZeroMlp {
       for (int o = 0; o < kOut; ++o) y[size_t(s * kOut + o)] = target(first + s, o);
     }
     // Forward.
-    std::vector<float> h = forward(layers_[0], x, rows);
+    std::vector<float> h = forward(0, x, rows);
     for (float& v : h) v = std::max(v, 0.0f);
-    std::vector<float> out = forward(layers_[1], h, rows);
+    std::vector<float> out = forward(1, h, rows);
     float loss = 0.0f;
     std::vector<float> d_out(out.size());
     for (size_t i = 0; i < out.size(); ++i) {
@@ -115,9 +116,9 @@ class ZeroMlp {
     if (schedule_) schedule_->end_forward();
     // Backward, last unit first; each unit's buckets reduce while the next computes.
     if (schedule_) schedule_->begin_backward();
-    std::vector<float> d_h = backward(layers_[1], h, d_out, rows);
+    std::vector<float> d_h = backward(1, h, d_out, rows);
     for (size_t i = 0; i < d_h.size(); ++i) d_h[i] = h[i] > 0.0f ? d_h[i] : 0.0f;
-    backward(layers_[0], x, d_h, rows);
+    backward(0, x, d_h, rows);
     if (schedule_) schedule_->end_backward();  // first: its last round hands the units' grads to the reducer
     reducer_->end_backward();
     // The grads hold the sum over ranks of per-rank means: the step averages them.
@@ -125,21 +126,19 @@ class ZeroMlp {
     options.adam = {AdamOptions{1e-2, 0.9, 0.999, /*eps=*/1e-2, /*weight_decay=*/0.01, /*adamw=*/true}};
     options.step = step_index;  // eps near the grads' size, so the check below also sees a wrong grad scale
     if (!step_->step(options).applied) throw std::runtime_error("embed_zero: the grads overflowed");
-    for (Layer& l : layers_) {  // the reducer adds into the grad partition
-      const Tensor grad_part = l.store.buffer("grad_part");
-      std::memset(grad_part.data(), 0, grad_part.nbytes());
-    }
+    for (Layer& l : layers_) l.store.zero_grads();  // zero_grad: the reducer adds into the grad partition
     return loss / float(out.size());
   }
 
   // Every param, in the order of `init` (W then b, layer by layer).
   std::vector<float> full_params() {
     std::vector<float> out;
-    for (Layer& l : layers_) {
+    for (int unit = 0; unit < int(layers_.size()); ++unit) {
+      const Layer& l = layers_[size_t(unit)];
       Tensor gathered = l.params;
       if (schedule_) {
-        gathered = Tensor::empty({l.plan().total_elems()}, DType::kFloat32);
-        schedule_->gather_into(unit(l), gathered);
+        gathered = Tensor::empty({l.store.plan().total_elems()}, DType::kFloat32);
+        schedule_->gather_into(unit, gathered);
       }
       for (int param : {kWeight, kBias}) {
         const Tensor v = l.store.param_view(gathered, param);
@@ -150,45 +149,21 @@ class ZeroMlp {
   }
 
  private:
-  Layer make_layer(int in, int out) {
-    StorePlacement place;
-    place.rank = rank_;
-    place.sharded = stage_ == 3;
-    place.partitions_grads = true;
-    place.state_names = {"exp_avg", "exp_avg_sq"};
-    Layer l{in, out,
-            PartitionStore(LayoutPlan::make({{out, 0}, {int64_t(in) * out, 0}},
-                                            LayoutOptions{world_, kAlign, kBucketElems}),
-                           place),
-            {}, {}, {}};
-    l.store.allocate();
-    const char* live = stage_ == 3 ? "shard" : "full";
-    l.params = l.store.buffer(live);
-    l.grads = Tensor::empty({l.plan().total_elems()}, DType::kFloat32);
-    for (int k = 0; k < int(l.store.runs().size()); ++k) {
-      l.runs.push_back(FlatRun{l.store.runs()[size_t(k)].group, l.store.run_view(live, k),
-                               l.store.run_view("grad_part", k), l.store.run_view("state.exp_avg", k),
-                               l.store.run_view("state.exp_avg_sq", k), Tensor()});
-    }
-    return l;
-  }
-
-  // Initial values [W..., b...] into this rank's params (stage 3: its pieces of them).
-  static void fill(Layer& l, const std::vector<float>& values) {
-    const int64_t weight_numel = l.plan().params()[kWeight].numel;
+  // Initial values [W..., b...] into this rank's params (stage 3: its pieces
+  // of them); returns where the next layer's begin.
+  static const float* fill(Layer& l, const float* values) {
     for (int param : {kWeight, kBias}) {
-      const float* src = values.data() + (param == kWeight ? 0 : weight_numel);
       for (const auto& [first, view] : l.store.param_stretches(l.params, param)) {
-        std::memcpy(view.data(), src + first, view.nbytes());
+        std::memcpy(view.data(), values + first, view.nbytes());
       }
+      values += l.store.plan().params()[size_t(param)].numel;
     }
+    return values;
   }
 
-  int unit(const Layer& l) const { return int(&l - layers_.data()); }
-  int reduce_group(int unit) const { return int(layers_.size()) - 1 - unit; }  // the reducer's groups are in backward order
-
-  std::vector<float> forward(const Layer& l, const std::vector<float>& x, int rows) {
-    const Tensor flat = schedule_ ? schedule_->pre_forward(unit(l), /*marks_post_backward=*/true).buffer : l.params;
+  std::vector<float> forward(int unit, const std::vector<float>& x, int rows) {
+    const Layer& l = layers_[size_t(unit)];
+    const Tensor flat = schedule_ ? schedule_->pre_forward(unit, /*marks_post_backward=*/true).buffer : l.params;
     const float* w = l.store.param_view(flat, kWeight).data_as<float>();
     const float* b = l.store.param_view(flat, kBias).data_as<float>();
     std::vector<float> y(size_t(rows) * l.out);
@@ -199,13 +174,14 @@ class ZeroMlp {
         y[size_t(s * l.out + o)] = acc;
       }
     }
-    if (schedule_) schedule_->post_forward(unit(l), /*backward_follows=*/true);
+    if (schedule_) schedule_->post_forward(unit, /*backward_follows=*/true);
     return y;
   }
 
   // Hands the unit's grads to the reducer and returns the input grads.
-  std::vector<float> backward(const Layer& l, const std::vector<float>& x, const std::vector<float>& dy, int rows) {
-    const Tensor flat = schedule_ ? schedule_->pre_backward(unit(l)).buffer : l.params;
+  std::vector<float> backward(int unit, const std::vector<float>& x, const std::vector<float>& dy, int rows) {
+    const Layer& l = layers_[size_t(unit)];
+    const Tensor flat = schedule_ ? schedule_->pre_backward(unit).buffer : l.params;
     const float* w = l.store.param_view(flat, kWeight).data_as<float>();
     std::memset(l.grads.data(), 0, l.grads.nbytes());
     float* gw = l.store.param_view(l.grads, kWeight).data_as<float>();
@@ -221,13 +197,11 @@ class ZeroMlp {
         }
       }
     }
-    const int group = reduce_group(unit(l));
-    for (int param : {kBias, kWeight}) reducer_->grad_ready(group, param, l.store.param_view(l.grads, param));
-    if (schedule_) schedule_->post_backward(unit(l));
+    for (int param : {kBias, kWeight}) reducer_->grad_ready(l.tag, param, l.store.param_view(l.grads, param));
+    if (schedule_) schedule_->post_backward(unit);
     return dx;
   }
 
-  const int stage_;
   const int rank_, world_;
   std::vector<Layer> layers_;
   std::unique_ptr<BucketReducer> reducer_;
@@ -254,13 +228,13 @@ std::vector<float> train(int stage, int world, std::vector<float>* losses) {
   const std::vector<float> init = initial_params();
   // ZEROCORE_LATE_COMPLETION=<seed> makes the collectives complete late, as
   // NCCL's do: the training must not change (ctest runs it both ways).
-  InProcessGroup group(world, late_completion_from_env()), rounds_group(world, late_completion_from_env());
+  InProcessGroup data_group(world, late_completion_from_env()), rounds_group(world, late_completion_from_env());
   std::vector<std::vector<float>> params(static_cast<size_t>(world));
   std::vector<std::vector<float>> rank_losses(static_cast<size_t>(world));
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      CommQueue comm(group.transport(r)), rounds(rounds_group.transport(r));
+      CommQueue comm(data_group.transport(r)), rounds(rounds_group.transport(r));
       ZeroMlp mlp(stage, comm, rounds, init);
       for (int s = 1; s <= kSteps; ++s) rank_losses[size_t(r)].push_back(mlp.step(s));
       params[size_t(r)] = mlp.full_params();

@@ -37,7 +37,7 @@ LayoutPlan LayoutPlan::make(const std::vector<ParamSpec>& specs, const LayoutOpt
     ParamSlot slot;
     slot.offset = round_up(end, options.align_elems);
     slot.numel = specs[i].numel;
-    slot.group = specs[i].group;
+    slot.param_group = specs[i].param_group;
     end = slot.offset + slot.numel;
     plan.param_elems_ += slot.numel;
     plan.params_.push_back(slot);
@@ -107,7 +107,7 @@ std::vector<Segment> LayoutPlan::segments(int rank) const {
       const int64_t lo = std::max(p.offset, lo_shard);
       const int64_t hi = std::min(p.offset + p.numel, hi_shard);
       if (lo >= hi) continue;
-      out.push_back(Segment{i, p.group, b, lo - p.offset, lo, partition_offset(b) + (lo - lo_shard), hi - lo});
+      out.push_back(Segment{i, p.param_group, b, lo - p.offset, lo, partition_offset(b) + (lo - lo_shard), hi - lo});
     }
   }
   return out;
@@ -121,7 +121,7 @@ uint64_t LayoutPlan::fingerprint() const {
   f.add(int64_t(params_.size()));
   for (const ParamSlot& p : params_) {
     f.add(p.numel);
-    f.add(p.group);
+    f.add(p.param_group);
   }
   f.add(total_elems_);
   return f.h;

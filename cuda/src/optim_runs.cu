@@ -53,13 +53,13 @@ struct DeviceRun {
   void* copy;     // 16-bit param copy, or nullptr
   int64_t n;
   int64_t first_chunk;  // chunks of the runs before this one in the table
-  int32_t group;
+  int32_t param_group;
   int32_t packed;  // every array aligned for CudaPack4Ops
 };
 
 template <class Coefs>
 struct CoefTable {
-  Coefs group[kMaxGroups];
+  Coefs param_group[kMaxGroups];
 };
 
 struct AdamAt {
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kPack = CudaPack4Ops::width;
   for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
     const DeviceRun r = runs[cuda_detail::entry_of(runs, num_runs, chunk)];
-    const Coefs& c = coefs.group[r.group];
+    const Coefs& c = coefs.param_group[r.param_group];
     const G* g = static_cast<const G*>(r.grad);
     C* copy = static_cast<C*>(r.copy);
     const int64_t begin = (chunk - r.first_chunk) * kChunk;
@@ -118,7 +118,7 @@ void launch(const CoefTable<Coefs>& coefs, std::vector<DeviceRun> runs, int devi
 DeviceRun device_run(const FlatRun& r) {
   auto ptr = [](const Tensor& t) { return is_given(t) ? t.data() : nullptr; };
   DeviceRun d{r.param.data_as<float>(), r.grad.data(), static_cast<float*>(ptr(r.state0)),
-              static_cast<float*>(ptr(r.state1)), ptr(r.param_copy), r.param.numel(), 0, r.group, 0};
+              static_cast<float*>(ptr(r.state1)), ptr(r.param_copy), r.param.numel(), 0, r.param_group, 0};
   constexpr int kPack = CudaPack4Ops::width;
   bool packed = aligned(d.param, kPack * 4) && aligned(d.grad, kPack * dtype_size(r.grad.dtype()));
   for (const Tensor* t : {&r.state0, &r.state1, &r.param_copy}) {
@@ -133,7 +133,7 @@ DeviceRun device_run(const FlatRun& r) {
 template <class Update, class Coefs>
 void update_runs(const std::vector<Coefs>& coef_list, const std::vector<FlatRun>& runs, int device, void* stream) {
   CoefTable<Coefs> coefs{};
-  std::copy(coef_list.begin(), coef_list.end(), coefs.group);
+  std::copy(coef_list.begin(), coef_list.end(), coefs.param_group);
 
   // Runs by (grad dtype, copy dtype or -1 for none), empty ones dropped.
   std::map<std::pair<int, int>, std::vector<DeviceRun>> by_dtypes;

@@ -291,7 +291,7 @@ void test_updates(CudaBackend& g, CpuBackend& cpu, std::mt19937& rng, bool sgd) 
     randomize(h.param, rng);
     randomize(h.state0, rng, 0.1f);
     host_runs.push_back(h);
-    dev_runs.push_back(FlatRun{h.group, on_device(g, h.param, k % 2), on_device(g, h.grad, k % 2),
+    dev_runs.push_back(FlatRun{h.param_group, on_device(g, h.param, k % 2), on_device(g, h.grad, k % 2),
                                on_device(g, h.state0, k % 2), sgd ? Tensor() : on_device(g, h.state1, k % 2),
                                on_device(g, h.param_copy, k % 2)});
   }

@@ -14,7 +14,7 @@ void bind_layout(nb::module_& m) {
   nb::class_<ParamSlot>(m, "ParamSlot")
       .def_ro("offset", &ParamSlot::offset)
       .def_ro("numel", &ParamSlot::numel)
-      .def_ro("group", &ParamSlot::group)
+      .def_ro("group", &ParamSlot::param_group)
       .def_ro("first_bucket", &ParamSlot::first_bucket)
       .def_ro("last_bucket", &ParamSlot::last_bucket);
   nb::class_<Bucket>(m, "Bucket")
@@ -24,7 +24,7 @@ void bind_layout(nb::module_& m) {
       .def_ro("last_param", &Bucket::last_param);
   nb::class_<Segment>(m, "Segment")
       .def_ro("param", &Segment::param)
-      .def_ro("group", &Segment::group)
+      .def_ro("group", &Segment::param_group)
       .def_ro("bucket", &Segment::bucket)
       .def_ro("param_offset", &Segment::param_offset)
       .def_ro("flat_offset", &Segment::flat_offset)

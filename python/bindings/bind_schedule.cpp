@@ -15,6 +15,7 @@
 #include "bindings.h"
 #include "bound_queue.h"
 #include "dlpack_tensor.h"
+#include "zerocore/flat_group_buffer.h"
 #include "zerocore/schedule/bucket_collectives.h"
 #include "zerocore/schedule/bucket_reducer.h"
 #include "zerocore/error.h"
@@ -26,17 +27,6 @@ using namespace nb::literals;
 namespace zerocore::bindings {
 
 namespace {
-
-// Each (tag, plan, tensor) triple of a Python list, with the tensor converted.
-template <class Spec>
-std::vector<Spec> specs(const nb::list& items, const char* what) {
-  std::vector<Spec> out;
-  for (nb::handle item : items) {
-    auto [tag, plan, tensor] = nb::cast<std::tuple<int32_t, LayoutPlan, nb::handle>>(item);
-    out.push_back(Spec{tag, plan, tensor_from_dlpack(tensor, what)});
-  }
-  return out;
-}
 
 // A tensor, or None where it is undefined.
 nb::object maybe(const Tensor& t) { return t.data() ? nb::cast(t) : nb::none(); }
@@ -85,19 +75,17 @@ void bind_schedule(nb::module_& m) {
                            "Stage 3's unit state machine over a fixed gather pool (see unit_schedule.h).")
       .def(
           "__init__",
-          [](UnitSchedule* self, const BoundQueue& queue, const BoundQueue& rounds, const nb::list& units,
-             const std::string& dtype, int64_t prefetch_bytes) {
+          [](UnitSchedule* self, const BoundQueue& queue, const BoundQueue& rounds,
+             const std::vector<std::tuple<bool, std::vector<FlatGroupBuffer>>>& units, const std::string& dtype,
+             int64_t prefetch_bytes) {
             std::vector<UnitSpec> spec;
-            for (nb::handle unit : units) {
-              auto [own_slot, groups] = nb::cast<std::tuple<bool, nb::list>>(unit);
-              spec.push_back(UnitSpec{specs<UnitGroup>(groups, "UnitSchedule: shard"), own_slot});
-            }
+            for (const auto& [own_slot, shards] : units) spec.push_back(UnitSpec{shards, own_slot});
             new (self) UnitSchedule(queue.get(), rounds.get(), std::move(spec), parse_dtype(dtype), prefetch_bytes);
           },
           "queue"_a, "rounds"_a, "units"_a, "dtype"_a, "prefetch_bytes"_a, nb::keep_alive<1, 2>(),
           nb::keep_alive<1, 3>(),
           "rounds: a queue over another communicator of the same ranks, for the rounds. units: per unit (own_slot, "
-          "[(tag, LayoutPlan, shard tensor) per flat group]).")
+          "[its flat groups' shards: PartitionStore.group_buffer(tag, \"shard\")]).")
       .def("set_grad_reducer", &UnitSchedule::set_grad_reducer, "reducer"_a, "unit_groups"_a, nb::keep_alive<1, 2>(),
            "The BucketReducer (on_request) whose groups at unit_groups[u] (places in its order) the rounds reduce "
            "once every rank is done with unit u's backward; set again when the reducer is replaced.")
@@ -147,16 +135,16 @@ void bind_schedule(nb::module_& m) {
                             "Stages 2-3's bucket state machine for gradient reduction (see bucket_reducer.h).")
       .def(
           "__init__",
-          [](BucketReducer* self, const BoundQueue& queue, const nb::list& groups, const std::string& reduce_dtype,
-             int staging_buffers, bool on_request) {
-            new (self) BucketReducer(queue.get(), specs<ReduceGroup>(groups, "BucketReducer: grad_part"),
-                                     parse_dtype(reduce_dtype), staging_buffers, on_request);
+          [](BucketReducer* self, const BoundQueue& queue, std::vector<FlatGroupBuffer> grad_parts,
+             const std::string& reduce_dtype, int staging_buffers, bool on_request) {
+            new (self) BucketReducer(queue.get(), std::move(grad_parts), parse_dtype(reduce_dtype), staging_buffers,
+                                     on_request);
           },
-          "queue"_a, "groups"_a, "reduce_dtype"_a, "staging_buffers"_a, "on_request"_a = false,
+          "queue"_a, "grad_parts"_a, "reduce_dtype"_a, "staging_buffers"_a, "on_request"_a = false,
           nb::keep_alive<1, 2>(),
-          "groups: [(tag, LayoutPlan, grad partition tensor)] in reduction order. on_request: issue only on "
-          "reduce_groups() and end_backward() (stage 3). Late grads are agreed on and reduced by the step's "
-          "exchange (ZeroStep).")
+          "grad_parts: per flat group, in reduction order, PartitionStore.group_buffer(tag, \"grad_part\"). "
+          "on_request: issue only on reduce_groups() and end_backward() (stage 3). Late grads are agreed on and "
+          "reduced by the step's exchange (ZeroStep).")
       // Taking staging may wait for a reduction in flight: the GIL is
       // released while these run.
       .def(
@@ -216,16 +204,16 @@ void bind_schedule(nb::module_& m) {
                                 "One in-place collective per bucket of whole flat buffers (see bucket_collectives.h).")
       .def(
           "__init__",
-          [](BucketCollectives* self, const BoundQueue& queue, int kind, const nb::list& buffers) {
+          [](BucketCollectives* self, const BoundQueue& queue, int kind, std::vector<FlatGroupBuffer> buffers) {
             if (kind < 0 || kind > int(CollectiveKind::kAllReduce)) {
               throw InvalidArgument("BucketCollectives: kind must be 0 (all_gather), 1 (reduce_scatter) or 2 "
                                     "(all_reduce)");
             }
-            new (self) BucketCollectives(queue.get(), CollectiveKind(kind),
-                                         specs<FlatBuffer>(buffers, "BucketCollectives: flat"));
+            new (self) BucketCollectives(queue.get(), CollectiveKind(kind), std::move(buffers));
           },
           "queue"_a, "kind"_a, "buffers"_a, nb::keep_alive<1, 2>(),
-          "buffers: [(tag, LayoutPlan, flat tensor)] in issue order.")
+          "buffers: whole flat buffers (PartitionStore.group_buffer(tag, \"full\") or \"grad_full\") in issue "
+          "order.")
       .def("run", unlocked(&BucketCollectives::run), "Issues every bucket's collective and waits for them.");
 }
 

@@ -46,10 +46,17 @@ void bind_store(nb::module_& m) {
       .def("__iter__", [](const Span& s) { return nb::iter(nb::make_tuple(s.offset, s.numel)); });
   nb::class_<PartitionRun>(m, "PartitionRun")
       .def_ro("bucket", &PartitionRun::bucket)
-      .def_ro("group", &PartitionRun::group)
+      .def_ro("group", &PartitionRun::param_group)
       .def_ro("partition_offset", &PartitionRun::partition_offset)
       .def_ro("flat_offset", &PartitionRun::flat_offset)
       .def_ro("numel", &PartitionRun::numel);
+
+  nb::class_<FlatGroupBuffer>(m, "FlatGroupBuffer",
+                              "One of a flat group's buffers with its LayoutPlan and collective tag (see "
+                              "flat_group_buffer.h): what UnitSchedule, BucketReducer and BucketCollectives take.")
+      .def_ro("tag", &FlatGroupBuffer::tag)
+      .def_ro("plan", &FlatGroupBuffer::plan)
+      .def_prop_ro("buffer", [](const FlatGroupBuffer& b) { return tensor_to_ndarray(b.buffer); });
 
   nb::class_<PartitionStore>(m, "PartitionStore", "A flat group's buffers and views (see partition_store.h).")
       .def(
@@ -98,8 +105,25 @@ void bind_store(nb::module_& m) {
       .def(
           "buffer", [](const PartitionStore& s, const std::string& kind) { return tensor_to_ndarray(s.buffer(kind)); },
           nb::arg("kind"))
+      .def(
+          "flat_runs",
+          [](const PartitionStore& s) {
+            const auto array = [](const Tensor& t) { return t.data() ? nb::cast(tensor_to_ndarray(t)) : nb::none(); };
+            nb::list out;
+            for (const FlatRun& r : s.flat_runs()) {
+              out.append(nb::make_tuple(r.param_group, array(r.param), array(r.grad), array(r.state0), array(r.state1),
+                                        array(r.param_copy)));
+            }
+            return out;
+          },
+          "Per run, what the optimizer step updates (FlatRuns' columns): (param group, fp32 param, grad, state0, "
+          "state1, 16-bit param copy), None where there is none (see partition_store.h).")
+      .def("group_buffer", &PartitionStore::group_buffer, nb::arg("tag"), nb::arg("kind"),
+           "The buffer of `kind` with the plan and `tag`, the flat group's key in the collectives.")
       .def_prop_ro("swaps_grads", &PartitionStore::swaps_grads)
       .def("swap_grads", &PartitionStore::swap_grads)
+      .def("zero_grads", &PartitionStore::zero_grads,
+           "Zeroes grad_full and grad_part: device memory on the backend's compute stream, host memory at once.")
       .def("param_span", &PartitionStore::param_span, nb::arg("buffer_elems"), nb::arg("param"))
       .def(
           "param_spans",

@@ -96,11 +96,11 @@ class Engine(Training, StateIO, Reports):
         check_same_model(self.comm, cfg, spec, params, names, initializer, failed=problem is not None)
         if problem is not None:
             raise problem
-        opt_group = {id(p): i for i, param_group in enumerate(spec.param_groups) for p in param_group["params"]}
+        param_group_of = {id(p): i for i, group in enumerate(spec.param_groups) for p in group["params"]}
         initializer.materialize()
-        self.groups, self.units = build_groups(module, params, names, opt_group, config=cfg, placement=placement,
-                                               dtype=self.dtype, reduce_dtype=self.reduce_dtype, comm=self.comm,
-                                               state_names=self.state_names, units=units)
+        self.groups, self.units = build_groups(module, params, names, param_group_of, config=cfg,
+                                               placement=placement, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
+                                               comm=self.comm, state_names=self.state_names, units=units)
         self.comm.names.groups = [g.label for g in self.groups]  # errors name a collective's params
         allocate_agreeing(self.groups, placement, self.comm)
         for g in self.groups:
@@ -125,8 +125,9 @@ class Engine(Training, StateIO, Reports):
 
         # Stages 1-2: every rank's updated blocks into every rank's full params, in place.
         gathered = [g for g in self.groups if g.trainable and placement.partitions_optimizer and not g.sharded]
-        self.param_gather = BucketCollectives(self.comm.queue, KINDS.index("all_gather"),
-                                              [(g.tag, g.plan, g.full) for g in gathered]) if gathered else None
+        self.param_gather = BucketCollectives(
+            self.comm.queue, KINDS.index("all_gather"),
+            [g.store.group_buffer(g.tag, "full") for g in gathered]) if gathered else None
         self.scheduler = None
         if not placement.partitions_grads:
             self.reducer = FullGradReducer(self.groups, self.comm, placement)

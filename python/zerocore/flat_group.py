@@ -52,7 +52,7 @@ class FlatGroup(ParamBinding, LayoutViews):
     """comm: the Communicator whose world size and rank the group is
     partitioned over, and on whose backend its store lives."""
 
-    def __init__(self, params, names, opt_groups, *, placement, dtype, reduce_dtype, trainable, sharded,
+    def __init__(self, params, names, param_groups, *, placement, dtype, reduce_dtype, trainable, sharded,
                  bucket_bytes, comm: Communicator, state_names=(), delayed=False):
         self.params = params  # backward order
         self.names = names  # per param: every name it has in the module
@@ -69,7 +69,7 @@ class FlatGroup(ParamBinding, LayoutViews):
         self.rank = comm.rank if self.partitioned else 0
         elem = torch.finfo(dtype).bits // 8
         self.plan = zerocore.LayoutPlan.make(
-            [p.numel() for p in params], groups=opt_groups, world_size=world,
+            [p.numel() for p in params], groups=param_groups, world_size=world,
             align_elems=ALIGN_BYTES // elem, bucket_elems=max(1, bucket_bytes // elem))
         self.store = zerocore.PartitionStore(
             self.plan, backend=comm.backend, rank=self.rank, dtype=NATIVE_NAMES[dtype],

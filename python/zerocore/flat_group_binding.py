@@ -152,9 +152,7 @@ class ParamBinding:
 
     def zero_grad(self):
         """Zeroes the grad buffers; the params' .grad are None."""
-        for grads in (self.grad_full, self.grad_part):
-            if grads is not None:
-                grads.zero_()
+        self.store.zero_grads()
         for p in self.params:
             p.grad = None
         self._grads_zeroed = True

@@ -80,26 +80,15 @@ class LayoutViews:
         """The kind of the params training reads."""
         return "shard" if self.sharded else "full"
 
-    @property
-    def _owned_grad(self) -> str:
-        """The kind of the grads reduction leaves."""
-        return "grad_full" if self.grad_full is not None else "grad_part"
-
     def run_views(self) -> list:
         """Per run of this rank's partition, the views a native step updates:
-        (param group, fp32 param, grad, state0, state1, 16-bit param copy).
-        Offloaded, they are the host's: its grads, and its own 16-bit copy
-        (offload_copies says where they go). They never move, so the engine
-        converts them once."""
-        states = [f"state.{name}" for name in self.state] + [None, None]
-        if self.placement.optimizer_on_host:
-            param, grad, copy = "master", "host_grad", "host_param" if self.host_param is not None else None
-        elif self.master is not None:
-            param, grad, copy = "master", self._owned_grad, self._live
-        else:
-            param, grad, copy = self._live, self._owned_grad, None
-        return [(run.group, *(self._run_view(kind, k) for kind in (param, grad, *states[:2], copy)))
-                for k, run in enumerate(self.runs)]
+        (param group, fp32 param, grad, state0, state1, 16-bit param copy),
+        as the native store picks them (PartitionStore::flat_runs, which a
+        C++ embedder's step takes too): DLPack arrays, None where there is
+        none. Offloaded, they are the host's: its grads, and its own 16-bit
+        copy (offload_copies says where they go). They never move, so the
+        engine converts them once (ops.FlatRuns)."""
+        return self.store.flat_runs()
 
     def offload_copies(self, run: int) -> tuple:
         """Offloaded: the run's (grads down, params up) copies, as (source,

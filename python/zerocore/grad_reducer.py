@@ -60,7 +60,7 @@ class FullGradReducer:
         self.running = False  # inside engine.backward
         kind = "reduce_scatter" if placement.partitions_optimizer else "all_reduce"
         self.collectives = BucketCollectives(comm.queue, KINDS.index(kind),
-                                             [(g.tag, g.plan, g.grad_full) for g in self.groups])
+                                             [g.store.group_buffer(g.tag, "grad_full") for g in self.groups])
 
     def before_backward(self):
         self.running = True
@@ -121,8 +121,8 @@ class StagedReducer:
         self.index = {id(g): i for i, g in enumerate(groups)}
         self.where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g.params)}
         reduce_dtype = NATIVE_NAMES[groups[0].reduce_dtype] if groups else "float32"
-        self.native = BucketReducer(self.comm.queue, [(g.tag, g.plan, g.grad_part) for g in groups], reduce_dtype,
-                                    self.staging_buffers, self.on_request)
+        grad_parts = [g.store.group_buffer(g.tag, "grad_part") for g in groups]
+        self.native = BucketReducer(self.comm.queue, grad_parts, reduce_dtype, self.staging_buffers, self.on_request)
         self.targets = [g.grad_part for g in groups]
         self._connect()
 

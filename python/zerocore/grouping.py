@@ -69,10 +69,10 @@ def coalesce(unit_modules, unit_bytes, limit) -> list:
     return runs
 
 
-def build_groups(module, params, names, opt_group, *, config, placement, dtype, reduce_dtype, comm, state_names,
+def build_groups(module, params, names, param_group_of, *, config, placement, dtype, reduce_dtype, comm, state_names,
                  units=None):
     """(flat groups in reduction order, with their tags; stage 3's units,
-    root first, else []). names: id(param) -> its names; opt_group: id(param)
+    root first, else []). names: id(param) -> its names; param_group_of: id(param)
     -> its optimizer param group; comm: the world size and rank the groups
     partition over; units: wrap's units= (find_units)."""
     sharded = placement.partitions_params
@@ -88,7 +88,7 @@ def build_groups(module, params, names, opt_group, *, config, placement, dtype, 
 
     def make(ps, trainable, sharded):
         ps = ps[::-1]  # backward order: the reverse of registration
-        return FlatGroup(ps, [names[id(p)] for p in ps], [opt_group.get(id(p), 0) for p in ps],
+        return FlatGroup(ps, [names[id(p)] for p in ps], [param_group_of.get(id(p), 0) for p in ps],
                          placement=placement, dtype=dtype, reduce_dtype=reduce_dtype, trainable=trainable,
                          sharded=sharded, bucket_bytes=config.bucket_bytes, comm=comm,
                          state_names=state_names if trainable else (), delayed=config.delayed_update)

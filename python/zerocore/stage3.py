@@ -118,7 +118,7 @@ class Unit:
         return self.schedule is not None and self.schedule.gathered(self.index)
 
     def native_spec(self):
-        return (self.index == 0, [(g.tag, g.plan, g.shard) for g in self.groups])
+        return (self.index == 0, [g.store.group_buffer(g.tag, "shard") for g in self.groups])
 
 
 class _PostBackward(torch.autograd.Function):

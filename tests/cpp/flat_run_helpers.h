@@ -28,7 +28,7 @@ inline Tensor copy_of(const Tensor& t) {
 
 inline FlatRun copy_of(const FlatRun& r) {
   auto maybe = [](const Tensor& t) { return t.data() ? copy_of(t) : Tensor(); };
-  return FlatRun{r.group, copy_of(r.param), r.grad, maybe(r.state0), maybe(r.state1), maybe(r.param_copy)};
+  return FlatRun{r.param_group, copy_of(r.param), r.grad, maybe(r.state0), maybe(r.state1), maybe(r.param_copy)};
 }
 
 inline bool same(const Tensor& a, const Tensor& b) {

@@ -44,7 +44,7 @@ void test_adam_runs() {
   for (int64_t step = 1; step <= 3; ++step) {
     adam_update_runs({a, b}, step, 0.5, together);
     for (const FlatRun& r : alone) {
-      adam_update(r.group ? b : a, step, 0.5, r.param, r.grad, r.state0, r.state1, r.param_copy);
+      adam_update(r.param_group ? b : a, step, 0.5, r.param, r.grad, r.state0, r.state1, r.param_copy);
     }
   }
   for (size_t i = 0; i < together.size(); ++i) CHECK(same(together[i], alone[i]));
@@ -56,12 +56,14 @@ void test_sgd_runs() {
   b.lr = 0.05, b.weight_decay = 0.01;  // no momentum: its runs need no buffer
   std::vector<FlatRun> together = make_runs(false), alone;
   for (FlatRun& r : together) {
-    if (r.group == 1) r.state0 = Tensor();
+    if (r.param_group == 1) r.state0 = Tensor();
   }
   for (const FlatRun& r : together) alone.push_back(copy_of(r));
   for (int64_t step = 1; step <= 3; ++step) {
     sgd_update_runs({a, b}, step, 2.0, together);
-    for (const FlatRun& r : alone) sgd_update(r.group ? b : a, step, 2.0, r.param, r.grad, r.state0, r.param_copy);
+    for (const FlatRun& r : alone) {
+      sgd_update(r.param_group ? b : a, step, 2.0, r.param, r.grad, r.state0, r.param_copy);
+    }
   }
   for (size_t i = 0; i < together.size(); ++i) CHECK(same(together[i], alone[i]));
 }

@@ -38,12 +38,13 @@ LayoutPlan plan_of(const std::vector<int64_t>& numels) {
 // The value every rank agrees element i of unit u's flat group g holds.
 float full_value(int u, int g, int64_t i) { return float(u * 1000 + g * 100) + 0.5f * float(i); }
 
-UnitGroup unit_group(int u, int g, int rank, const std::vector<int64_t>& numels) {
-  UnitGroup out{u * 10 + g, plan_of(numels), Tensor()};
-  out.shard = Tensor::empty({out.plan.partition_elems()}, DType::kFloat32);
+FlatGroupBuffer unit_shard(int u, int g, int rank, const std::vector<int64_t>& numels) {
+  FlatGroupBuffer out{u * 10 + g, plan_of(numels), Tensor()};
+  out.buffer = Tensor::empty({out.plan.partition_elems()}, DType::kFloat32);
   for (int b = 0; b < int(out.plan.buckets().size()); ++b) {
     const int64_t lo = out.plan.shard_offset(b, rank), n = out.plan.shard_elems(b);
-    for (int64_t i = 0; i < n; ++i) out.shard.data_as<float>()[out.plan.partition_offset(b) + i] = full_value(u, g, lo + i);
+    float* shard = out.buffer.data_as<float>() + out.plan.partition_offset(b);
+    for (int64_t i = 0; i < n; ++i) shard[i] = full_value(u, g, lo + i);
   }
   return out;
 }
@@ -64,9 +65,9 @@ void test_units() {
     // A root with a buffer of its own and three blocks (one with a frozen group).
     std::vector<UnitSpec> specs(4);
     specs[0].own_slot = true;
-    specs[0].groups.push_back(unit_group(0, 0, r, {30, 7}));
-    for (int u = 1; u < 4; ++u) specs[size_t(u)].groups.push_back(unit_group(u, 0, r, {20, 33}));
-    specs[2].groups.push_back(unit_group(2, 1, r, {9}));
+    specs[0].groups.push_back(unit_shard(0, 0, r, {30, 7}));
+    for (int u = 1; u < 4; ++u) specs[size_t(u)].groups.push_back(unit_shard(u, 0, r, {20, 33}));
+    specs[2].groups.push_back(unit_shard(2, 1, r, {9}));
     const int64_t block_bytes = 4 * (plan_of({20, 33}).total_elems() + plan_of({9}).total_elems());
     UnitSchedule s(q, rq, specs, DType::kFloat32, block_bytes);  // prefetch one unit
     if (s.pool_slots() != 2) ++bad;
@@ -131,11 +132,11 @@ void test_buckets() {
   const std::vector<std::vector<int64_t>> groups = {{17, 40, 5, 64}, {30, 3}};
   std::atomic<int> bad{0};
   on_ranks([&](int r, CommQueue& q, CommQueue& control) {
-    std::vector<ReduceGroup> spec;
+    std::vector<FlatGroupBuffer> spec;
     for (size_t g = 0; g < groups.size(); ++g) {
-      ReduceGroup rg{int32_t(g), plan_of(groups[g]), Tensor()};
-      rg.grad_part = Tensor::empty({rg.plan.partition_elems()}, DType::kFloat32);
-      std::fill(rg.grad_part.data_as<float>(), rg.grad_part.data_as<float>() + rg.grad_part.numel(), 0.0f);
+      FlatGroupBuffer rg{int32_t(g), plan_of(groups[g]), Tensor()};
+      rg.buffer = Tensor::empty({rg.plan.partition_elems()}, DType::kFloat32);
+      std::fill(rg.buffer.data_as<float>(), rg.buffer.data_as<float>() + rg.buffer.numel(), 0.0f);
       spec.push_back(rg);
     }
     BucketReducer reducer(q, spec, DType::kFloat32, 2);
@@ -183,7 +184,7 @@ void test_buckets() {
           }
           want *= 2.0f;
           if (g == 0 && seg.param == 1) want += 2.0f * grad_value(2, 0, 1, seg.param_offset + i);
-          const float got = spec[g].grad_part.data_as<float>()[seg.partition_offset + i];
+          const float got = spec[g].buffer.data_as<float>()[seg.partition_offset + i];
           if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
         }
       }
@@ -203,12 +204,12 @@ void test_grad_views_as_buckets_take_staging() {
   const std::vector<std::vector<int64_t>> groups = {{17, 40, 5, 64, 9, 12}, {30, 3}};
   std::atomic<int> bad{0};
   on_ranks([&](int r, CommQueue& q) {
-    std::vector<ReduceGroup> spec;
+    std::vector<FlatGroupBuffer> spec;
     int single = 0;  // params that lie in one bucket
     for (size_t g = 0; g < groups.size(); ++g) {
-      ReduceGroup rg{int32_t(g), plan_of(groups[g]), Tensor()};
-      rg.grad_part = Tensor::empty({rg.plan.partition_elems()}, DType::kFloat32);
-      std::fill(rg.grad_part.data_as<float>(), rg.grad_part.data_as<float>() + rg.grad_part.numel(), 0.0f);
+      FlatGroupBuffer rg{int32_t(g), plan_of(groups[g]), Tensor()};
+      rg.buffer = Tensor::empty({rg.plan.partition_elems()}, DType::kFloat32);
+      std::fill(rg.buffer.data_as<float>(), rg.buffer.data_as<float>() + rg.buffer.numel(), 0.0f);
       for (const ParamSlot& slot : rg.plan.params()) {
         single += std::count_if(rg.plan.buckets().begin(), rg.plan.buckets().end(), [&](const Bucket& b) {
           return b.offset <= slot.offset && slot.offset + slot.numel <= b.offset + b.numel;
@@ -258,7 +259,7 @@ void test_grad_views_as_buckets_take_staging() {
           for (int k = 0; k < kWorld; ++k) {
             if (!(k == 2 && g == 0 && seg.param == 3)) want += 2.0f * grad_value(k, int(g), seg.param, seg.param_offset + i);
           }
-          const float got = spec[g].grad_part.data_as<float>()[seg.partition_offset + i];
+          const float got = spec[g].buffer.data_as<float>()[seg.partition_offset + i];
           if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
         }
       }
@@ -275,12 +276,12 @@ void test_in_flight_reduction_gives_its_staging_back() {
   const std::vector<int64_t> numels = {20, 17};  // one bucket a unit
   std::atomic<int> bad{0};
   on_ranks([&](int r, CommQueue& q) {
-    std::vector<ReduceGroup> reduce;
+    std::vector<FlatGroupBuffer> reduce;
     for (int u = 0; u < kUnits; ++u) {
-      reduce.push_back(ReduceGroup{int32_t(u), plan_of(numels), Tensor::empty({plan_of(numels).partition_elems()},
+      reduce.push_back(FlatGroupBuffer{int32_t(u), plan_of(numels), Tensor::empty({plan_of(numels).partition_elems()},
                                                                               DType::kFloat32)});
-      std::fill(reduce.back().grad_part.data_as<float>(),
-                reduce.back().grad_part.data_as<float>() + reduce.back().grad_part.numel(), 0.0f);
+      std::fill(reduce.back().buffer.data_as<float>(),
+                reduce.back().buffer.data_as<float>() + reduce.back().buffer.numel(), 0.0f);
     }
     BucketReducer reducer(q, reduce, DType::kFloat32, 2, /*on_request=*/true);
     for (int u = 0; u < kUnits; ++u) {
@@ -298,7 +299,7 @@ void test_in_flight_reduction_gives_its_staging_back() {
         for (int64_t i = 0; i < seg.numel; ++i) {
           float want = 0.0f;
           for (int k = 0; k < kWorld; ++k) want += grad_value(k, u, seg.param, seg.param_offset + i);
-          const float got = reduce[size_t(u)].grad_part.data_as<float>()[seg.partition_offset + i];
+          const float got = reduce[size_t(u)].buffer.data_as<float>()[seg.partition_offset + i];
           if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
         }
       }
@@ -321,7 +322,7 @@ void test_grad_partitions_change_between_backwards() {
       return t;
     };
     const Tensor first = zeroed(), second = zeroed();
-    BucketReducer reducer(q, {ReduceGroup{0, plan, first}}, DType::kFloat32, 2);
+    BucketReducer reducer(q, {FlatGroupBuffer{0, plan, first}}, DType::kFloat32, 2);
     auto backward = [&](float scale, bool try_mid_backward) {
       for (int p = 0; p < int(numels.size()); ++p) {
         Tensor g = Tensor::empty({numels[size_t(p)]}, DType::kFloat32);
@@ -378,11 +379,12 @@ void test_divergent_units() {
   on_ranks([&](int r, CommQueue& q, CommQueue& rq) {
     std::vector<UnitSpec> specs(kUnits);
     specs[0].own_slot = true;
-    std::vector<ReduceGroup> reduce;  // reduction order: the last unit first
+    std::vector<FlatGroupBuffer> reduce;  // reduction order: the last unit first
     for (int u = kUnits - 1; u >= 0; --u) {
-      specs[size_t(u)].groups.push_back(unit_group(u, 0, r, numels));
-      ReduceGroup rg{int32_t(u), plan_of(numels), Tensor::empty({plan_of(numels).partition_elems()}, DType::kFloat32)};
-      std::fill(rg.grad_part.data_as<float>(), rg.grad_part.data_as<float>() + rg.grad_part.numel(), 0.0f);
+      specs[size_t(u)].groups.push_back(unit_shard(u, 0, r, numels));
+      FlatGroupBuffer rg{int32_t(u), plan_of(numels), Tensor()};
+      rg.buffer = Tensor::empty({rg.plan.partition_elems()}, DType::kFloat32);
+      std::fill(rg.buffer.data_as<float>(), rg.buffer.data_as<float>() + rg.buffer.numel(), 0.0f);
       reduce.push_back(rg);
     }
     BucketReducer reducer(q, reduce, DType::kFloat32, 2, /*on_request=*/true);
@@ -423,7 +425,7 @@ void test_divergent_units() {
       if (k.kind == CollectiveKind::kReduceScatter) reductions[size_t(r)].push_back(k);
     }
     for (int u = 0; u < kUnits; ++u) {
-      const ReduceGroup& rg = reduce[size_t(kUnits - 1 - u)];
+      const FlatGroupBuffer& rg = reduce[size_t(kUnits - 1 - u)];
       for (const Segment& seg : rg.plan.segments(r)) {
         for (int64_t i = 0; i < seg.numel; ++i) {
           float want = 0.0f;
@@ -433,7 +435,7 @@ void test_divergent_units() {
             want += float(times) * grad_value(k, u, seg.param, seg.param_offset + i);
           }
           want *= 2.0f;  // two steps
-          const float got = rg.grad_part.data_as<float>()[seg.partition_offset + i];
+          const float got = rg.buffer.data_as<float>()[seg.partition_offset + i];
           if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) ++bad;
         }
       }
@@ -473,7 +475,7 @@ void test_units_on_the_checking_backend(Fault fault) {
       CommQueue q(data.transport(r), backend), rq(rounds.transport(r), backend);
       CommQueue stray(InProcessGroup(1).transport(0), backend);
       std::vector<UnitSpec> specs(4);
-      for (int u = 0; u < 4; ++u) specs[size_t(u)].groups.push_back(unit_group(u, 0, r, {20, 33}));
+      for (int u = 0; u < 4; ++u) specs[size_t(u)].groups.push_back(unit_shard(u, 0, r, {20, 33}));
       UnitSchedule s(q, rq, specs, DType::kFloat32, 4 * plan_of({20, 33}).total_elems());
       for (int step = 0; step < 3; ++step) {
         Tensor released;

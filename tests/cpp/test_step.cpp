@@ -134,8 +134,10 @@ void test_step(Stage stage, double loss_scale, std::optional<double> clip_fracti
                                           : partition_runs(plan, r, full, grad);
     // Stage 0 reduces whole grads; the others hold their partition of them.
     std::optional<BucketCollectives> reduce;
-    if (stage == Stage::kZero) reduce.emplace(data, CollectiveKind::kAllReduce, std::vector{FlatBuffer{0, plan, grad}});
-    BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
+    if (stage == Stage::kZero) {
+      reduce.emplace(data, CollectiveKind::kAllReduce, std::vector{FlatGroupBuffer{0, plan, grad}});
+    }
+    BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatGroupBuffer{0, plan, full}});
     LossScaler scaler(loss_scale);
     ZeroStep::Parts parts{&data, &control, runs, stage != Stage::kZero, reduce ? &*reduce : nullptr,
                           stage == Stage::kOneTwo ? &gather : nullptr};
@@ -196,7 +198,7 @@ void test_overflow_on_every_rank(bool dynamic) {
     if (r == 1) g[3] = std::numeric_limits<float>::infinity();
     const Tensor grad = filled(g);
     const int64_t shard = plan.shard_elems(0);
-    BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
+    BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatGroupBuffer{0, plan, full}});
     LossScaler scaler = dynamic ? LossScaler(DynamicScale{1024.0, 2000, 1, 1.0, false, false}) : LossScaler(1024.0);
     ZeroStep::Parts parts{&data, &control,
                           {FlatRun{0, full.slice(r * shard, shard), grad.slice(0, shard), Tensor(), Tensor(),
@@ -294,9 +296,9 @@ void test_late_grads_in_the_exchange() {
     std::vector<float> init(static_cast<size_t>(plan.total_elems()));
     for (size_t i = 0; i < init.size(); ++i) init[i] = param_value(int64_t(i));
     const Tensor full = filled(init);
-    BucketReducer reducer(data, {ReduceGroup{0, plan, grad_part}}, DType::kFloat32, 2);
+    BucketReducer reducer(data, {FlatGroupBuffer{0, plan, grad_part}}, DType::kFloat32, 2);
     const std::vector<FlatRun> runs = partition_runs(plan, r, full, grad_part);
-    BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
+    BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatGroupBuffer{0, plan, full}});
     ZeroStep::Parts parts{&data, &control, runs, true, nullptr, &gather};
     parts.grad_reducer = &reducer;
     ZeroStep step(std::move(parts));
@@ -391,7 +393,7 @@ void test_kernels_run_on_the_backend() {
       const Tensor grad = Tensor::empty({part}, DType::kFloat32, backend, MemoryKind::kDevice, "grad");
       std::memcpy(full.data(), init.data(), full.nbytes());
       const std::vector<FlatRun> runs = partition_runs(plan, r, full, grad);
-      BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatBuffer{0, plan, full}});
+      BucketCollectives gather(data, CollectiveKind::kAllGather, {FlatGroupBuffer{0, plan, full}});
       ZeroStep step(ZeroStep::Parts{&data, &control, runs, true, nullptr, &gather});
       std::vector<double> want(init.begin(), init.end());
       for (int s = 0; s < kSteps; ++s) {

@@ -6,7 +6,9 @@
 // on padding or on another rank's block reads the wrong label. The store's
 // buffers are its backend's, of the kind its placement puts them in, and
 // the checking backend checks accesses to them.
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -120,12 +122,12 @@ void check_views(const std::vector<ParamSpec>& specs, const LayoutOptions& o) {
         if (x == 0.f) continue;
         in_runs.push_back(x);
         const int param = int(x - 1) / 4096;
-        CHECK(specs[size_t(param)].group == run.group);
+        CHECK(specs[size_t(param)].param_group == run.param_group);
         CHECK((ref.offset[size_t(param)] + int64_t(x - 1) % 4096) / ref.bucket == run.bucket);
       }
       if (k > 0) {
         const PartitionRun& prev = store.runs()[k - 1];
-        CHECK(prev.bucket != run.bucket || prev.group != run.group);
+        CHECK(prev.bucket != run.bucket || prev.param_group != run.param_group);
       }
     }
     std::vector<float> labels;
@@ -213,6 +215,87 @@ void placements() {
   }
 }
 
+// The step's runs (flat_runs) view the buffers the store's table says the
+// update reads and writes, per placement: kinds = {param, grad, state0,
+// state1, param_copy}, "" where there is none.
+void check_step_runs(const LayoutPlan& plan, const StorePlacement& p, const std::vector<std::string>& kinds) {
+  PartitionStore s(plan, p);
+  s.allocate();
+  const std::vector<FlatRun> runs = s.flat_runs();
+  CHECK(runs.size() == s.runs().size() && (runs.empty() != p.trainable));
+  for (int k = 0; k < int(runs.size()); ++k) {
+    const FlatRun& r = runs[size_t(k)];
+    CHECK(r.param_group == s.runs()[size_t(k)].param_group);
+    const Tensor* got[] = {&r.param, &r.grad, &r.state0, &r.state1, &r.param_copy};
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      if (kinds[i].empty()) {
+        CHECK(got[i]->data() == nullptr);
+        continue;
+      }
+      const Tensor want = s.run_view(kinds[i], k);
+      CHECK(got[i]->data() == want.data() && got[i]->numel() == want.numel() && got[i]->dtype() == want.dtype());
+    }
+  }
+}
+
+void step_runs() {
+  const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 1}, {5, 1}}, LayoutOptions{2, 4, 16});
+  StorePlacement p;
+  p.rank = 1;
+  p.state_names = {"exp_avg", "exp_avg_sq"};
+  // Stage 2, fp32: the params training reads are the update's, no copy.
+  p.partitions_grads = true;
+  check_step_runs(plan, p, {"full", "grad_part", "state.exp_avg", "state.exp_avg_sq", ""});
+  // Stage 3, bf16: the fp32 master is updated and copied into the shard.
+  p.sharded = true;
+  p.dtype = DType::kBFloat16;
+  check_step_runs(plan, p, {"master", "grad_part", "state.exp_avg", "state.exp_avg_sq", "shard"});
+  // Stage 1, SGD with momentum: one state; the grads reduction leaves are whole.
+  p.sharded = p.partitions_grads = false;
+  p.state_names = {"momentum_buffer"};
+  check_step_runs(plan, p, {"master", "grad_full", "state.momentum_buffer", "", "full"});
+  // Offloaded, stage 3: the host's grads (the grad partition itself here) and its 16-bit copy.
+  p.sharded = p.partitions_grads = p.params_on_host = p.optimizer_on_host = true;
+  check_step_runs(plan, p, {"master", "grad_part", "state.momentum_buffer", "", "host_param"});
+  p.delayed = true;  // with a host grad buffer of its own
+  check_step_runs(plan, p, {"master", "host_grad", "state.momentum_buffer", "", "host_param"});
+  p.trainable = false;
+  check_step_runs(plan, p, {});
+  // A buffer handed out with the plan and the tag, for the collectives.
+  PartitionStore s(plan, p);
+  s.allocate();
+  const FlatGroupBuffer shard = s.group_buffer(7, "shard");
+  CHECK(shard.tag == 7 && shard.buffer.data() == s.buffer("shard").data() &&
+        shard.buffer.numel() == plan.partition_elems() && shard.plan.total_elems() == plan.total_elems() &&
+        shard.plan.buckets().size() == plan.buckets().size());
+  CHECK(throws([&] { s.group_buffer(7, "full"); }));
+}
+
+// zero_grads zeroes the grads reduction adds into, device or host memory,
+// and nothing else.
+void zeroing() {
+  const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 1}}, LayoutOptions{2, 4, 16});
+  StorePlacement p;
+  p.rank = 1;
+  p.dtype = DType::kBFloat16;
+  p.state_names = {"exp_avg"};
+  for (int offloaded = 0; offloaded < 2; ++offloaded) {
+    // Stage 1 (grad_full on the device), or stage 2 offloaded with a delayed
+    // update (grad_part and a host_grad of its own on the host).
+    p.partitions_grads = p.optimizer_on_host = p.delayed = offloaded == 1;
+    PartitionStore s(plan, p);
+    s.allocate();
+    for (const BufferSpec& b : s.buffers()) std::memset(s.buffer(b.kind).data(), 1, b.bytes());
+    s.zero_grads();
+    for (const BufferSpec& b : s.buffers()) {
+      const Tensor t = s.buffer(b.kind);
+      const auto* bytes = static_cast<const unsigned char*>(t.data());
+      const unsigned char want = b.kind == "grad_full" || b.kind == "grad_part" ? 0 : 1;
+      CHECK(std::all_of(bytes, bytes + t.nbytes(), [want](unsigned char c) { return c == want; }));
+    }
+  }
+}
+
 void errors() {
   const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 0}}, LayoutOptions{2, 1, 8});
   StorePlacement p;
@@ -271,6 +354,8 @@ void on_a_checking_backend() {
 int main() {
   sweep();
   placements();
+  step_runs();
+  zeroing();
   errors();
   on_a_checking_backend();
   return zerocore::test::finish("test_store");

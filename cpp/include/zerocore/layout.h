@@ -23,7 +23,7 @@ namespace zerocore {
 
 struct ParamSpec {
   int64_t numel = 0;
-  int group = 0;  // optimizer param group
+  int param_group = 0;  // the optimizer's param group
 };
 
 struct LayoutOptions {
@@ -35,7 +35,7 @@ struct LayoutOptions {
 struct ParamSlot {
   int64_t offset = 0;  // first element in the flat buffer
   int64_t numel = 0;
-  int group = 0;
+  int param_group = 0;
   int first_bucket = 0;  // buckets the param overlaps, inclusive;
   int last_bucket = -1;  // last < first for an empty param
 };
@@ -52,7 +52,7 @@ struct Bucket {
 // A contiguous piece of one param owned by one rank.
 struct Segment {
   int param = 0;
-  int group = 0;
+  int param_group = 0;
   int bucket = 0;
   int64_t param_offset = 0;      // first element within the param
   int64_t flat_offset = 0;       // first element in the flat buffer

@@ -1,4 +1,4 @@
-// The per-group queue, a comm stream: one native thread issues the group's
+// The queue of a process group, a comm stream: one native thread issues its
 // collectives in the order they were issued, so every rank's transport sees
 // the same sequence whatever thread issued them; a second thread waits for
 // each one's completion, in the same order, and sets its event (the first

@@ -39,7 +39,7 @@ cpu::FlatArgs flat_args(const FlatRun& r) {
                        is_given(r.param_copy) ? r.param_copy.dtype() : DType::kBFloat16};
 }
 
-// Runs kernel(coefs[run.group], args of run, begin, end) over every run's
+// Runs kernel(coefs[run.param_group], args of run, begin, end) over every run's
 // elements, split over the thread pool together.
 template <class Coefs, class Kernel>
 void update_runs(const std::vector<Coefs>& coefs, const std::vector<FlatRun>& runs, Kernel kernel) {
@@ -50,7 +50,7 @@ void update_runs(const std::vector<Coefs>& coefs, const std::vector<FlatRun>& ru
     args.push_back(flat_args(r));
   }
   parallel_for_ranges(default_thread_pool(), lengths, kChunkAlign, [&](size_t i, int64_t b, int64_t e) {
-    kernel(coefs[size_t(runs[i].group)], args[i], b, e);
+    kernel(coefs[size_t(runs[i].param_group)], args[i], b, e);
   });
 }
 

@@ -28,12 +28,13 @@ void check_tensor(const char* op, const char* name, const Tensor& t, Device devi
   }
 }
 
-// The group of run i, checked against the number of groups given.
+// The param group of run i, checked against the number of param groups given.
 size_t group_of(const char* op, size_t groups, const std::vector<FlatRun>& runs, size_t i) {
-  const int g = runs[i].group;
+  const int g = runs[i].param_group;
   if (g < 0 || size_t(g) >= groups) {
-    throw InvalidArgument(std::string(op) + ": run " + std::to_string(i) + " belongs to group " + std::to_string(g) +
-                          " but options were given for " + std::to_string(groups) + " group(s)");
+    throw InvalidArgument(std::string(op) + ": run " + std::to_string(i) + " belongs to param group " +
+                          std::to_string(g) + " but options were given for " + std::to_string(groups) +
+                          " param group(s)");
   }
   return size_t(g);
 }

@@ -135,9 +135,9 @@ template <class Options, class Update>
 void OffloadOptimizer::update(const std::vector<Options>& groups, bool copy_params, Update update_bucket) {
   for (const OffloadBucket& b : buckets_) {
     for (const FlatRun& run : b.runs) {
-      if (run.group < 0 || size_t(run.group) >= groups.size()) {
-        throw InvalidArgument("OffloadOptimizer: a run is in param group " + std::to_string(run.group) + ", but " +
-                              std::to_string(groups.size()) + " group(s) were given");
+      if (run.param_group < 0 || size_t(run.param_group) >= groups.size()) {
+        throw InvalidArgument("OffloadOptimizer: a run is in param group " + std::to_string(run.param_group) +
+                              ", but " + std::to_string(groups.size()) + " group(s) were given");
       }
     }
   }

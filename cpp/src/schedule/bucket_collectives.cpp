@@ -7,14 +7,14 @@
 
 namespace zerocore {
 
-BucketCollectives::BucketCollectives(CommQueue& comm, CollectiveKind kind, std::vector<FlatBuffer> buffers)
+BucketCollectives::BucketCollectives(CommQueue& comm, CollectiveKind kind, std::vector<FlatGroupBuffer> buffers)
     : comm_(comm), kind_(kind), buffers_(std::move(buffers)) {
   if (kind == CollectiveKind::kBroadcast) throw InvalidArgument("BucketCollectives: broadcast is no bucket collective");
-  for (const FlatBuffer& b : buffers_) {
+  for (const FlatGroupBuffer& b : buffers_) {
     // An all-reduce moves whole buckets; the others move each rank's block of them.
     const bool blocks = kind != CollectiveKind::kAllReduce;
-    if (b.flat.numel() != b.plan.total_elems() || (blocks && b.plan.world_size() != comm.world_size())) {
-      throw InvalidArgument("BucketCollectives: group " + std::to_string(b.tag) + " needs " +
+    if (b.buffer.numel() != b.plan.total_elems() || (blocks && b.plan.world_size() != comm.world_size())) {
+      throw InvalidArgument("BucketCollectives: flat group " + std::to_string(b.tag) + " needs " +
                             std::to_string(b.plan.total_elems()) + " elements" +
                             (blocks ? " planned for " + std::to_string(comm.world_size()) + " ranks" : ""));
     }
@@ -34,16 +34,16 @@ void BucketCollectives::run() {
   // waits for it: on CUDA the host goes on; on the CPU the caller is the
   // compute stream and waits where it stands.
   std::shared_ptr<StreamEvent> last;
-  for (const FlatBuffer& b : buffers_) {
+  for (const FlatGroupBuffer& b : buffers_) {
     for (int i = 0; i < int(b.plan.buckets().size()); ++i) {
       const Bucket& bucket = b.plan.buckets()[size_t(i)];
-      const Tensor whole = b.flat.slice(bucket.offset, bucket.numel);
+      const Tensor whole = b.buffer.slice(bucket.offset, bucket.numel);
       const CollectiveKey key{kind_, b.tag, i, bucket.numel};
       if (kind_ == CollectiveKind::kAllReduce) {
         last = comm_.all_reduce(key, whole);
         continue;
       }
-      const Tensor mine = b.flat.slice(b.plan.shard_offset(i, comm_.rank()), b.plan.shard_elems(i));
+      const Tensor mine = b.buffer.slice(b.plan.shard_offset(i, comm_.rank()), b.plan.shard_elems(i));
       last = kind_ == CollectiveKind::kReduceScatter ? comm_.reduce_scatter(key, whole, mine)
                                                      : comm_.all_gather(key, mine, whole);
     }

@@ -16,14 +16,15 @@ namespace {
 constexpr size_t kMaxInFlight = 1;
 }  // namespace
 
-BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype,
+BucketReducer::BucketReducer(CommQueue& comm, std::vector<FlatGroupBuffer> grad_parts, DType reduce_dtype,
                              int staging_buffers, bool on_request)
-    : comm_(comm), backend_(comm.backend()), groups_(std::move(groups)), reduce_dtype_(reduce_dtype), on_request_(on_request) {
+    : comm_(comm), backend_(comm.backend()), groups_(std::move(grad_parts)), reduce_dtype_(reduce_dtype),
+      on_request_(on_request) {
   int64_t largest = 0;
   for (int g = 0; g < int(groups_.size()); ++g) {
-    const ReduceGroup& group = groups_[size_t(g)];
+    const FlatGroupBuffer& group = groups_[size_t(g)];
     const LayoutPlan& plan = group.plan;
-    check_grad_part(group, group.grad_part);
+    check_grad_part(group, group.buffer);
     if (plan.world_size() != comm.world_size()) {
       throw InvalidArgument("BucketReducer: group " + std::to_string(group.tag) + " is planned for " +
                             std::to_string(plan.world_size()) + " ranks, the queue has " +
@@ -53,8 +54,8 @@ BucketReducer::BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, D
   pool_ = SlotPool(reduce_dtype, largest, largest > 0 ? staging_buffers : 0, backend_, MemoryKind::kDevice,
                    "grad staging");
   int64_t largest_host_shard = 0;
-  for (const ReduceGroup& group : groups_) {
-    on_host_.push_back(on_host(group.grad_part));
+  for (const FlatGroupBuffer& group : groups_) {
+    on_host_.push_back(on_host(group.buffer));
     for (int b = 0; on_host_.back() && b < int(group.plan.buckets().size()); ++b) {
       largest_host_shard = std::max(largest_host_shard, group.plan.shard_elems(b));
     }
@@ -83,7 +84,7 @@ BucketReducer::~BucketReducer() {
   }
 }
 
-void BucketReducer::check_grad_part(const ReduceGroup& group, const Tensor& grad_part) const {
+void BucketReducer::check_grad_part(const FlatGroupBuffer& group, const Tensor& grad_part) const {
   if (grad_part.dtype() != reduce_dtype_ || grad_part.numel() != group.plan.partition_elems()) {
     throw InvalidArgument("BucketReducer: group " + std::to_string(group.tag) + ": grad_part must be " +
                           std::to_string(group.plan.partition_elems()) + " elements of " +
@@ -116,7 +117,7 @@ void BucketReducer::set_grad_partitions(const std::vector<Tensor>& grad_parts) {
                             " memory, the old one was not");
     }
   }
-  for (size_t g = 0; g < groups_.size(); ++g) groups_[g].grad_part = grad_parts[g];
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g].buffer = grad_parts[g];
 }
 
 const std::vector<BucketReducer::Piece>& BucketReducer::pieces(int group, int param) const {
@@ -274,10 +275,10 @@ void BucketReducer::complete_oldest() {
   in_flight_.pop_front();
   Stream& compute = backend_.compute_stream();
   const BucketState& b = buckets_[size_t(f.bucket)];
-  const ReduceGroup& group = groups_[size_t(b.group)];
+  const FlatGroupBuffer& group = groups_[size_t(b.group)];
   const int64_t shard = group.plan.shard_elems(b.bucket);
   const Tensor reduced = pool_.slot(f.staging).slice(comm_.rank() * shard, shard);
-  const Tensor part = group.grad_part.slice(group.plan.partition_offset(b.bucket), shard);
+  const Tensor part = group.buffer.slice(group.plan.partition_offset(b.bucket), shard);
   if (on_host_[size_t(b.group)]) {
     backend_.wait(*down_, *f.event);
     const int slot = landing_.acquire();
@@ -342,7 +343,7 @@ void BucketReducer::drop_late() {
 
 void BucketReducer::grad_sum_of_squares(Mailbox& box, int sum_slot, int finite_slot) const {
   std::vector<Tensor> parts;
-  for (const ReduceGroup& g : groups_) parts.push_back(g.grad_part);
+  for (const FlatGroupBuffer& g : groups_) parts.push_back(g.buffer);
   backend_.sum_of_squares(backend_.compute_stream(), parts, box, sum_slot, finite_slot);
 }
 

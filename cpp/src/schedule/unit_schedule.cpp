@@ -30,15 +30,15 @@ UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitS
     int64_t elems = 0;
     group_offsets_.emplace_back();
     shard_on_host_.emplace_back();
-    for (const UnitGroup& g : units_[u].groups) {
-      if (g.shard.dtype() != dtype || g.shard.numel() != g.plan.partition_elems()) {
+    for (const FlatGroupBuffer& g : units_[u].groups) {
+      if (g.buffer.dtype() != dtype || g.buffer.numel() != g.plan.partition_elems()) {
         throw InvalidArgument("UnitSchedule: unit " + std::to_string(u) + ", group " + std::to_string(g.tag) +
                               ": the shard must be " + std::to_string(g.plan.partition_elems()) + " elements of " +
                               dtype_name(dtype));
       }
       group_offsets_.back().push_back(elems);
       elems += g.plan.total_elems();  // a multiple of world x alignment: the next group stays aligned
-      const std::optional<MemoryKind> kind = backend_.kind_of(g.shard.data());
+      const std::optional<MemoryKind> kind = backend_.kind_of(g.buffer.data());
       shard_on_host_.back().push_back(kind && *kind != MemoryKind::kDevice);
     }
     unit_elems_.push_back(elems);
@@ -137,13 +137,13 @@ std::vector<std::shared_ptr<StreamEvent>> UnitSchedule::issue(int unit, const Te
   // device memory.
   std::vector<std::pair<Tensor, Tensor>> gathers;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
-    const UnitGroup& group = spec.groups[g];
+    const FlatGroupBuffer& group = spec.groups[g];
     const int64_t base = group_offsets_[size_t(unit)][g];
     for (int b = 0; b < int(group.plan.buckets().size()); ++b) {
       const Bucket& bucket = group.plan.buckets()[size_t(b)];
       const int64_t shard = group.plan.shard_elems(b);
       const Tensor output = out.slice(base + bucket.offset, bucket.numel);
-      Tensor input = group.shard.slice(group.plan.partition_offset(b), shard);
+      Tensor input = group.buffer.slice(group.plan.partition_offset(b), shard);
       if (shard_on_host_[size_t(unit)][g]) {
         const Tensor mine = output.slice(comm_.rank() * shard, shard);
         backend_.copy(backend_.compute_stream(), mine, input);
@@ -156,7 +156,7 @@ std::vector<std::shared_ptr<StreamEvent>> UnitSchedule::issue(int unit, const Te
   backend_.wait(comm_.stream(), *backend_.record(backend_.compute_stream()));
   size_t next = 0;
   for (size_t g = 0; g < spec.groups.size(); ++g) {
-    const UnitGroup& group = spec.groups[g];
+    const FlatGroupBuffer& group = spec.groups[g];
     for (int b = 0; b < int(group.plan.buckets().size()); ++b) {
       const Bucket& bucket = group.plan.buckets()[size_t(b)];
       const CollectiveKey key{CollectiveKind::kAllGather, group.tag, b, bucket.numel};

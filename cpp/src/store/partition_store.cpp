@@ -1,6 +1,7 @@
 #include "zerocore/store/partition_store.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "zerocore/error.h"
@@ -49,10 +50,10 @@ std::vector<BufferSpec> plan_buffers(const LayoutPlan& plan, const StorePlacemen
 std::vector<PartitionRun> merge_runs(const std::vector<Segment>& segments) {
   std::vector<PartitionRun> out;
   for (const Segment& s : segments) {
-    if (!out.empty() && out.back().bucket == s.bucket && out.back().group == s.group) {
+    if (!out.empty() && out.back().bucket == s.bucket && out.back().param_group == s.param_group) {
       out.back().numel = s.partition_offset + s.numel - out.back().partition_offset;
     } else {
-      out.push_back(PartitionRun{s.bucket, s.group, s.partition_offset, s.flat_offset, s.numel});
+      out.push_back(PartitionRun{s.bucket, s.param_group, s.partition_offset, s.flat_offset, s.numel});
     }
   }
   return out;
@@ -124,6 +125,43 @@ void PartitionStore::swap_grads() {
   if (!swaps_grads()) throw InvalidArgument("store: swap_grads() needs a delayed offloaded update at stage 2 or 3");
   if (tensors_.empty()) throw InvalidArgument("store: call allocate() before swap_grads()");
   std::swap(tensors_[spec("grad_part") - buffers_.data()], tensors_[spec("host_grad") - buffers_.data()]);
+}
+
+void PartitionStore::zero_grads() {
+  for (const char* kind : {"grad_full", "grad_part"}) {
+    const BufferSpec* b = spec(kind);
+    if (b == nullptr) continue;
+    const Tensor grads = buffer(kind);
+    if (b->where == Where::kDevice) {
+      backend_->fill(backend_->compute_stream(), grads, 0.0f);
+    } else {
+      backend_->declare_host_access(Access::write(grads), "zero_grads");
+      std::memset(grads.data(), 0, grads.nbytes());
+    }
+  }
+}
+
+std::vector<FlatRun> PartitionStore::flat_runs() const {
+  const std::string live = placement_.sharded ? "shard" : "full";
+  std::string param = live, grad = has("grad_full") ? "grad_full" : "grad_part", copy;
+  if (placement_.optimizer_on_host) {
+    param = "master";
+    grad = "host_grad";
+    if (has("host_param")) copy = "host_param";
+  } else if (has("master")) {
+    param = "master";
+    copy = live;
+  }
+  std::vector<std::string> states;
+  for (const std::string& name : placement_.state_names) states.push_back("state." + name);
+  states.resize(2);  // Adam's two, SGD's momentum, or none
+  const auto view = [this](const std::string& kind, int run) { return kind.empty() ? Tensor() : run_view(kind, run); };
+  std::vector<FlatRun> out;
+  for (int k = 0; k < int(runs_.size()); ++k) {
+    out.push_back(FlatRun{runs_[size_t(k)].param_group, view(param, k), view(grad, k), view(states[0], k),
+                          view(states[1], k), view(copy, k)});
+  }
+  return out;
 }
 
 bool PartitionStore::is_whole(int64_t buffer_elems) const {

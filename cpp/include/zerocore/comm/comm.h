@@ -1,5 +1,5 @@
-// Collectives between the data-parallel ranks of one group, as the runtime
-// issues them. Three pieces:
+// Collectives between the data-parallel ranks of one process group, as the
+// runtime issues them. Three pieces:
 // - CollectiveKey: what a collective moves (kind, flat group, bucket, size),
 //   the same on every rank for the same collective: the order contract.
 // - Transport: collectives on host tensors, in place where a shard is this
@@ -9,7 +9,7 @@
 //   (InProcessGroup, ranks as threads) or leaves the check to its caller (a
 //   transport over torch.distributed or NCCL, where the queue's fingerprint
 //   of the keys travels in the engine's step control collective).
-// - CommQueue: the group's comm stream, a stream of a Backend. One native
+// - CommQueue: the process group's comm stream, a stream of a Backend. One native
 //   thread issues collectives in issue order, a second completes them in
 //   the same order; each issue declares the collective's accesses (input
 //   read, output written) on the stream and returns the backend event of
@@ -69,7 +69,7 @@ class CollectiveMismatch : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A peer did not join a collective within the group's timeout (it is stuck
+// A peer did not join a collective within the process group's timeout (it is stuck
 // or dead): a transport throws it with a message naming the collective. The
 // queue then fails every later collective with it, as any error. Python:
 // zerocore.CollectiveTimeoutError.

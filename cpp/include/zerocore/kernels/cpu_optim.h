@@ -31,7 +31,7 @@ void sgd_update(const SgdOptions& options, int64_t step, double grad_scale, cons
 // optimizer param group: what a multi-run step updates. Undefined
 // (default-constructed) tensors mean "none".
 struct FlatRun {
-  int group = 0;      // index into the step's per-group options
+  int param_group = 0;  // index into the step's per-param-group options
   Tensor param;       // fp32
   Tensor grad;        // fp32, bf16 or fp16
   Tensor state0;      // Adam exp_avg, SGD momentum buffer

@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "zerocore/comm/comm.h"
+#include "zerocore/flat_group_buffer.h"
 #include "zerocore/layout.h"
 #include "zerocore/schedule/slot_pool.h"
 #include "zerocore/tensor.h"
@@ -71,20 +72,16 @@ struct GradView {
   Tensor view;
 };
 
-struct ReduceGroup {
-  int32_t tag = 0;  // the collectives' key: the same on every rank
-  LayoutPlan plan;
-  Tensor grad_part;  // this rank's partition of the summed grads, in the reduce dtype
-};
-
 class BucketReducer {
  public:
-  // staging_buffers: staging slots allocated up front (the pool grows past
+  // grad_parts: per flat group, in reduction order (the reducer's group
+  // indices below are places in it), the partition of the summed grads
+  // this rank keeps, in the reduce dtype. staging_buffers: staging slots allocated up front (the pool grows past
   // them only when more buckets are open at once: a bucket that needs a slot
   // while all are taken first completes the reductions in flight, whose
   // slots come back). on_request: buckets are
   // issued only by reduce_groups() and end_backward(), never as they fill.
-  BucketReducer(CommQueue& comm, std::vector<ReduceGroup> groups, DType reduce_dtype, int staging_buffers,
+  BucketReducer(CommQueue& comm, std::vector<FlatGroupBuffer> grad_parts, DType reduce_dtype, int staging_buffers,
                 bool on_request = false);
   ~BucketReducer();  // waits for reductions in flight
   BucketReducer(const BucketReducer&) = delete;
@@ -158,7 +155,7 @@ class BucketReducer {
     std::shared_ptr<StreamEvent> event;
   };
 
-  void check_grad_part(const ReduceGroup& group, const Tensor& grad_part) const;
+  void check_grad_part(const FlatGroupBuffer& group, const Tensor& grad_part) const;
   bool on_host(const Tensor& grad_part) const;  // host memory of the backend's (an offloaded partition)
   bool between_backwards() const;
   int take_staging(BucketState& b);
@@ -181,7 +178,7 @@ class BucketReducer {
   // The queues' backend, kept: a reducer may outlive its queues (waiting
   // for nothing then), never their backend.
   Backend& backend_;
-  std::vector<ReduceGroup> groups_;
+  std::vector<FlatGroupBuffer> groups_;  // their buffers: the grad partitions
   DType reduce_dtype_;
   std::vector<BucketState> buckets_;
   std::vector<std::vector<std::vector<Piece>>> pieces_;  // [group][param]

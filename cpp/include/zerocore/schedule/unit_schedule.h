@@ -55,21 +55,17 @@
 #include <vector>
 
 #include "zerocore/comm/comm.h"
+#include "zerocore/flat_group_buffer.h"
 #include "zerocore/layout.h"
 #include "zerocore/schedule/slot_pool.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {
 
-// One flat group of a unit, as this rank holds it.
-struct UnitGroup {
-  int32_t tag = 0;  // the collectives' key: the same on every rank
-  LayoutPlan plan;
-  Tensor shard;     // this rank's partition: plan.partition_elems() elements
-};
-
 struct UnitSpec {
-  std::vector<UnitGroup> groups;  // laid out one after another in the unit's buffer
+  // The unit's flat groups, laid out one after another in its buffer, each
+  // with this rank's shard (plan.partition_elems() elements).
+  std::vector<FlatGroupBuffer> groups;
   bool own_slot = false;
 };
 

@@ -94,7 +94,7 @@ class ZeroStep {
  public:
   struct Parts {
     CommQueue* data = nullptr;     // the data collectives: its fingerprint is checked
-    CommQueue* control = nullptr;  // the exchange's queue (a host group beside the data group)
+    CommQueue* control = nullptr;  // the exchange's queue (a host process group beside the data one)
     std::vector<FlatRun> runs;     // this rank's partition; empty with a host_update (offload)
     // True when ranks hold disjoint parts of the grads (stages 1-3): the
     // sum of squares is summed over ranks; otherwise every rank has them all.

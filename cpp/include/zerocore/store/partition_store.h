@@ -38,6 +38,8 @@
 
 #include "zerocore/backend/cpu_backend.h"
 #include "zerocore/dtype.h"
+#include "zerocore/flat_group_buffer.h"
+#include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/layout.h"
 #include "zerocore/tensor.h"
 
@@ -77,7 +79,7 @@ struct BufferSpec {
 // the alignment gaps between its params.
 struct PartitionRun {
   int bucket = 0;
-  int group = 0;
+  int param_group = 0;
   int64_t partition_offset = 0;
   int64_t flat_offset = 0;
   int64_t numel = 0;
@@ -130,6 +132,23 @@ class PartitionStore {
   // the update reads host_grad; at each step they trade places.
   bool swaps_grads() const;
   void swap_grads();
+  // zero_grad: zeroes the grads reduction adds into (grad_full, grad_part).
+  // Device memory on the backend's compute stream, after what it did with
+  // them; host memory (an offloaded grad partition) by the host, at once.
+  void zero_grads();
+
+  // The buffer of `kind` with the plan and `tag`, the flat group's key in
+  // the collectives (the same on every rank): what the unit schedule, the
+  // bucket reducer and the step's bucket collectives take.
+  FlatGroupBuffer group_buffer(int32_t tag, const std::string& kind) const { return {tag, plan_, buffer(kind)}; }
+  // Per run, the views the optimizer step updates (ZeroStep::Parts::runs;
+  // offload's host update, bucket by bucket): the fp32 params (the master
+  // where there is one, else the params training reads), the grads (the
+  // host's when offloaded, else those reduction leaves), the first two
+  // optimizer states, and where the new params go in 16 bits (the params
+  // training reads behind a master; offloaded, the host_param copied up).
+  // Empty for a frozen group.
+  std::vector<FlatRun> flat_runs() const;
 
   // Where things lie in a buffer of `buffer_elems` elements: a whole or a
   // partition-sized buffer of this plan (throws InvalidArgument for any
