@@ -35,8 +35,9 @@ gloo's collectives. There an all-gather is one in-place broadcast of each
 rank's block (the same bytes moved), measured faster than gloo's own at 2
 ranks (bench/RESULTS.md), and a reduce-scatter a ring of sends in place:
 N - 1 steps, each sending a block of partial sums to the next rank and
-adding the previous rank's into another, received into a temporary of one
-block. A rank sends (N-1)/N of the bucket, as a reduce-scatter must; an
+adding the previous rank's into another, received into a scratch block
+the transport keeps (the largest bucket's block, allocated once, so that
+memory does not depend on the system allocator). A rank sends (N-1)/N of the bucket, as a reduce-scatter must; an
 all-reduce of the bucket (what it was before) sends twice that, and on the
 2-core GPT bench took twice as long (bench/RESULTS.md, 2026-11-27
 breakdown). Other backends (NCCL) get the tensor collectives.
@@ -123,6 +124,7 @@ class ProcessGroupTransport:
         self.describe = describe  # key -> what the collective is, for errors
         self.failure = failure or Failure()
         self.stream = None  # CUDA: the queue's comm stream (issue_on)
+        self.incoming = None  # gloo reduce-scatter: the scratch block each ring step receives into
 
     def issue_on(self, handle: int, device: int):
         """CUDA tensors' collectives go on the comm stream whose cudaStream_t
@@ -240,7 +242,7 @@ class ProcessGroupTransport:
         the last step's lands in this rank's own. Completes here (gloo)."""
         n, rank = self.world_size, self.rank
         blocks = input.view(n, -1)
-        incoming = torch.empty_like(blocks[rank]) if n > 1 else None
+        incoming = self._scratch(blocks[rank])
         to, source = self.global_ranks[(rank + 1) % n], self.global_ranks[(rank - 1) % n]
         for s in range(n - 1):
             works = [dist.isend(blocks[(rank - s - 1) % n], to, group=self.group),
@@ -249,6 +251,13 @@ class ProcessGroupTransport:
                 w.wait()
             blocks[(rank - s - 2) % n] += incoming
         return blocks[rank]
+
+    def _scratch(self, like):
+        """A tensor of like's size and dtype, a view of the scratch block,
+        which grows (once per larger bucket) and is kept."""
+        if self.incoming is None or self.incoming.dtype != like.dtype or self.incoming.numel() < like.numel():
+            self.incoming = torch.empty(like.numel(), dtype=like.dtype)
+        return self.incoming[:like.numel()]
 
 
 class _Completion:
