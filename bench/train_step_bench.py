@@ -4,6 +4,7 @@
     python bench/train_step_bench.py --dtype bf16 --steps 6
     python bench/train_step_bench.py --configs zero3,fsdp2 --repeats 3
     python bench/train_step_bench.py --model moe --experts 8  # mixture of experts
+    python bench/train_step_bench.py --configs zero3,ddp --breakdown  # where the step's time goes
 
 The same GPT-style model (zerocore.examples.gpt, or with --model moe its
 mixture-of-experts variant, zerocore.examples.moe: each expert its own
