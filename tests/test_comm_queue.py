@@ -259,7 +259,7 @@ def _reduce_scatter_sends(rank, world):
     return block.double().tolist(), expected.tolist(), sent
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_gloo_reduce_scatter_sends_what_a_reduce_scatter_needs(world):
     """(N-1)/N of the bucket a rank, in sends of one block each: an
     all-reduce of the bucket (the transport's reduce-scatter before) sends

@@ -242,7 +242,7 @@ class ProcessGroupTransport:
         the last step's lands in this rank's own. Completes here (gloo)."""
         n, rank = self.world_size, self.rank
         blocks = input.view(n, -1)
-        incoming = self._scratch(blocks[rank])
+        incoming = self._scratch(blocks[rank]) if n > 1 else None  # one rank: its block is the sum
         to, source = self.global_ranks[(rank + 1) % n], self.global_ranks[(rank - 1) % n]
         for s in range(n - 1):
             works = [dist.isend(blocks[(rank - s - 1) % n], to, group=self.group),
