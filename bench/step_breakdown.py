@@ -6,19 +6,20 @@ backward, optimizer step and zero_grad).
 zerocore stage 3 (StepBreakdown.instrument): within those phases, the time
 in the unit hooks (module forward pre/post hooks, the backward hooks, the
 saved-tensor pack/unpack hooks), in the grad hooks (each param's grad
-handed to the reducer) and, inside them and outside, in the native
-calls they make (the schedule's hooks, the reducer's grad_ready): the
-native schedule calls wait for the unit's gather (a stream wait: on the CPU
-backend the caller blocks) and settle the rounds, whose waits the schedule
-counts itself (round_seconds); the rest of a hook is Python. Forward and
-backward compute is the phase's time less everything instrumented.
+handed to the reducer) and, inside them and outside, in the native calls
+they make (the schedule's hooks, the reducer's grad_views and grad_ready):
+the native schedule calls wait for the unit's gather (a stream wait: on the
+CPU backend the caller blocks) and settle the rounds, whose waits the
+schedule counts itself (round_seconds); grad_views may wait for a
+reduction in flight to free staging; the rest of a hook is Python. Forward
+and backward compute is the phase's time less everything instrumented.
 
 The collectives alone (collectives_alone): the data-plane collectives one
 step of the engine issued (its queue's trace: kind and size of each, in
-order), issued again back to back through the engine's transport on its
-process group, with no compute; against all-reduces of the same number of
-grad elements in DDP's buckets (the first 1 MiB, then 25 MiB: DDP's
-defaults). Lowest of a few repeats.
+order), issued again back to back through the engine's transport on a
+group of the same ranks, with no compute; against all-reduces of the same
+number of grad elements in DDP's buckets (the first 1 MiB, then 25 MiB:
+DDP's defaults). Lowest of a few repeats.
 """
 from __future__ import annotations
 
