@@ -20,6 +20,10 @@ Step time: the median over the timed steps (each from a barrier, the
 slower rank's), the lowest over repeats. For zerocore it also prints the
 collectives a step issues: data-plane collectives (gathers, reductions;
 the queue's trace), stage 3's rounds and the step's one control exchange.
+For DeepSpeed, the calls of torch.distributed's collective functions in a
+timed step (count_collectives wraps them in those processes before
+DeepSpeed binds them; a call inside another, as all_gather_object's
+gathers, counts once, as the outer call), by function.
 
 Targets (issue 20, "Fewer, larger collectives"): zero3 at most ds3's step
 time; zero2 at most 1.1x ddp's. Each prints PASS or MISS.
@@ -33,10 +37,12 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 
 from train_step_bench import RESULT_TAG, _free_port
 
 CONFIGS = ("zero2", "zero3", "ddp", "fsdp2", "ds2", "ds3")
+TORCH_CALLS = Counter()  # DeepSpeed's configs: torch.distributed's collective calls (count_collectives)
 TARGETS = (("zero3", "ds3", 1.0), ("zero2", "ddp", 1.1))
 
 
@@ -71,6 +77,45 @@ def torch_step(forward, opt, loss_of):
         return loss
 
     return step
+
+
+# torch.distributed's collective functions (and point-to-point calls), as
+# DeepSpeed's comm layer calls them.
+TORCH_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+                     "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
+                     "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
+                     "all_gather_object", "broadcast_object_list", "send", "recv", "isend", "irecv",
+                     "batch_isend_irecv")
+
+
+def count_collectives(counts) -> None:
+    """Each call of a function of TORCH_COLLECTIVES, from now on, adds 1 to
+    counts[its name] (a Counter), where it was not called from inside
+    another: wraps them in torch.distributed and its distributed_c10d module,
+    so call it before anything takes references to them."""
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    depth = [0]
+    for name in TORCH_COLLECTIVES:
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+
+        @functools.wraps(fn)
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            if depth[0] == 0:
+                counts[_name] += 1
+            depth[0] += 1
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        for module in (dist, c10d):
+            if getattr(module, name, None) is fn:
+                setattr(module, name, counted)
 
 
 def build(name, model, rank, world):
@@ -128,14 +173,18 @@ def build(name, model, rank, world):
                      "zero_optimization": {"stage": int(name[2:])}, "zero_allow_untested_optimizer": True}
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                           config=ds_config)
+        calls, counts = TORCH_CALLS, {}
 
         def step(x):
+            calls.clear()
             loss = mse(engine(x))
             engine.backward(loss)
             engine.step()
+            counts.clear()
+            counts.update(calls, total=sum(calls.values()))
             return loss
 
-        return step, lambda: None, lambda: None
+        return step, lambda: dict(counts), lambda: None
     raise SystemExit(f"unknown config {name!r}; use one of {', '.join(CONFIGS)}")
 
 
@@ -152,6 +201,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     if name.startswith("ds"):
+        count_collectives(TORCH_CALLS)  # before DeepSpeed binds torch.distributed's functions
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.timeout))
@@ -209,6 +259,14 @@ def run_config(args, name) -> dict:
     return {"median_s": max(r["median_s"] for r in ranks), "collectives": ranks[0]["collectives"]}
 
 
+def describe_collectives(c: dict) -> str:
+    """A config's collectives a step: zerocore's by plane, DeepSpeed's by torch.distributed function."""
+    if "data" in c:
+        return f"{c['data']} data, {c['rounds']} rounds, {c['control']} control"
+    calls = ", ".join(f"{n} {k}" for k, n in sorted(c.items()) if k != "total")
+    return f"{c['total']} torch.distributed calls ({calls})"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -227,9 +285,7 @@ def main(argv=None) -> int:
         for name in names:
             res = run_config(args, name)
             runs.setdefault(name, []).append(res)
-            c = res["collectives"]
-            counts = f"   collectives a step: {c['data']} data, {c['rounds']} rounds, {c['control']} control" \
-                if c else ""
+            counts = f"   collectives a step: {describe_collectives(res['collectives'])}" if res["collectives"] else ""
             print(f"  [{rep + 1}/{args.repeats}] {name:<6} median step {res['median_s'] * 1e3:7.1f} ms{counts}",
                   flush=True)
     best = {n: min(r["median_s"] for r in rs) for n, rs in runs.items()}

@@ -4,6 +4,7 @@
     python bench/train_step_bench.py --dtype bf16 --steps 6
     python bench/train_step_bench.py --configs zero3,fsdp2 --repeats 3
     python bench/train_step_bench.py --model moe --experts 8  # mixture of experts
+    python bench/train_step_bench.py --configs zero3,ddp --breakdown  # where the step's time goes
 
 The same GPT-style model (zerocore.examples.gpt, or with --model moe its
 mixture-of-experts variant, zerocore.examples.moe: each expert its own
@@ -62,6 +63,8 @@ import subprocess
 import sys
 import time
 
+from step_breakdown import StepBreakdown, collectives_alone, print_breakdown
+
 CONFIGS = ("zero0", "zero1", "zero2", "zero3", "ddp", "fsdp2")
 RESULT_TAG = "BENCH_RESULT "
 
@@ -91,6 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="also write all results to this file")
     p.add_argument("--baseline-python", default=None,
                    help="another build's interpreter: zerocore configs also run with it, as <config>@base")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time each step's phases and, at stage 3, its hooks, rounds and native calls, and the "
+                        "step's collectives alone against DDP's (step_breakdown.py)")
     p.add_argument("--phases", action="store_true",
                    help="print rank 0's RSS, peak RSS and glibc heap after each phase (and within the first 3 steps)")
     # internal: one rank of one configuration
@@ -170,9 +176,14 @@ def worker(args) -> None:
     mark = functools.partial(mark_phase, phases)
     probe_step = [None]  # the step being probed, or None
 
+    breakdown = StepBreakdown() if args.breakdown else None
+    trace = []  # zerocore: the data-plane collectives of the last step
+
     def probe(phase):
-        if probe_step[0] is not None:
+        if probe_step[0] is not None and phase != "zero_grad":
             mark(f"s{probe_step[0] + 1}.{phase}")
+        if breakdown:
+            breakdown.phase(phase)
 
     data, tok = TextData.from_corpus(args.seq_len, args.batch, seed=0)
     shape = dict(vocab=tok.vocab_size, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
@@ -203,6 +214,9 @@ def worker(args) -> None:
         if not hasattr(schedule, "rounds"):  # stages 0-2, or a baseline build from before rounds
             schedule = None
 
+        if breakdown and schedule:
+            breakdown.instrument(engine)
+
         def step(x, y):
             if schedule:
                 rounds, round_s = schedule.rounds, schedule.round_seconds
@@ -210,9 +224,11 @@ def worker(args) -> None:
             probe("fwd")
             engine.backward(loss)
             probe("bwd")
+            trace[:] = engine.comm.trace  # the step's data-plane collectives (the step's check restarts it)
             engine.step()
             probe("opt")
             engine.zero_grad()
+            probe("zero_grad")
             if schedule:
                 negotiation.append((schedule.rounds - rounds, schedule.round_seconds - round_s))
             return loss
@@ -231,6 +247,7 @@ def worker(args) -> None:
             opt.step()
             probe("opt")
             opt.zero_grad(set_to_none=True)
+            probe("zero_grad")
             return loss
     elif name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -253,6 +270,7 @@ def worker(args) -> None:
             opt.step()
             probe("opt")
             opt.zero_grad(set_to_none=True)
+            probe("zero_grad")
             return loss
     else:
         raise SystemExit(f"unknown config {name!r}; use one of {', '.join(CONFIGS)}")
@@ -264,9 +282,13 @@ def worker(args) -> None:
         x, y = data.batch(i, rank, world)
         dist.barrier()
         probe_step[0] = i if args.phases and i < 3 else None
+        if breakdown:
+            breakdown.begin()
         t0 = time.perf_counter()
         loss = step(x, y)
         dt = time.perf_counter() - t0
+        if breakdown:
+            breakdown.end()
         losses.append(float(loss.detach()))
         if i >= args.warmup:
             times.append(dt)
@@ -274,6 +296,10 @@ def worker(args) -> None:
     result = {"config": name, "rank": rank, "median_s": statistics.median(times), "times": times,
               "losses": losses, "base_kb": base_kb, "phases": phases, "peak_kb": peak_kb,
               "params": sum(p.numel() for p in model.parameters())}
+    if breakdown:
+        result["breakdown"] = breakdown.medians(args.warmup)
+        if name == "zero3":
+            result["alone"] = collectives_alone(engine, trace)
     if negotiation:
         timed = negotiation[args.warmup:]
         result["rounds_per_step"] = statistics.median(n for n, _ in timed)
@@ -372,6 +398,8 @@ def run_config(args, label: str) -> dict:
         passthrough += ["--threads", str(args.threads)]
     if args.phases:  # probing within steps costs time: only when asked
         passthrough += ["--phases"]
+    if args.breakdown:
+        passthrough += ["--breakdown"]
     ranks = run_ranks(label, base + passthrough, args.ranks, args.timeout)
     return {
         "config": label,
@@ -409,6 +437,8 @@ def main(argv=None) -> int:
               f"{100 * res['round_share']:.2f}% of it" if res["rounds_per_step"] else ""), flush=True)
         if args.phases:
             print_phases(res["ranks"][0]["phases"])
+        if args.breakdown:
+            print_breakdown(res["ranks"])
 
     runs, failed = run_interleaved(names, args.repeats, lambda name: run_config(args, name), show)
     # Time: the best (lowest) median over repeats, since interference only adds.

@@ -61,9 +61,11 @@ phase_done "the Python tests"
 # references. Stages 0-3, offload, divergent units, partitioned activation
 # checkpoints, coalesced units, the partition store, the host waits a step
 # makes, a stream-order violation in a unit's hook raising on every rank,
-# and grads accumulated in place in the reduce staging.
+# grads accumulated in place in the reduce staging, and stage 3's
+# reductions running behind backward.
 ZEROCORE_BACKEND=checking "$venv/python" -m pytest -q -p no:cacheprovider \
   tests/test_engine_equivalence.py tests/test_offload.py tests/test_divergent_units.py tests/test_moe_example.py \
   tests/test_activation_checkpoint.py tests/test_coalesced_units.py tests/test_host_waits.py \
-  tests/test_stream_order_failure.py tests/test_partition_store.py tests/test_grad_views.py
+  tests/test_stream_order_failure.py tests/test_partition_store.py tests/test_grad_views.py \
+  tests/test_reduction_overlap.py
 phase_done "the checked subset"

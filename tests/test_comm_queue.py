@@ -228,6 +228,45 @@ def test_communicator_over_gloo():
         assert r["exchanged"] == (3.0, 1) and r["trace after check"] == []
 
 
+def _reduce_scatter_sends(rank, world):
+    """This rank's block of a gloo reduce-scatter through the queue, against
+    the sum taken here in float64, and the elements this rank's
+    torch.distributed calls sent for it."""
+    sent = []
+    calls = {name: getattr(dist, name) for name in ("isend", "send", "broadcast", "all_reduce")}
+
+    def recording(name):
+        def call(tensor, *args, **kwargs):
+            sent.append((name, tensor.numel()))
+            return calls[name](tensor, *args, **kwargs)
+        return call
+
+    comm = Communicator(dist.group.WORLD, backend=_native.process_backend())
+    numel = 6 * world
+    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+    grads = inputs[rank].clone()
+    block = grads[rank * 6:(rank + 1) * 6]
+    for name in calls:
+        setattr(dist, name, recording(name))
+    try:
+        comm.queue.reduce_scatter((REDUCE_SCATTER, 0, 0, numel), grads, block).wait()
+    finally:
+        for name, fn in calls.items():
+            setattr(dist, name, fn)
+    expected = torch.stack(inputs).double().sum(0)[rank * 6:(rank + 1) * 6]
+    return block.double().tolist(), expected.tolist(), sent
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_gloo_reduce_scatter_sends_what_a_reduce_scatter_needs(world):
+    """(N-1)/N of the bucket a rank, in sends of one block each: an
+    all-reduce of the bucket (the transport's reduce-scatter before) sends
+    twice that."""
+    for rank, (got, expected, sent) in enumerate(run_ranks(_reduce_scatter_sends, world, timeout=60)):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-6, atol=1e-6)
+        assert sent == [("isend", 6)] * (world - 1), f"rank {rank} sent {sent}"
+
+
 def _drop_communicators(group):
     """(OS threads, arena bytes) before and after dropping communicators
     with a collective still in flight."""

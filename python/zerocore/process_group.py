@@ -32,10 +32,15 @@ On gloo (host tensors) the tensor collectives all_gather_into_tensor and
 reduce_scatter_tensor allocate full-size temporaries on every call, so peak
 memory would depend on the system allocator, and they are the slowest of
 gloo's collectives. There an all-gather is one in-place broadcast of each
-rank's block (the same bytes moved) and a reduce-scatter an in-place
-all-reduce of the bucket, of which this rank keeps its block; both measured
-faster than gloo's own at 2 ranks (bench/RESULTS.md). Other backends (NCCL)
-get the tensor collectives.
+rank's block (the same bytes moved), measured faster than gloo's own at 2
+ranks (bench/RESULTS.md), and a reduce-scatter a ring of sends in place:
+N - 1 steps, each sending a block of partial sums to the next rank and
+adding the previous rank's into another, received into a scratch block
+the transport keeps (the largest bucket's block, allocated once, so that
+memory does not depend on the system allocator). A rank sends (N-1)/N of the bucket, as a reduce-scatter must; an
+all-reduce of the bucket (what it was before) sends twice that, and on the
+2-core GPT bench took twice as long (bench/RESULTS.md, 2026-11-27
+breakdown). Other backends (NCCL) get the tensor collectives.
 
 Timeouts: the engine's groups (private_group) take the timeout of the
 group they were made from, or Config.timeout; torch would give them its
@@ -119,6 +124,7 @@ class ProcessGroupTransport:
         self.describe = describe  # key -> what the collective is, for errors
         self.failure = failure or Failure()
         self.stream = None  # CUDA: the queue's comm stream (issue_on)
+        self.incoming = None  # gloo reduce-scatter: the scratch block each ring step receives into
 
     def issue_on(self, handle: int, device: int):
         """CUDA tensors' collectives go on the comm stream whose cudaStream_t
@@ -224,9 +230,34 @@ class ProcessGroupTransport:
     def _reduce_scatter(self, input, shard):
         if not self.in_place:
             return [_reduce_scatter_single(shard, input, group=self.group, async_op=True)], None
-        mine = input.view(self.world_size, -1)[self.rank]
+        mine = self._ring_reduce_scatter(input)
         keep = None if mine.data_ptr() == shard.data_ptr() else lambda: shard.copy_(mine)
-        return [dist.all_reduce(input, group=self.group, async_op=True)], keep
+        return [], keep
+
+    def _ring_reduce_scatter(self, input):
+        """This rank's block of input becomes the sum of every rank's (the
+        other blocks, partial sums), and is returned: step s sends block
+        rank - s - 1, which holds the sum of s + 1 ranks' by then, to the
+        next rank and adds the previous rank's into block rank - s - 2, so
+        the last step's lands in this rank's own. Completes here (gloo)."""
+        n, rank = self.world_size, self.rank
+        blocks = input.view(n, -1)
+        incoming = self._scratch(blocks[rank]) if n > 1 else None  # one rank: its block is the sum
+        to, source = self.global_ranks[(rank + 1) % n], self.global_ranks[(rank - 1) % n]
+        for s in range(n - 1):
+            works = [dist.isend(blocks[(rank - s - 1) % n], to, group=self.group),
+                     dist.irecv(incoming, source, group=self.group)]
+            for w in works:
+                w.wait()
+            blocks[(rank - s - 2) % n] += incoming
+        return blocks[rank]
+
+    def _scratch(self, like):
+        """A tensor of like's size and dtype, a view of the scratch block,
+        which grows (once per larger bucket) and is kept."""
+        if self.incoming is None or self.incoming.dtype != like.dtype or self.incoming.numel() < like.numel():
+            self.incoming = torch.empty(like.numel(), dtype=like.dtype)
+        return self.incoming[:like.numel()]
 
 
 class _Completion:
