@@ -102,6 +102,7 @@ void UnitSchedule::gather_into(int unit, const Tensor& out) {
 // Rounds ----------------------------------------------------------------------
 
 RoundProtocol::UnitReport UnitSchedule::unit_report(int unit) const {
+  // Ran: grads coming, not yet reduced (a reduced unit's flags decide nothing any more).
   const UnitCalls& c = calls_[size_t(unit)];
   return {pool_.gathered(unit), c.post_backwards_due > 0 || c.unbounded, c.grads == Grads::kComing};
 }

@@ -86,7 +86,7 @@ class UnitSchedule {
   // is always prefetched when it is > 0.
   UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitSpec> units, DType dtype,
                int64_t prefetch_bytes);
-  ~UnitSchedule();  // waits for gathers in flight
+  ~UnitSchedule();  // waits for the round and the gathers in flight
   UnitSchedule(const UnitSchedule&) = delete;
   UnitSchedule& operator=(const UnitSchedule&) = delete;
 
