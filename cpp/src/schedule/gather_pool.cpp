@@ -121,7 +121,7 @@ void GatherPool::raise_unordered() {
   if (unordered_) std::rethrow_exception(std::exchange(unordered_, nullptr));
 }
 
-void GatherPool::join(int unit, Join how) {
+void GatherPool::participate(int unit, Join how) {
   Placed& p = placed_[size_t(unit)];
   const bool own = units_[size_t(unit)].own_slot;
   if (p.residency == Residency::kReleased && how != Join::kLend) {

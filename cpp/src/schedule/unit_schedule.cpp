@@ -11,23 +11,24 @@ namespace zerocore {
 
 namespace {
 
-// The queues' checks come before anything is allocated for them.
-CommQueue& checked_rounds(CommQueue& comm, CommQueue& rounds) {
+// The data queue, once the rounds' queue is checked against it: before
+// anything is allocated for the units.
+CommQueue& checked_queues(CommQueue& comm, CommQueue& rounds) {
   if (rounds.world_size() != comm.world_size() || rounds.rank() != comm.rank()) {
     throw InvalidArgument("UnitSchedule: the rounds' queue must connect the same ranks as the data queue");
   }
   if (&rounds.backend() != &comm.backend()) {
     throw InvalidArgument("UnitSchedule: the rounds' queue must be on the data queue's backend");
   }
-  return rounds;
+  return comm;
 }
 
 }  // namespace
 
 UnitSchedule::UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitSpec> units, DType dtype,
                            int64_t prefetch_bytes)
-    : pool_(comm, std::move(units), dtype, prefetch_bytes),
-      protocol_(checked_rounds(comm, rounds), pool_.num_units(), pool_.planned_slots()),
+    : pool_(checked_queues(comm, rounds), std::move(units), dtype, prefetch_bytes),
+      protocol_(rounds, pool_.num_units(), pool_.planned_slots()),
       bindings_(pool_),
       calls_(size_t(pool_.num_units())),
       prefetch_bytes_(prefetch_bytes),
@@ -138,9 +139,9 @@ UnitSchedule::Sums UnitSchedule::decide(const Sums& sums) {
   }
   for (int u = 0; u < n; ++u) {
     if (sums.need(u) > 0) {
-      pool_.join(u, u == needed_ ? Join::kNeed : Join::kLend);
+      pool_.participate(u, u == needed_ ? Join::kNeed : Join::kLend);
     } else if (pool_.has_own_buffer(u) && sums.at(u) > 0 && !sums.all_have(u)) {
-      pool_.join(u, Join::kPrefetch);  // a buffer of its own: gathering it ahead costs no slot
+      pool_.participate(u, Join::kPrefetch);  // a buffer of its own: gathering it ahead costs no slot
     }
   }
   if (!sums.backward) {
@@ -184,7 +185,7 @@ void UnitSchedule::prefetch(const Sums& sums) {
   int room = sums.min_free - (pooled_need ? 1 : 0);
   for (int i = from + 1; i < std::min(n, in_use + 1 + window) && room > 0; ++i) {
     if (!sums.all_have(at(i))) {
-      pool_.join(at(i), Join::kPrefetch);
+      pool_.participate(at(i), Join::kPrefetch);
       --room;
     }
   }

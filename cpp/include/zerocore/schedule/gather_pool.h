@@ -44,7 +44,7 @@ class GatherPool {
   // found, evicting or growing), it may keep it as a prefetch (if a slot is
   // free), or it only lends its shard (into a slot given back at once).
   enum class Join { kNeed, kPrefetch, kLend };
-  void join(int unit, Join how);
+  void participate(int unit, Join how);
   // A hook uses the unit: its gather waited for (a stream wait), held
   // until let_go or release. The unit must be gathered.
   Tensor hold(int unit);
