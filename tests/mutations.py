@@ -69,10 +69,10 @@ MUTATIONS = [
              ((TRAINING, "        self.step_count += applied\n",
                "        self.step_count += applied\n        for g in self.groups:\n"
                "            if g.master is not None:\n                g.master.copy_(g.master.to(g.dtype))\n"),)),
-    Mutation("stale-root-unit", "stage 3: the root unit's own buffer is gathered once and never again, so "
-             "forward and backward use its params from before the first step",
-             (("cpp/src/schedule/unit_schedule.cpp", "      s.pending = issue(unit, s.buffer, true);\n",
-               "      if (!own || rounds_ <= 1) s.pending = issue(unit, s.buffer, true);\n"),)),
+    Mutation("stale-root-unit", "stage 3: the root unit's own buffer is never released, so it is gathered "
+             "once and never again: forward and backward use its params from before the first step",
+             (("cpp/src/schedule/gather_pool.cpp", "  if (p.residency == Residency::kReleased) return;\n",
+               "  if (p.residency == Residency::kReleased || units_[size_t(unit)].own_slot) return;\n"),)),
     Mutation("prefetch-before-update", "stage 3: the next forward's units are gathered (end_step's prefetch) "
              "before the update, so the units it prefetches are a step stale",
              ((STEP, END_STEP, "  // moved before the update"),

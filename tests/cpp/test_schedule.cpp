@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -529,7 +530,41 @@ void test_units_on_the_checking_backend(Fault fault) {
   CHECK(named == kWorld);
 }
 
+// Each unit's states change only by the steps the schedule takes: a
+// unit's lifetime goes through, any other step throws a logic_error that
+// names the unit and the step, and leaves the state as it was.
+void test_unit_state_steps() {
+  Residency where = Residency::kReleased;
+  for (Residency to : {Residency::kGathering, Residency::kGathered, Residency::kHeld, Residency::kGathered,
+                       Residency::kHeld, Residency::kReleased}) {
+    advance(7, where, to);
+  }
+  CHECK(where == Residency::kReleased);
+  Grads grads = Grads::kNone;
+  for (Grads to : {Grads::kComing, Grads::kReduced, Grads::kNone, Grads::kReduced, Grads::kNone}) advance(7, grads, to);
+  CHECK(grads == Grads::kNone);
+
+  auto refused = [](auto state, auto to, const std::string& says) {
+    const auto before = state;
+    try {
+      advance(7, state, to);
+    } catch (const std::logic_error& e) {
+      const std::string what = e.what();
+      return state == before && what.find("unit 7") != std::string::npos && what.find(says) != std::string::npos;
+    }
+    return false;
+  };
+  CHECK(refused(Residency::kGathered, Residency::kGathering, "params went from gathered to gathering"));
+  CHECK(refused(Residency::kReleased, Residency::kHeld, "params went from released to held"));
+  CHECK(refused(Residency::kGathering, Residency::kHeld, "from gathering to held"));
+  CHECK(refused(Residency::kReleased, Residency::kReleased, "from released to released"));
+  CHECK(refused(Grads::kReduced, Grads::kReduced, "grads went from reduced to reduced"));
+  CHECK(refused(Grads::kReduced, Grads::kComing, "from reduced to coming"));
+  CHECK(refused(Grads::kComing, Grads::kNone, "from coming to none"));
+}
+
 int main() {
+  test_unit_state_steps();
   test_units();
   test_units_on_the_checking_backend(Fault::kNone);
   test_units_on_the_checking_backend(Fault::kReadAfterRelease);

@@ -40,24 +40,26 @@
 // raised says so in its round, and every other rank throws PeerFailed when
 // it settles that round.
 //
-// A unit is gathered into a slot of a fixed pool sized by the largest unit:
-// one slot for the unit in use plus the prefetch window. A unit marked
-// own_slot (the root, which stays gathered across the whole forward and
-// backward of a typical model) has a buffer of its own. When the units some
-// ranks need at once do not fit, an unused prefetch is evicted, then the
-// pool grows (once: a slot is kept).
+// The schedule is three parts, one concern each: the rounds as a wire
+// protocol (RoundProtocol, round_protocol.h: the control buffer, posting,
+// settling, the sums' layout), where the units live on this rank
+// (GatherPool, gather_pool.h: slots, own buffers, gathers in flight,
+// releases, each unit's Residency) and what the caller's params view
+// (ParamBindings, param_bindings.h). This class composes them and keeps
+// the decisions: what the sums mean (the three above), the joins at the
+// ends of the passes, failure propagation, and each unit's calls and
+// Grads (unit_state.h).
 #pragma once
-#include <algorithm>
 #include <cstdint>
-#include <exception>
-#include <memory>
-#include <stdexcept>
 #include <vector>
 
 #include "zerocore/comm/comm.h"
 #include "zerocore/flat_group_buffer.h"
 #include "zerocore/layout.h"
-#include "zerocore/schedule/slot_pool.h"
+#include "zerocore/schedule/gather_pool.h"
+#include "zerocore/schedule/param_bindings.h"
+#include "zerocore/schedule/round_protocol.h"
+#include "zerocore/schedule/unit_state.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {
@@ -67,13 +69,6 @@ struct UnitSpec {
   // with this rank's shard (plan.partition_elems() elements).
   std::vector<FlatGroupBuffer> groups;
   bool own_slot = false;
-};
-
-// Another rank reported a failure in a round (its forward or backward
-// raised); thrown on every other rank at the same round, so none waits.
-class PeerFailed : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
 };
 
 class BucketReducer;
@@ -87,7 +82,7 @@ class UnitSchedule {
   // is always prefetched when it is > 0.
   UnitSchedule(CommQueue& comm, CommQueue& rounds, std::vector<UnitSpec> units, DType dtype,
                int64_t prefetch_bytes);
-  ~UnitSchedule();  // waits for gathers in flight
+  ~UnitSchedule();  // waits for the round and the gathers in flight
   UnitSchedule(const UnitSchedule&) = delete;
   UnitSchedule& operator=(const UnitSchedule&) = delete;
 
@@ -100,16 +95,9 @@ class UnitSchedule {
   void set_grad_reducer(BucketReducer* reducer, std::vector<std::vector<int>> unit_groups);
 
   // What a hook hands back to its caller, whose params view the buffers
-  // (Python binds each unit's nn.Parameters to its buffer): the buffer the
-  // hook's unit is gathered in (the pre hooks), whether the caller's params
-  // do not view it yet, and the units released (or moved) since the caller
-  // last heard, whose params must stop viewing their old buffers. So a hook
-  // is one call, and the caller never asks where a unit is.
-  struct Binding {
-    Tensor buffer;
-    bool rebind = false;
-    std::vector<int> released;
-  };
+  // (param_bindings.h). So a hook is one call, and the caller never asks
+  // where a unit is.
+  using Binding = ParamBinding;
 
   // The hooks, one call each. pre_forward and pre_backward post a round
   // (and settle the previous one), wait (a stream wait) for the unit's
@@ -136,7 +124,7 @@ class UnitSchedule {
   // raised. unbind_all: the caller dropped every binding (gathered_params'
   // end), so the next hook binds afresh.
   std::vector<int> take_released();
-  void unbind_all() { std::fill(bound_.begin(), bound_.end(), nullptr); }
+  void unbind_all() { bindings_.unbind_all(); }
   // The unit's buffer for a read by compute outside its hooks (backward
   // unpacking a saved view of its params): its gather waited for and the
   // read declared; undefined when it is not gathered.
@@ -169,62 +157,53 @@ class UnitSchedule {
   // outside the pool and uncounted: for whole-model views.
   void gather_into(int unit, const Tensor& out);
 
-  int num_units() const { return int(units_.size()); }
+  int num_units() const { return pool_.num_units(); }
   // Elements of the unit's buffer, and where group g starts in it.
   int64_t unit_elems(int unit) const;
   int64_t group_offset(int unit, int group) const;
   // The buffer the unit is gathered (or being gathered) in; undefined when released.
   Tensor buffer(int unit) const;
-  bool gathered(int unit) const { return buffer(unit).data() != nullptr; }
+  bool gathered(int unit) const;
   // Bytes of every gather buffer: the pool and the units' own buffers.
-  size_t buffer_bytes() const;
-  int pool_slots() const { return pool_.size(); }
+  size_t buffer_bytes() const { return pool_.bytes(); }
+  int pool_slots() const { return pool_.slots(); }
   // Rounds since construction; those a hook waited for at once (it needed
   // a unit that was not here, or its pass ended); and the seconds spent
   // waiting for rounds' all-reduces: what agreeing costs.
-  int64_t rounds() const { return rounds_; }
-  int64_t blocking_rounds() const { return blocking_rounds_; }
-  double round_seconds() const { return round_seconds_; }
+  int64_t rounds() const { return protocol_.rounds(); }
+  int64_t blocking_rounds() const { return protocol_.blocking_rounds(); }
+  double round_seconds() const { return protocol_.round_seconds(); }
 
  private:
-  // What this rank tells a round about one unit, one float each.
-  enum Flag { kNeed, kAt, kHas, kExpects, kRan, kFlags };
-  static constexpr size_t kGlobals = 3;  // done, failed, backward; then the free-slot counts
+  using Sums = RoundProtocol::Sums;
+  using Join = GatherPool::Join;
 
-  struct State {
-    int slot = -1;      // pool slot; -1 for none (or the own buffer)
-    Tensor buffer;      // where it is gathered; undefined when released
-    std::vector<std::shared_ptr<StreamEvent>> pending;
-    bool held = false;  // a hook uses it (not merely prefetched)
-    int open_backwards = 0;
-    int marked = 0;           // post_backward calls still to come
-    bool unbounded = false;   // produces grads, with no post-backward point: open until the end
-    bool ran = false;         // produced grads in this backward
-    bool final = false;       // its grads were reduced (or skipped) in this backward (agreed)
-    std::vector<bool> marks;  // per forward call in progress: whether it marked
-  };
-  struct Sums {  // a round's result: every rank's flags, summed; a view valid until the next post
-    const float* flags = nullptr;
-    float done = 0, failed = 0;
-    bool backward = false;  // every rank posted it in backward
-    int min_free = 0;       // the fewest free pool slots any rank had
-    float at(int unit, Flag f) const { return flags[size_t(unit) * kFlags + f]; }
+  // A unit's calls in the pass: the counts that must stay counts (calls
+  // nest and repeat), and its grads.
+  struct UnitCalls {
+    int open_backwards = 0;     // backward calls begun, not yet at their post-backward point
+    int post_backwards_due = 0; // post_backward calls still to come
+    bool unbounded = false;     // produces grads, with no post-backward point: open until the end
+    std::vector<bool> marks;    // per forward call in progress: whether it marked a post-backward point
+    Grads grads = Grads::kNone;
   };
 
   // Posts this rank's round; `need` is a unit it does not have (or -1),
   // `at` the unit its hook is at (or -1), `backward` the pass it is in (a
   // rank finishing the forward's join is still in the forward: the ranks
-  // take a round's decisions for backward only when all are there).
-  void post(int need, int at, bool done, bool failed, bool backward);
-  void fill_flags(int need, int at, bool done, bool failed, bool backward);  // post's, not issued
+  // take a round's decisions for backward only when all are there);
+  // `blocking`: this rank waits for it at once.
+  void post(int need, int at, bool done, bool failed, bool backward, bool blocking);
+  RoundProtocol::RankReport report(int need, int at, bool done, bool failed, bool backward, bool blocking) const;
+  RoundProtocol::UnitReport unit_report(int unit) const;
   int root() const;  // the unit with a buffer of its own, or -1
   void next_order();  // this step's forward order becomes the last
-  // Waits for the posted round, if any, and takes its decisions.
-  Sums settle();  // waits for the round posted, then decide()
-  Sums decide();  // acts on the round's summed flags
+  Sums settle();  // waits for the round posted, if any, then decide()
+  Sums decide(const Sums& sums);  // acts on the round's summed flags
   Tensor acquire(int unit);  // a pre hook: settle, post, and wait only if the unit is not here
   void prefetch(const Sums& sums);
   void finalize_grads(const Sums& sums, bool all);
+  void mark_grads_coming(int unit);
   // Rounds until every rank is done; the last releases every unit.
   void join(bool failed, bool backward);
   // Completes the join end_forward began, if one is open.
@@ -234,41 +213,15 @@ class UnitSchedule {
   void answer_until_done(bool failed, bool backward);
   void end_pass(const Sums& sums, bool backward);
   void reset_after_failure(bool failed_here);
-
-  // How this rank joins an agreed gather: it needs the unit now (a slot is
-  // found, evicting or growing), it may keep it as a prefetch (if a slot is
-  // free), or it only lends its shard (into a slot given back at once).
-  enum class Join { kNeed, kPrefetch, kLend };
-  void participate(int unit, Join how);
-  // The unit's all-gathers into `out`, one per bucket of each group.
-  std::vector<std::shared_ptr<StreamEvent>> issue(int unit, const Tensor& out, bool counted);
-  Tensor hold(int unit);
-  Binding bind(int unit, const Tensor& buffer);
-  // The compute stream reads the unit's gathered params (`what` they are read for).
-  void declare_read(int unit, const char* what);
-  void wait(int unit);
-  void release(int unit);
-  int evict_prefetched();
   void check(int unit) const;
 
-  CommQueue& comm_;
-  CommQueue& rounds_queue_;
-  // The queues' backend, kept: a schedule may outlive its queues (waiting
-  // for nothing then), never their backend.
-  Backend& backend_;
-  std::vector<UnitSpec> units_;
-  std::vector<int64_t> unit_elems_;
-  std::vector<std::vector<int64_t>> group_offsets_;
-  // Per unit, per group: its shard is host memory (offload_params), copied
-  // up before its gather.
-  std::vector<std::vector<bool>> shard_on_host_;
-  std::vector<Tensor> own_;  // per unit: its own buffer, or undefined
-  SlotPool pool_;
-  std::vector<State> state_;
-  std::vector<const void*> bound_;  // per unit: the buffer the caller's params view, as last handed back
+  // Declared in this order: the protocol is destroyed first (waiting for
+  // the round in flight), then the pool (waiting for its gathers).
+  GatherPool pool_;
+  RoundProtocol protocol_;
+  ParamBindings bindings_;
+  std::vector<UnitCalls> calls_;
   int64_t prefetch_bytes_ = 0;
-  DType dtype_ = DType::kFloat32;
-  size_t elem_bytes_ = 4;
   BucketReducer* reducer_ = nullptr;
   std::vector<std::vector<int>> reduce_groups_;  // per unit: its groups' places in the reducer's order
   bool in_forward_ = false, in_backward_ = false;
@@ -277,15 +230,7 @@ class UnitSchedule {
   // The units in the order rounds first needed them in this step's forward,
   // and in the last step's: the same on every rank.
   std::vector<int> order_, last_order_;
-  Tensor round_flags_;  // the round's control buffer
-  std::shared_ptr<StreamEvent> posted_;  // the round posted and not yet settled
-  bool posted_failed_ = false;
   int needed_ = -1;  // the unit this rank's hook waits for, while it settles the round that gathers it
-  // A gather of this round whose own access check failed (issued all the
-  // same): raised once the round's decisions are all taken.
-  std::exception_ptr unordered_;
-  int64_t rounds_ = 0, blocking_rounds_ = 0;
-  double round_seconds_ = 0;
 };
 
 }  // namespace zerocore
