@@ -51,8 +51,12 @@ else
 fi
 
 # From the repository root `python/zerocore` is not on the path, so the
-# tests import the installed package.
-"$venv/python" -m pytest -q -p no:cacheprovider tests "$@"
+# tests import the installed package. Two test processes (pytest-xdist):
+# a test's ranks wait on each other and on gloo for about a third of its
+# time, which the other process fills (on 2 cores: 22% less wall time, the
+# same CPU time). `-n 0` among the extra arguments runs one.
+workers=(-n 2)
+"$venv/python" -m pytest -q -p no:cacheprovider "${workers[@]}" tests "$@"
 phase_done "the Python tests"
 
 # The checked subset under the checking backend: every comm queue's
@@ -63,7 +67,7 @@ phase_done "the Python tests"
 # makes, a stream-order violation in a unit's hook raising on every rank,
 # grads accumulated in place in the reduce staging, and stage 3's
 # reductions running behind backward.
-ZEROCORE_BACKEND=checking "$venv/python" -m pytest -q -p no:cacheprovider \
+ZEROCORE_BACKEND=checking "$venv/python" -m pytest -q -p no:cacheprovider "${workers[@]}" \
   tests/test_engine_equivalence.py tests/test_offload.py tests/test_divergent_units.py tests/test_moe_example.py \
   tests/test_activation_checkpoint.py tests/test_coalesced_units.py tests/test_host_waits.py \
   tests/test_stream_order_failure.py tests/test_partition_store.py tests/test_grad_views.py \
