@@ -1,8 +1,8 @@
 // A C++ trainer that embeds zerocore with no Python and no torch: a two-layer
 // MLP trained with ZeRO stage 2 and stage 3 on ranks that are threads of this
 // process, over the in-process communicator, checked against the same MLP
-// and AdamW written out in double on the whole batch (plain scalar code, no
-// zerocore). Exits non-zero if they disagree.
+// and AdamW written out in double on the whole batch (mlp_reference.h:
+// plain scalar code, no zerocore). Exits non-zero if they disagree.
 //
 // Each layer is one unit and one flat group: its partition store keeps its
 // buffers and hands out every view into them (the trainer computes no
@@ -24,21 +24,17 @@
 #include <thread>
 #include <vector>
 
+#include "mlp_reference.h"
 #include "zerocore/zerocore.h"
 
 using namespace zerocore;
 
 namespace {
 
-constexpr int kIn = 12, kHidden = 40, kOut = 6, kBatch = 16, kSteps = 6;
 constexpr int64_t kAlign = 16, kBucketElems = 64;
 // fp32 training against double: measured up to 1.1e-7 in the params and 2.4e-7 in the losses, while
 // 6 steps at lr 1e-2 move the params by up to 6e-2.
 constexpr double kParamTolerance = 2e-6, kLossTolerance = 2e-6;
-
-// The data: fixed inputs and the targets of a fixed smooth function.
-float input(int sample, int i) { return std::sin(0.37f * float(sample * kIn + i)); }
-float target(int sample, int o) { return std::cos(0.11f * float(sample + 3 * o)); }
 
 // One layer y = x W^T + b: a unit of params W (out x in) and b (out), and one flat group.
 constexpr int kBias = 0, kWeight = 1;  // in the layout: backward order
@@ -123,8 +119,8 @@ class ZeroMlp {
     reducer_->end_backward();
     // The grads hold the sum over ranks of per-rank means: the step averages them.
     StepOptions options;
-    options.adam = {AdamOptions{1e-2, 0.9, 0.999, /*eps=*/1e-2, /*weight_decay=*/0.01, /*adamw=*/true}};
-    options.step = step_index;  // eps near the grads' size, so the check below also sees a wrong grad scale
+    options.adam = {AdamOptions{kLr, kBeta1, kBeta2, kEps, kWeightDecay, /*adamw=*/true}};
+    options.step = step_index;
     if (!step_->step(options).applied) throw std::runtime_error("embed_zero: the grads overflowed");
     for (Layer& l : layers_) l.store.zero_grads();  // zero_grad: the reducer adds into the grad partition
     return loss / float(out.size());
@@ -213,15 +209,6 @@ class ZeroMlp {
   std::unique_ptr<ZeroStep> step_;
 };
 
-// The initial params [W1, b1, W2, b2].
-std::vector<float> initial_params() {
-  std::vector<float> init;
-  for (int i = 0; i < kIn * kHidden + kHidden + kHidden * kOut + kOut; ++i) {
-    init.push_back(0.3f * std::sin(1.7f * float(i) + 0.5f));
-  }
-  return init;
-}
-
 // Trains on `world` threads; returns rank 0's params after kSteps and every
 // step's loss averaged over ranks.
 std::vector<float> train(int stage, int world, std::vector<float>* losses) {
@@ -246,63 +233,6 @@ std::vector<float> train(int stage, int world, std::vector<float>* losses) {
     for (int s = 0; s < kSteps; ++s) (*losses)[size_t(s)] += l[size_t(s)] / float(world);
   }
   return params[0];
-}
-
-// The same training in double on the whole batch, one process, no zerocore:
-// the MLP's forward and backward and AdamW (decoupled weight decay, bias-
-// corrected moments) written out. Returns the params after kSteps, in the
-// order of initial_params(), and every step's loss.
-std::vector<double> reference_train(std::vector<double>* losses) {
-  const std::vector<float> init = initial_params();
-  std::vector<double> p(init.begin(), init.end()), m(p.size(), 0.0), v(p.size(), 0.0);
-  double* w1 = p.data();
-  double* b1 = w1 + kIn * kHidden;
-  double* w2 = b1 + kHidden;
-  double* b2 = w2 + kHidden * kOut;
-  const double lr = 1e-2, weight_decay = 0.01, eps = 1e-2, beta1 = 0.9, beta2 = 0.999;
-  for (int step = 1; step <= kSteps; ++step) {
-    std::vector<double> g(p.size(), 0.0);
-    double* g_w1 = g.data();
-    double* g_b1 = g_w1 + kIn * kHidden;
-    double* g_w2 = g_b1 + kHidden;
-    double* g_b2 = g_w2 + kHidden * kOut;
-    double loss = 0.0;
-    for (int s = 0; s < kBatch; ++s) {
-      double h[kHidden], d_h[kHidden] = {};
-      for (int j = 0; j < kHidden; ++j) {
-        double acc = b1[j];
-        for (int i = 0; i < kIn; ++i) acc += w1[j * kIn + i] * input(s, i);
-        h[j] = std::max(acc, 0.0);
-      }
-      for (int o = 0; o < kOut; ++o) {
-        double out = b2[o];
-        for (int j = 0; j < kHidden; ++j) out += w2[o * kHidden + j] * h[j];
-        const double e = out - target(s, o);
-        loss += e * e / (kBatch * kOut);
-        const double d_out = 2.0 * e / (kBatch * kOut);
-        g_b2[o] += d_out;
-        for (int j = 0; j < kHidden; ++j) {
-          g_w2[o * kHidden + j] += d_out * h[j];
-          d_h[j] += d_out * w2[o * kHidden + j];
-        }
-      }
-      for (int j = 0; j < kHidden; ++j) {
-        if (h[j] <= 0.0) continue;
-        g_b1[j] += d_h[j];
-        for (int i = 0; i < kIn; ++i) g_w1[j * kIn + i] += d_h[j] * input(s, i);
-      }
-    }
-    losses->push_back(loss);
-    for (size_t k = 0; k < p.size(); ++k) {
-      p[k] *= 1.0 - lr * weight_decay;
-      m[k] = beta1 * m[k] + (1.0 - beta1) * g[k];
-      v[k] = beta2 * v[k] + (1.0 - beta2) * g[k] * g[k];
-      const double m_hat = m[k] / (1.0 - std::pow(beta1, step));
-      const double v_hat = v[k] / (1.0 - std::pow(beta2, step));
-      p[k] -= lr * m_hat / (std::sqrt(v_hat) + eps);
-    }
-  }
-  return p;
 }
 
 }  // namespace
