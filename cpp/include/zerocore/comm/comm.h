@@ -94,6 +94,8 @@ class Transport {
   // output (world_size x shard) <- every rank's shard.
   virtual Completion all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) = 0;
   // shard <- this rank's block of the elementwise sum of every rank's input.
+  // input's values afterwards are unspecified: a transport may sum in it
+  // (gloo's ring does), so a caller reads it again only after writing it.
   virtual Completion reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) = 0;
   // tensor <- the elementwise sum of every rank's tensor.
   virtual Completion all_reduce(const CollectiveKey& key, const Tensor& tensor) = 0;
