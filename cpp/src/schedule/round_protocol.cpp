@@ -17,7 +17,11 @@ RoundProtocol::Sums::Sums(const float* flags, int units, int max_free, int world
 float RoundProtocol::Sums::count(int unit, Flag f) const { return flags_[size_t(unit) * kUnitFlags + f]; }
 
 RoundProtocol::RoundProtocol(CommQueue& rounds, int units, int planned_slots)
-    : queue_(rounds), backend_(rounds.backend()), world_(rounds.world_size()), units_(units), planned_slots_(planned_slots) {
+    : queue_(rounds),
+      backend_(rounds.backend()),
+      world_(rounds.world_size()),
+      units_(units),
+      planned_slots_(planned_slots) {
   auto flags = std::make_shared<std::vector<float>>(size_t(units) * kUnitFlags + kGlobals + size_t(planned_slots) + 1);
   buffer_ = Tensor(flags->data(), DType::kFloat32, Device{}, {int64_t(flags->size())}, flags);
 }

@@ -107,7 +107,8 @@ class UnitSchedule {
   // last (before its slot can be gathered into again; a unit kept to the
   // end of the backward has no post-backward point, and only its first), so
   // the checking backend names a hook that reads a unit not ordered after
-  // its gather, or a slot written while compute still reads it. marks_post_backward: post_backward(unit) will be called once
+  // its gather, or a slot written while compute still reads it.
+  // marks_post_backward: post_backward(unit) will be called once
   // this forward's backward has gone through the unit (its inputs need
   // grad).
   Binding pre_forward(int unit, bool marks_post_backward);
