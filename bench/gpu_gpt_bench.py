@@ -164,8 +164,10 @@ def build(name: str, cfg, device):
                 model = GPT(cfg)
         params = model.num_params()
         extra = {"offload_optimizer": "cpu", "offload_params": "cpu"} if offload else {}
+        # A meta model (offload) is materialised where it trains, each part where the Config keeps it.
         engine = zerocore.wrap(model, _adamw(model.parameters(), torch.device("cpu") if offload else device),
-                               zerocore.Config(stage=int(name[4]), dtype="bf16", **extra))
+                               zerocore.Config(stage=int(name[4]), dtype="bf16", **extra),
+                               device=device if offload else None)
 
         def step(x, y):
             loss = engine(x, y)["loss"]

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import zerocore.cuda as zc_cuda  # noqa: E402
-from reference import reference_adam  # noqa: E402
+from reference import assert_close_as_fp32_allows, reference_adam  # noqa: E402
 from zerocore import ops  # noqa: E402
 
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -117,11 +117,13 @@ def test_matches_torch_optim(n, grad_dtype, adamw, copy_dtype, gen):
         if copy is not None:
             assert torch.equal(copy, p.to(copy_dtype)), f"param_copy differs at step {step}"
 
-    ref_p, ref_m, ref_v = reference_adam(p0, grads, adamw=adamw, lr=lr, wd=weight_decay, betas=betas,
-                                         eps=eps, grad_scale=grad_scale)
-    torch.testing.assert_close(p.cpu().double(), ref_p, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(m.cpu().double(), ref_m, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(v.cpu().double(), ref_v, rtol=1e-5, atol=1e-9)
+    # On a million elements some are where no fp32 Adam meets float64 (the first GPU run: 1 in 10^6 past a
+    # fixed tolerance): each is held to the float64 result, or within twice torch.optim's own fp32 error there.
+    hp = dict(adamw=adamw, lr=lr, wd=weight_decay, betas=betas, eps=eps, grad_scale=grad_scale)
+    expected, fp32 = reference_adam(p0, grads, **hp), reference_adam(p0, grads, dtype=torch.float32, **hp)
+    for name, got, ref, ref32, atol in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v), expected, fp32,
+                                           (1e-6, 1e-7, 1e-9)):
+        assert_close_as_fp32_allows(name, got.cpu(), ref, ref32, rtol=1e-5, atol=atol)
 
 
 @gpu

@@ -173,6 +173,30 @@ def test_a_cpu_module_runs_on_the_process_backend_or_the_one_given():
     assert where.backend is _native.process_backend()
 
 
+def test_wraps_device_says_where_a_meta_module_trains():
+    where = devices.decide([("w", META)], meta_device="cpu")
+    assert (where.device, where.problem) == (CPU, None)
+    for bad, says in [("mps", "device='mps': zerocore trains on cpu"), (3.5, "device= takes a torch.device")]:
+        assert says in devices.decide([("w", META)], meta_device=bad).problem
+    if devices.SUPPORTED == ("cpu",):
+        assert "device='cuda:0': zerocore trains on cpu devices" in \
+            devices.decide([("w", META)], meta_device="cuda:0").problem
+
+
+@cuda_build
+def test_a_meta_module_trains_on_the_cuda_device_wrap_is_given(monkeypatch):
+    monkeypatch.setattr(devices, "cuda_usable", lambda: True)
+    monkeypatch.setattr(devices, "current_stream", lambda device: 0x1000 + device.index)
+    where = devices.decide([("w", META), ("b", META)], meta_device="cuda:1")
+    assert where.problem is None and where.device == torch.device("cuda", 1) and where.backend.device == 1
+    assert devices.decide(_gpu_tensors(1) + [("head.weight", META)], meta_device=torch.device("cuda", 1)).problem \
+        is None
+    problem = devices.decide(_gpu_tensors(0) + [("head.weight", META)], meta_device="cuda:1").problem
+    assert "head.weight (meta) on cuda:1" in problem and "materialised on cuda:1 (wrap's device=)" in problem
+    monkeypatch.setattr(devices, "cuda_usable", lambda: False)
+    assert "device='cuda:0', but" in devices.decide([("w", META)], meta_device="cuda:0").problem
+
+
 def _gpu_tensors(index=0):
     return [("blocks.0.up.weight", torch.device("cuda", index)), ("blocks.0.norm.running", torch.device("cuda", index))]
 

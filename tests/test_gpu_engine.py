@@ -126,6 +126,22 @@ def test_offload_matches_torch(world1, stage, offload_params):
                        what=f"stage {stage} offload_params={offload_params}")
 
 
+@pytest.mark.parametrize("stage,offload", [(1, {}), (3, {}), (3, dict(offload_optimizer="cpu", offload_params="cpu"))])
+def test_a_meta_model_trains_on_the_gpu_wrap_is_given(world1, stage, offload):
+    """Built inside zerocore.init() and wrapped with device=: its values
+    are eager construction's (make()'s seed) and it trains on the GPU as
+    the same model built there does, the params never whole on the GPU."""
+    torch.manual_seed(0)  # make()'s
+    with zerocore.init():
+        model = TinyLM()
+    config = zerocore.Config(stage=stage, bucket_bytes=256, **offload)
+    engine = zerocore.wrap(model, adamw(model.parameters()), config, device="cuda")
+    assert engine.device == world1 and isinstance(engine.backend, zerocore._native.CudaBackend)
+    got = {k: v.cpu() for k, v in engine_train(engine, 0, 1, STEPS, ACCUM, batch=on(world1)).items()}
+    engine.close()
+    assert_state_close(got, train(world1, config), rtol=1e-5, atol=1e-6, what=f"stage {stage} {offload}")
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_training_under_side_streams_matches_the_default_stream(world1, stage):
     """Each step under a stream of its own (with torch.cuda.stream(s) around

@@ -1,13 +1,26 @@
 """Blocking host waits per step, counted by the checking backend (run under
 ZEROCORE_BACKEND=checking: tests/run.sh's checking pass; skipped
-otherwise). The target (issue 20) is one host wait a step at stages 1-2,
+otherwise), and of those the ones that wait for device work.
+
+Host waits: the target (issue 20) is one host wait a step at stages 1-2,
 and at stage 3 for a dense model where no rank needs a unit it lacks. A
 wait whose reader is the compute stream (the update reading reduced grads,
 a forward reading gathered params) is a stream wait, not a host wait: on
 CUDA the host goes on. The counts below (2 ranks, this model, default
 buckets) are asserted exactly so a change shows either way. Only waits
 through the queues' backend are counted (the comm queues' events); a
-torch.distributed call the engine makes directly is not."""
+torch.distributed call the engine makes directly is not.
+
+Device waits (take_device_waits: a host wait for work of a compute, data
+or copy stream, directly or through a control-plane stream that waited for
+it): on CUDA each stalls the host until the GPU catches up, so the host
+cannot run ahead of it. Stage 3's rounds are control-plane collectives of
+host flags (none at world size 1, where there is nothing to agree on): a
+forward and a backward wait for no device work at any world size, stage,
+dtype or model. The step's exchange still does (its decision reads the
+sum of squares a kernel wrote): 1 a step, issue 31's target being 0 where
+nothing must be read (fp32 and bf16 without clipping), decided on the
+device."""
 import pytest
 import torch
 
@@ -15,6 +28,7 @@ import zerocore
 from dist_harness import run_ranks
 from models import LateGrads, TinyLM, lm_batch, lm_loss, local, make
 from zerocore import _native
+from zerocore.examples.moe import MoEConfig, MoEGPT
 
 CHECKER = _native.process_backend()  # every engine's here, since none is given a backend
 pytestmark = pytest.mark.skipif(not isinstance(CHECKER, _native.CheckingBackend),
@@ -36,22 +50,65 @@ MEASURED = {0: (0, 0, 1), 1: (0, 0, 1), 2: (0, 0, 1), 3: (3, 5, 1)}
 MEASURED_LATE = (0, 0, 2)
 
 
-def _count(rank, world, stage, bucket_bytes, model_class=TinyLM):
+def _count(rank, world, stage, bucket_bytes, model_class=TinyLM, waits=CHECKER.take_host_waits):
     model = make(model_class)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zerocore.Config(stage=stage, **bucket_bytes))
     counts = []
     for step in range(STEPS):
         x, y = lm_batch(step, 0, world)
-        CHECKER.take_host_waits()
+        waits()
         loss = lm_loss(engine(local(x, rank, world)), local(y, rank, world))
-        forward = CHECKER.take_host_waits()
+        forward = waits()
         engine.backward(loss)
-        backward = CHECKER.take_host_waits()
+        backward = waits()
         engine.step()
-        counts.append((forward, backward, CHECKER.take_host_waits()))
+        counts.append((forward, backward, waits()))
         engine.zero_grad()
     engine.close()
     return counts
+
+
+MOE = dict(vocab=40, n_layer=2, n_head=2, d_model=16, seq_len=12, n_experts=3)
+
+
+def _device_waits(rank, world, cases):
+    """(forward, backward, step) device waits of each step after the first,
+    for each (stage, dtype, model) case, trained in turn on these ranks."""
+    out = {}
+    for stage, dtype, model_name in cases:
+        model = make(TinyLM) if model_name == "dense" else MoEGPT(MoEConfig(**MOE), seed=0)
+        engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               zerocore.Config(stage=stage, dtype=dtype))
+        counts = []
+        for step in range(STEPS):
+            x, y = lm_batch(step, 0, world)
+            x, y = local(x, rank, world) % MOE["vocab"], local(y, rank, world) % MOE["vocab"]
+            CHECKER.take_device_waits()
+            out_ = engine(x) if model_name == "dense" else engine(x, y)
+            loss = lm_loss(out_, y) if model_name == "dense" else out_["loss"]
+            forward = CHECKER.take_device_waits()
+            engine.backward(loss)
+            backward = CHECKER.take_device_waits()
+            engine.step()
+            counts.append((forward, backward, CHECKER.take_device_waits()))
+            engine.zero_grad()
+        engine.close()
+        out[(stage, dtype, model_name)] = counts[1:]
+    return out
+
+
+DEVICE_WAITS = (0, 0, 1)  # forward, backward, step (see the module's doc)
+
+
+@pytest.mark.parametrize("world, cases", [
+    (1, [(s, d, m) for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16") for m in ("dense", "moe")]),
+    (2, [(s, d, m) for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16") for m in ("dense", "moe")]),
+    (4, [(s, "bf16", m) for s in (0, 1, 2, 3) for m in ("dense", "moe")]),
+], ids=["world1", "world2", "world4"])
+def test_forward_and_backward_wait_for_no_device_work(world, cases):
+    for rank, counts in enumerate(run_ranks(_device_waits, world, cases, timeout=300)):
+        for case, per_step in counts.items():
+            assert per_step == [DEVICE_WAITS] * (STEPS - 1), f"rank {rank}, (stage, dtype, model) {case}: {per_step}"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

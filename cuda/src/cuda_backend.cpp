@@ -28,7 +28,8 @@ using cuda_detail::check;
 using cuda_detail::DeviceGuard;
 
 struct CudaBackend::CudaStream : Stream {
-  CudaStream(std::string name, int index, cudaStream_t handle) : Stream(std::move(name)), index(index), handle(handle) {}
+  CudaStream(std::string name, int index, StreamPlane plane, cudaStream_t handle)
+      : Stream(std::move(name), plane), index(index), handle(handle) {}
   const int index;
   // The compute stream's changes with the caller's current stream.
   std::atomic<cudaStream_t> handle;
@@ -130,7 +131,7 @@ void launch_host_work(cudaStream_t stream, std::function<void()> work, const cha
 CudaBackend::CudaBackend(int device, void* compute_stream, CudaBackendOptions options)
     : device_(device), options_(options) {
   if (device < 0) throw InvalidArgument("CudaBackend: device index " + std::to_string(device) + " is negative");
-  compute_ = &streams_.add("compute", static_cast<cudaStream_t>(compute_stream));
+  compute_ = &streams_.add("compute", StreamPlane::kDevice, static_cast<cudaStream_t>(compute_stream));
 }
 
 CudaBackend::~CudaBackend() {
@@ -200,11 +201,11 @@ std::shared_ptr<Buffer> CudaBackend::allocate(MemoryKind kind, size_t bytes, con
 
 Stream& CudaBackend::compute_stream() { return *compute_; }
 
-Stream& CudaBackend::create_stream(const std::string& name) {
+Stream& CudaBackend::create_stream(const std::string& name, StreamPlane plane) {
   DeviceGuard guard(device_);
   cudaStream_t h = nullptr;
   check(cudaStreamCreateWithFlags(&h, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-  return streams_.add(name, h);
+  return streams_.add(name, plane, h);
 }
 
 CudaBackend::CudaStream& CudaBackend::cuda_stream(const Stream& stream) const { return streams_.of(stream); }

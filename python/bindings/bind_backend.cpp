@@ -49,6 +49,9 @@ AccessMode parse_mode(const std::string& s) {
 namespace {
 
 void bind_backend_base(nb::module_& m) {
+  nb::enum_<StreamPlane>(m, "StreamPlane", "What a stream's work is (stream.h): the device's, or the control plane's.")
+      .value("DEVICE", StreamPlane::kDevice)
+      .value("CONTROL", StreamPlane::kControl);
   nb::class_<BoundBackend>(m, "Backend",
                            "A backend of the runtime (docs/design.md, \"The backend seam\"): CpuBackend, "
                            "CheckingBackend or CudaBackend. What is made on one (a CommQueue, a PartitionStore, an "
@@ -163,7 +166,11 @@ void bind_backend(nb::module_& m) {
       .def("check", [](BoundChecking& b) { b.get().check(); }, "Raises StreamOrderError if any violation was found.")
       .def("host_waits", [](BoundChecking& b) { return b.get().host_waits(); })
       .def("take_host_waits", [](BoundChecking& b) { return b.get().take_host_waits(); },
-           "The host waits since the last call, resetting the count (once a step).");
+           "The host waits since the last call, resetting the count (once a step).")
+      .def("device_waits", [](BoundChecking& b) { return b.get().device_waits(); })
+      .def("take_device_waits", [](BoundChecking& b) { return b.get().take_device_waits(); },
+           "Of the host waits since the last call, those that waited for device work (a device-plane stream's, "
+           "checking_backend.h), resetting the count.");
 
   m.def("process_backend", &process_backend, nb::rv_policy::reference,
         "The process's default backend (ZEROCORE_BACKEND: the plain CpuBackend, or a CheckingBackend under "

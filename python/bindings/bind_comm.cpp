@@ -146,12 +146,13 @@ void bind_comm(nb::module_& m) {
                          "completed; each issue returns the Event of its completion, which must be waited for before "
                          "the output is read or the input reused.")
       .def("__init__",
-           [](BoundQueue* self, nb::object transport, BoundBackend& backend) {
-             new (self) BoundQueue(late_if_asked(python_transport(std::move(transport))), nb::find(backend));
+           [](BoundQueue* self, nb::object transport, BoundBackend& backend, StreamPlane plane) {
+             new (self) BoundQueue(late_if_asked(python_transport(std::move(transport))), nb::find(backend), plane);
            },
-           "transport"_a, "backend"_a,
+           "transport"_a, "backend"_a, "plane"_a = StreamPlane::kDevice,
            "A queue over a Python transport, its comm stream a new stream of `backend` (a "
-           "zerocore._native.Backend, which the queue keeps alive). The transport is an object with rank, "
+           "zerocore._native.Backend, which the queue keeps alive) of `plane` (StreamPlane.CONTROL for the "
+           "control plane's agreements and rounds). The transport is an object with rank, "
            "world_size and the methods "
            "all_gather(key, shard, output), reduce_scatter(key, input, shard), all_reduce(key, tensor), "
            "broadcast(key, tensor, root), called on the queue's thread with the key (kind, group, bucket, numel) and "
@@ -160,10 +161,12 @@ void bind_comm(nb::module_& m) {
            "message as is; any other error as RuntimeError naming the collective.")
       .def_static(
           "single_process",
-          [](BoundBackend& backend) {
-            return std::make_unique<BoundQueue>(late_if_asked(InProcessGroup(1).transport(0)), nb::find(backend));
+          [](BoundBackend& backend, StreamPlane plane) {
+            return std::make_unique<BoundQueue>(late_if_asked(InProcessGroup(1).transport(0)), nb::find(backend),
+                                                plane);
           },
-          "backend"_a, "A queue over a group of this process alone (no torch.distributed), on `backend`.")
+          "backend"_a, "plane"_a = StreamPlane::kDevice,
+          "A queue over a group of this process alone (no torch.distributed), on `backend`.")
       .def_prop_ro("backend", &BoundQueue::backend, "The backend the queue's comm stream is a stream of.")
       .def_prop_ro(
           "stream", [](const BoundQueue& q) -> Stream& { return q.get().stream(); }, nb::rv_policy::reference_internal,

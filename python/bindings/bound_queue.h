@@ -22,9 +22,10 @@ namespace zerocore::bindings {
 class BoundQueue {
  public:
   // `backend`: the BoundBackend the queue's comm stream is a stream of.
-  BoundQueue(std::unique_ptr<Transport> transport, nanobind::object backend)
+  BoundQueue(std::unique_ptr<Transport> transport, nanobind::object backend, StreamPlane plane)
       : backend_(std::move(backend)),
-        queue_(std::make_unique<CommQueue>(std::move(transport), nanobind::cast<BoundBackend&>(backend_).get())) {}
+        queue_(std::make_unique<CommQueue>(std::move(transport), nanobind::cast<BoundBackend&>(backend_).get(),
+                                           plane)) {}
   ~BoundQueue() { close(); }
   BoundQueue(const BoundQueue&) = delete;
   BoundQueue& operator=(const BoundQueue&) = delete;

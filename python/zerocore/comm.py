@@ -93,10 +93,11 @@ class Communicator:
     the Communicator whose queue carries this one's agreements and sums (a
     host group beside this data group; None: this one's queue), so that they
     never wait behind data collectives nor need the data group to move host
-    tensors."""
+    tensors. plane: its comm stream's (zerocore._native.StreamPlane),
+    CONTROL for a group of the control plane (agreements, rounds)."""
 
     def __init__(self, group, native_control="backward's agreement on late grads", fails_with=None, control=None, *,
-                 backend):
+                 backend, plane=_native.StreamPlane.DEVICE):
         self.group = group
         self.distributed = group is not None
         self.backend = backend
@@ -104,11 +105,11 @@ class Communicator:
         self.failure = fails_with.failure if fails_with is not None else Failure()
         if self.distributed:
             transport = ProcessGroupTransport(group, self.names, self.failure)
-            self.queue = _native.CommQueue(transport, backend)
+            self.queue = _native.CommQueue(transport, backend, plane)
             if devices.is_cuda(backend):
                 transport.issue_on(backend.stream_handle(self.queue.stream), backend.device)
         else:
-            self.queue = _native.CommQueue.single_process(backend)
+            self.queue = _native.CommQueue.single_process(backend, plane)
         # Drain the queue when this communicator goes, or at the latest at
         # interpreter exit, while the queue's thread can still take the GIL
         # to finish a collective that is in flight.

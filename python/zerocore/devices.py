@@ -3,7 +3,8 @@ which process groups wrap accepts, and which runtime backend an engine runs
 on (decide).
 
 - A module whose params and buffers are all on the CPU (or on the meta
-  device, which wrap materialises on the CPU) runs on the process's default
+  device, which wrap materialises where wrap's device= says: the CPU by
+  default) runs on the process's default
   backend, zerocore._native.process_backend(): the plain CPU backend, or the
   checking one under ZEROCORE_BACKEND=checking. Its collectives run over a
   process group that moves CPU tensors (gloo, or a group with a CPU backend
@@ -15,7 +16,9 @@ on (decide).
   over a group that moves CUDA tensors (NCCL: "cpu:gloo,cuda:nccl"), its
   control plane on gloo groups the engine makes beside it; under
   ZEROCORE_CUDA_POISON=1 the backend poisons released memory
-  (_poison_released). Nothing of this path has run on a GPU yet.
+  (_poison_released). A model built on the meta device trains there when
+  wrap is given device="cuda" (so a model larger than the GPU, with
+  offload_params, never exists whole on it).
 - A backend given to wrap (backend=: a CheckingBackend for a test) replaces
   the one chosen, where it can run the module's device.
 """
@@ -31,7 +34,7 @@ from zerocore import _native
 
 _CUDA_BUILT = hasattr(_native, "CudaBackend")  # the runtime's CUDA backend is in this build
 SUPPORTED = ("cpu", "cuda") if _CUDA_BUILT else ("cpu",)  # device types the runtime can train on
-_MATERIALIZED = ("meta",)  # params and buffers that get their values (on the CPU) at wrap
+_MATERIALIZED = ("meta",)  # params and buffers that get their values at wrap (on its device=, the CPU by default)
 
 
 def cuda_usable() -> bool:
@@ -66,31 +69,59 @@ class Decision:
     problem: Optional[str] = None
 
 
-def decide(tensors: Iterable, backend=None) -> Decision:
+def decide(tensors: Iterable, backend=None, meta_device=None) -> Decision:
     """The device and backend of a module whose params and buffers are the
     (name, device) pairs `tensors`; backend: the one wrap was given, or
-    None to choose it here."""
+    None to choose it here; meta_device: where meta tensors are
+    materialised and train (wrap's device=; None: the CPU)."""
     tensors = list(tensors)
-    problem = tensor_problem(tensors)
-    device = training_device(d for _, d in tensors) if problem is None else None
+    problem = meta_device_problem(meta_device)
+    if problem is None:
+        meta_device = torch.device("cpu") if meta_device is None else _indexed(torch.device(meta_device))
+        problem = tensor_problem(tensors, meta_device)
+    device = training_device((d for _, d in tensors), meta_device) if problem is None else None
     problem = problem or backend_problem(device, backend)
     if problem is not None:
         return Decision(torch.device("cpu"), _native.process_backend(), problem)
     return Decision(device, backend if backend is not None else _backend_for(device))
 
 
-def training_device(devices: Iterable[torch.device]) -> torch.device:
+def meta_device_problem(device) -> Optional[str]:
+    """The error for wrap's device= (where meta tensors train), or None."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        return f"zerocore.wrap: device= takes a torch.device or a string such as 'cuda' or 'cpu', got {device!r} ({e})"
+    if device.type not in SUPPORTED:
+        return (f"zerocore.wrap: device={str(device)!r}: zerocore trains on "
+                f"{' and '.join(SUPPORTED)} devices" + (f" ({cuda_missing()})" if not _CUDA_BUILT else ""))
+    if device.type == "cuda" and not cuda_usable():
+        return f"zerocore.wrap: device={str(device)!r}, but {cuda_missing()}"
+    return None
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """'cuda' as the current CUDA device, as torch places a tensor made there."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def training_device(devices: Iterable[torch.device], meta_device: torch.device) -> torch.device:
     """The one device of a module's params and buffers that tensor_problem
-    accepts: the CPU for a module all on the CPU, on the meta device, or
-    with neither params nor buffers."""
+    accepts: meta_device for a module all on the meta device, or with
+    neither params nor buffers."""
     placed = {d for d in devices if d.type not in _MATERIALIZED}
-    return placed.pop() if placed else torch.device("cpu")
+    return placed.pop() if placed else meta_device
 
 
-def tensor_problem(tensors: Iterable) -> Optional[str]:
+def tensor_problem(tensors: Iterable, meta_device: torch.device) -> Optional[str]:
     """The error for (name, device) pairs of a module's params and buffers
     that wrap cannot train, or None: they must all be on the CPU (or the
-    meta device), or all on one CUDA device where cuda_usable()."""
+    meta device), or all on one CUDA device where cuda_usable(); meta ones
+    count as on meta_device, where they are materialised."""
     tensors = list(tensors)
     usable = ("cpu", "cuda") if cuda_usable() else ("cpu",)
     bad = [(name, device) for name, device in tensors if device.type not in usable + _MATERIALIZED]
@@ -101,16 +132,16 @@ def tensor_problem(tensors: Iterable) -> Optional[str]:
         return (f"zerocore.wrap: {_listing(bad)} {'is' if len(bad) == 1 else 'are'} not on the CPU. {why}: move "
                 "the model to the CPU (model.cpu()) before wrapping it, or build it on the meta device "
                 "(zerocore.init()) for wrap to materialise.")
-    # Meta tensors get their values on the CPU, so beside CUDA ones they are a second device.
+    # Meta tensors get their values on meta_device, so beside others they may be a second device.
     by_device = {}
     for name, device in tensors:
-        by_device.setdefault(torch.device("cpu") if device.type in _MATERIALIZED else device, []).append(
-            (name, device))
+        by_device.setdefault(meta_device if device.type in _MATERIALIZED else device, []).append((name, device))
     if len(by_device) > 1:
         where = "; ".join(f"{_listing(pairs)} on {device}" for device, pairs in by_device.items())
         return (f"zerocore.wrap: the module's params and buffers are on more than one device ({where}); a meta "
-                "one is materialised on the CPU. Move the whole model to the device it trains on "
-                "(model.to(device)) before wrapping it.")
+                f"one is materialised on {meta_device} (wrap's device=). Move the whole model to the device it "
+                "trains on (model.to(device)) before wrapping it, or build it all on the meta device and give wrap "
+                "device=.")
     return None
 
 

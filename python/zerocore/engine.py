@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from zerocore import compute_stream, devices, param_guards
+from zerocore import _native, compute_stream, devices, param_guards
 from zerocore._native import BucketCollectives, UnitSchedule, ZeroStep
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
@@ -58,7 +58,8 @@ class Engine(Training, StateIO, Reports):
     """A module trained with ZeRO: zerocore.wrap makes one (its docstring
     has the arguments)."""
 
-    def __init__(self, module, optimizer, config=None, *, group=None, units=None, init=None, backend=None):
+    def __init__(self, module, optimizer, config=None, *, group=None, units=None, init=None, device=None,
+                 backend=None):
         if not isinstance(module, nn.Module):
             raise TypeError(f"zerocore.wrap: expected a torch.nn.Module, got {type(module).__name__}")
         if getattr(module, "_zerocore_engine", None) is not None:
@@ -72,7 +73,7 @@ class Engine(Training, StateIO, Reports):
         # Where it trains, decided in one place: the device, and the native
         # backend every queue, store and pipeline of the engine runs on.
         where = devices.decide([(names[id(p)][0], p.device) for p in params] +
-                               [(name, b.device) for name, b in module.named_buffers()], backend)
+                               [(name, b.device) for name, b in module.named_buffers()], backend, device)
         self.device, self.backend = where.device, where.backend
         self.compute_stream = compute_stream.of(self.backend)  # torch's current stream, followed between steps
         process_group = training_process_group(group, placement, where)
@@ -80,8 +81,8 @@ class Engine(Training, StateIO, Reports):
         # rounds) runs on host process groups beside the data's, so agreeing
         # never waits behind data collectives nor, with NCCL for data, makes
         # the GPU synchronise. Their queues are streams of the same backend.
-        self.control = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"), backend=self.backend) \
-            if process_group is not None else None
+        self.control = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"), backend=self.backend,
+                                    plane=_native.StreamPlane.CONTROL) if process_group is not None else None
         self.comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.control,
                                  control=self.control, backend=self.backend)
         self.dtype = TORCH_DTYPES[cfg.dtype]
@@ -97,7 +98,7 @@ class Engine(Training, StateIO, Reports):
         if problem is not None:
             raise problem
         param_group_of = {id(p): i for i, group in enumerate(spec.param_groups) for p in group["params"]}
-        initializer.materialize()
+        initializer.materialize(self.device)
         self.groups, self.units = build_groups(module, params, names, param_group_of, config=cfg,
                                                placement=placement, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
                                                comm=self.comm, state_names=self.state_names, units=units)
@@ -139,7 +140,8 @@ class Engine(Training, StateIO, Reports):
             # behind the data collectives queued before it, nor the step's
             # agreements behind a round in flight.
             self.rounds_comm = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"),
-                                            "stage 3's round", fails_with=self.comm, backend=self.backend)
+                                            "stage 3's round", fails_with=self.comm, backend=self.backend,
+                                            plane=_native.StreamPlane.CONTROL)
             schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes)
             # The rounds reduce each unit's trainable flat groups, by their places in the reduction order.
@@ -220,7 +222,7 @@ class _ClosedEngine:
         return self.forward(*args, **kwargs)  # raises
 
 
-def wrap(module, optimizer, config=None, *, group=None, units=None, init=None, backend=None) -> Engine:
+def wrap(module, optimizer, config=None, *, group=None, units=None, init=None, device=None, backend=None) -> Engine:
     """Wraps `module` for ZeRO training with `optimizer`'s algorithm and
     hyperparameters. It takes the optimizer over: its step() and zero_grad()
     become the engine's, its param_groups hold the hyperparameters each step
@@ -238,10 +240,15 @@ def wrap(module, optimizer, config=None, *, group=None, units=None, init=None, b
         model.apply(fn) (init=model._init_weights); or a state_dict or the
         path of a safetensors file, which sets every param (meta or not)
         and the buffers it holds. zerocore/materialize.py says how.
+    device: where params and buffers on the meta device are materialised
+        and train ("cuda", "cuda:1", a torch.device; default: the CPU). A
+        model larger than the GPU, built inside zerocore.init(), trains
+        there with device="cuda" and Config(offload_params="cpu"): only
+        each rank's part ever exists, and on the host.
     backend: the native backend the engine runs on (zerocore._native:
         CpuBackend, CheckingBackend, CudaBackend), for tests that check or
         compare backends; by default the module's device decides
         (zerocore/devices.py): the process's default backend on the CPU, a
         CudaBackend on a CUDA device. It must run the module's device.
     """
-    return Engine(module, optimizer, config, group=group, units=units, init=init, backend=backend)
+    return Engine(module, optimizer, config, group=group, units=units, init=init, device=device, backend=backend)

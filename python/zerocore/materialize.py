@@ -3,8 +3,9 @@ a model built on the meta device (zerocore.init()), initialised or loaded
 into the flat groups without ever existing whole on one rank.
 
 wrap swaps each meta param in place (the same Parameter object, which the
-optimizer holds) for a CPU param of its shape whose storage holds no
-memory, and each meta buffer for a zeroed CPU one; it builds the flat groups
+optimizer holds) for a param of its shape whose storage holds no memory,
+on the device training runs on (wrap's device=, the CPU by default), and
+each meta buffer for a zeroed one there; it builds the flat groups
 without values for those params (FlatGroup's values_later: zeros, no
 broadcast from rank 0) and then fills them on every rank alike, each rank
 writing only what it holds (FlatGroup.load_param: the full params in stages
@@ -84,10 +85,10 @@ def _reads(t: torch.Tensor):
     return lambda first, n: flat[first:first + n]
 
 
-def _no_memory(shape, dtype) -> torch.Tensor:
-    """A CPU tensor of `shape` whose storage holds no memory: a param's
-    stand-in until its flat group binds it."""
-    t = torch.empty((), dtype=dtype).expand(shape)
+def _no_memory(shape, dtype, device) -> torch.Tensor:
+    """A tensor on `device` of `shape` whose storage holds no memory: a
+    param's stand-in until its flat group binds it."""
+    t = torch.empty((), dtype=dtype, device=device).expand(shape)
     t.untyped_storage().resize_(0)
     return t
 
@@ -303,18 +304,20 @@ class Initializer:
             return set(self.loader.param_keys)
         return set(self.meta)
 
-    def materialize(self):
-        """Meta params become CPU params of their shape with no memory (the
-        groups bind them), the same objects; meta buffers become zeros."""
+    def materialize(self, device: torch.device):
+        """Meta params become params on `device` (where training runs) of
+        their shape with no memory (the groups bind them), the same objects;
+        meta buffers become zeros there."""
         for p in self.module.parameters():
             if id(p) in self.meta:
-                torch.utils.swap_tensors(p, nn.Parameter(_no_memory(p.shape, p.dtype), requires_grad=p.requires_grad))
+                torch.utils.swap_tensors(p, nn.Parameter(_no_memory(p.shape, p.dtype, device),
+                                                         requires_grad=p.requires_grad))
         zeros = {}
         for mod in self.module.modules():
             for name, b in mod._buffers.items():
                 if b is not None and b.is_meta:
                     if id(b) not in zeros:
-                        zeros[id(b)] = torch.zeros(b.shape, dtype=b.dtype)
+                        zeros[id(b)] = torch.zeros(b.shape, dtype=b.dtype, device=device)
                     mod._buffers[name] = zeros[id(b)]
 
     def fill(self, places):

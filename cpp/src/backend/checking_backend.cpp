@@ -25,6 +25,7 @@ CheckingCpuBackend::CheckingCpuBackend(CheckingOptions options)
                           std::to_string(options.min_delay_us) + ", " + std::to_string(options.max_delay_us) + "]");
   }
   delays_.emplace_back(options.seed);  // the compute stream runs inline: never delayed
+  planes_.push_back(StreamPlane::kDevice);
 }
 
 CheckingCpuBackend::~CheckingCpuBackend() = default;
@@ -41,10 +42,11 @@ std::shared_ptr<Buffer> CheckingCpuBackend::allocate(MemoryKind kind, size_t byt
   return buffer;
 }
 
-Stream& CheckingCpuBackend::create_stream(const std::string& name) {
-  Stream& stream = CpuBackend::create_stream(name);
+Stream& CheckingCpuBackend::create_stream(const std::string& name, StreamPlane plane) {
+  Stream& stream = CpuBackend::create_stream(name, plane);
   std::lock_guard<std::mutex> lock(mutex_);
   delays_.emplace_back(options_.seed + uint64_t(index_of(stream)));
+  planes_.push_back(plane);
   return stream;
 }
 
@@ -75,7 +77,14 @@ void CheckingCpuBackend::wait(Stream& stream, const StreamEvent& event) {
 void CheckingCpuBackend::host_wait(const StreamEvent& event) {
   ++host_waits_;
   CpuBackend::host_wait(event);
-  checker_->join(OrderChecker::kHostStream, static_cast<const CpuEvent&>(event).clock());
+  const std::vector<int> grew = checker_->join(OrderChecker::kHostStream, static_cast<const CpuEvent&>(event).clock());
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int clock : grew) {
+    if (clock != OrderChecker::kHostStream && planes_.at(size_t(clock - 1)) == StreamPlane::kDevice) {
+      ++device_waits_;
+      return;
+    }
+  }
 }
 
 bool CheckingCpuBackend::query(const StreamEvent& event) {

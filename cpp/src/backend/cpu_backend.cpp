@@ -13,7 +13,7 @@
 namespace zerocore {
 
 struct CpuBackend::CpuStream : Stream {
-  CpuStream(std::string name, int index) : Stream(std::move(name)), index(index) {}
+  CpuStream(std::string name, int index, StreamPlane plane) : Stream(std::move(name), plane), index(index) {}
   const int index;
   // None for the compute stream (its work runs inline) and for another
   // stream until its first work.
@@ -43,7 +43,7 @@ const CpuEvent& cpu_event(const StreamEvent& event) {
 }
 }  // namespace
 
-CpuBackend::CpuBackend() : compute_(&streams_.add("compute")) {}
+CpuBackend::CpuBackend() : compute_(&streams_.add("compute", StreamPlane::kDevice)) {}
 
 CpuBackend::~CpuBackend() = default;  // each WorkQueue runs what it was given, then joins
 
@@ -54,7 +54,7 @@ std::shared_ptr<Buffer> CpuBackend::allocate(MemoryKind kind, size_t bytes, cons
 
 Stream& CpuBackend::compute_stream() { return *compute_; }
 
-Stream& CpuBackend::create_stream(const std::string& name) { return streams_.add(name); }
+Stream& CpuBackend::create_stream(const std::string& name, StreamPlane plane) { return streams_.add(name, plane); }
 
 int CpuBackend::index_of(const Stream& stream) const { return streams_.of(stream).index; }
 

@@ -28,10 +28,17 @@ bool OrderChecker::ordered(const Record& r, int stream) {
   return r.stream == stream || (size_t(r.stream) < c.size() && c[size_t(r.stream)] >= r.tick);
 }
 
-void OrderChecker::join_locked(int stream, const std::vector<uint64_t>& other) {
+std::vector<int> OrderChecker::join_locked(int stream, const std::vector<uint64_t>& other) {
   std::vector<uint64_t>& c = clock_of(stream);
   if (c.size() < other.size()) c.resize(other.size(), 0);
-  for (size_t i = 0; i < other.size(); ++i) c[i] = std::max(c[i], other[i]);
+  std::vector<int> grew;
+  for (size_t i = 0; i < other.size(); ++i) {
+    if (other[i] > c[i]) {
+      c[i] = other[i];
+      grew.push_back(int(i));
+    }
+  }
+  return grew;
 }
 
 void OrderChecker::follow_host(int stream) {
@@ -44,9 +51,9 @@ std::vector<uint64_t> OrderChecker::clock(int stream) {
   return clock_of(stream);
 }
 
-void OrderChecker::join(int stream, const std::vector<uint64_t>& other) {
+std::vector<int> OrderChecker::join(int stream, const std::vector<uint64_t>& other) {
   std::lock_guard<std::mutex> lock(mutex_);
-  join_locked(stream, other);
+  return join_locked(stream, other);
 }
 
 namespace {

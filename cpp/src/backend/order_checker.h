@@ -45,7 +45,9 @@ class OrderChecker {
                                   const std::vector<Access>& accesses);
 
   std::vector<uint64_t> clock(int stream);
-  void join(int stream, const std::vector<uint64_t>& clock);
+  // Joins `clock` into `stream`'s; returns the components that grew (the
+  // streams whose work `stream` had not been ordered after before).
+  std::vector<int> join(int stream, const std::vector<uint64_t>& clock);
 
  private:
   struct Record {
@@ -63,7 +65,7 @@ class OrderChecker {
   };
 
   std::vector<uint64_t>& clock_of(int stream);  // mutex_ held
-  void join_locked(int stream, const std::vector<uint64_t>& other);
+  std::vector<int> join_locked(int stream, const std::vector<uint64_t>& other);
   void follow_host(int stream);  // `stream` is given work by the host: it comes after the host's past
   bool ordered(const Record& r, int stream);    // r happens before `stream`'s next operation
   std::string describe(const History& h, const Record& first, const Record& second) const;

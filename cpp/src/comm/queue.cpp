@@ -90,10 +90,12 @@ struct CommQueue::State {
   }
 };
 
-CommQueue::CommQueue(std::unique_ptr<Transport> transport, Backend& backend)
+CommQueue::CommQueue(std::unique_ptr<Transport> transport, Backend& backend, StreamPlane plane)
     : transport_(std::move(transport)),
       backend_(backend),
-      stream_(backend.create_stream("comm (rank " + std::to_string(transport_->rank()) + ")")),
+      stream_(backend.create_stream(
+          std::string(plane == StreamPlane::kControl ? "control" : "comm") + " (rank " +
+          std::to_string(transport_->rank()) + ")", plane)),
       rank_(transport_->rank()),
       world_size_(transport_->world_size()),
       state_(std::make_unique<State>()) {}

@@ -27,9 +27,9 @@ RoundProtocol::RoundProtocol(CommQueue& rounds, int units, int planned_slots)
 }
 
 RoundProtocol::~RoundProtocol() {
-  if (!posted_) return;
+  if (!posted_event_) return;
   try {
-    backend_.host_wait(*posted_);
+    backend_.host_wait(*posted_event_);
   } catch (...) {  // the queue's error was raised to whoever waited first
   }
 }
@@ -58,22 +58,23 @@ void RoundProtocol::fill(const RankReport& self, const std::function<UnitReport(
 
 void RoundProtocol::post(const RankReport& self, const std::function<UnitReport(int)>& unit) {
   fill(self, unit);
-  if (world_ == 1) {  // one rank: its flags are the sums, nothing to agree on
-    posted_ = backend_.record(backend_.compute_stream());  // complete
-  } else {
-    posted_ = queue_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, buffer_.numel()}, buffer_);
-  }
+  posted_ = true;
   posted_failed_ = self.failed;
+  if (world_ == 1) return;  // one rank: its flags are the sums
+  posted_event_ = queue_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, buffer_.numel()}, buffer_);
   ++rounds_;
   if (self.blocking) ++blocking_rounds_;
 }
 
 RoundProtocol::Sums RoundProtocol::settle() {
   if (!posted_) return Sums{};
-  const auto start = std::chrono::steady_clock::now();
-  const std::shared_ptr<StreamEvent> posted = std::move(posted_);
-  backend_.host_wait(*posted);
-  round_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  posted_ = false;
+  if (posted_event_) {
+    const auto start = std::chrono::steady_clock::now();
+    const std::shared_ptr<StreamEvent> posted = std::move(posted_event_);
+    backend_.host_wait(*posted);
+    round_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   return sums(posted_failed_);
 }
 
@@ -85,7 +86,7 @@ std::vector<float> RoundProtocol::flags(const RankReport& self, const std::funct
 
 RoundProtocol::Sums RoundProtocol::adopt(const std::vector<float>& summed) {
   std::copy(summed.begin(), summed.end(), buffer_.data_as<float>());
-  ++rounds_;
+  if (world_ > 1) ++rounds_;
   return sums(false);
 }
 

@@ -54,7 +54,8 @@ class Backend {
   // Streams. The compute stream is the caller's; the others are the
   // backend's own, alive as long as it is.
   virtual Stream& compute_stream() = 0;
-  virtual Stream& create_stream(const std::string& name) = 0;
+  virtual Stream& create_stream(const std::string& name, StreamPlane plane) = 0;
+  Stream& create_stream(const std::string& name) { return create_stream(name, StreamPlane::kDevice); }
 
   // Events. record marks everything enqueued on `stream` so far; `stream`
   // waits (without blocking the host) or the host waits (blocking) for all

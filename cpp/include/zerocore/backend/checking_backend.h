@@ -13,7 +13,9 @@
 // - Work on a non-compute stream starts after a seeded random delay, so a
 //   missing wait also reads stale data; buffers allocated without `zeroed`
 //   and poisoned ranges read as NaN.
-// - Blocking host waits are counted (the target is one a step).
+// - Blocking host waits are counted, and apart those that wait for device
+//   work (a device-plane stream's: StreamPlane), which on CUDA stall the
+//   host behind the GPU (the target is none outside the step's decision).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -53,7 +55,8 @@ class CheckingCpuBackend : public CpuBackend {
 
   std::shared_ptr<Buffer> allocate(MemoryKind kind, size_t bytes, const std::string& name,
                                    bool zeroed = false) override;
-  Stream& create_stream(const std::string& name) override;
+  using Backend::create_stream;
+  Stream& create_stream(const std::string& name, StreamPlane plane) override;
 
   std::shared_ptr<StreamEvent> record(Stream& stream) override;
   void wait(Stream& stream, const StreamEvent& event) override;
@@ -77,6 +80,13 @@ class CheckingCpuBackend : public CpuBackend {
   // host on CUDA and are not counted.
   int64_t host_waits() const { return host_waits_.load(); }
   int64_t take_host_waits() { return host_waits_.exchange(0); }
+  // Of those, the ones that waited for device work: for work of a
+  // device-plane stream (compute, a data queue's, a copy stream) that the
+  // host was not yet ordered after, directly or through a control-plane
+  // stream that waited for it. A wait for a control-plane collective alone
+  // (a round's flags) is not one. Since the last take_device_waits().
+  int64_t device_waits() const { return device_waits_.load(); }
+  int64_t take_device_waits() { return device_waits_.exchange(0); }
 
  private:
   void checked(Stream& stream, const std::string& op, const std::vector<Access>& accesses);
@@ -90,10 +100,12 @@ class CheckingCpuBackend : public CpuBackend {
 
   const CheckingOptions options_;
   const std::shared_ptr<OrderChecker> checker_;
-  mutable std::mutex mutex_;  // violations_ and delays_
+  mutable std::mutex mutex_;  // violations_, delays_ and planes_
   std::vector<std::string> violations_;
   std::vector<std::mt19937_64> delays_;  // one generator per stream, so each stream's delays are reproducible
+  std::vector<StreamPlane> planes_;  // by stream index
   std::atomic<int64_t> host_waits_{0};
+  std::atomic<int64_t> device_waits_{0};
 };
 
 }  // namespace zerocore

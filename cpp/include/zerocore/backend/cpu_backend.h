@@ -41,7 +41,8 @@ class CpuBackend : public Backend {
   std::shared_ptr<Buffer> allocate(MemoryKind kind, size_t bytes, const std::string& name,
                                    bool zeroed = false) override;
   Stream& compute_stream() override;
-  Stream& create_stream(const std::string& name) override;
+  using Backend::create_stream;
+  Stream& create_stream(const std::string& name, StreamPlane plane) override;
 
   std::shared_ptr<StreamEvent> record(Stream& stream) override;
   void wait(Stream& stream, const StreamEvent& event) override;

@@ -8,22 +8,34 @@
 // accesses from different streams is ordered by an event.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "zerocore/tensor.h"
 
 namespace zerocore {
 
+// What a stream's work is. kDevice: the device's (kernels, copies, data-plane
+// collectives); on CUDA the host waits for it only by synchronising with the
+// GPU. kControl: a control-plane comm queue's, whose collectives move host
+// data the host decides on (the rounds' flags, the step's exchange); a host
+// wait for one costs the GPU nothing unless the stream itself waited for
+// device work. The checking backend counts the host waits that wait for the
+// device (take_device_waits) by this.
+enum class StreamPlane : uint8_t { kDevice, kControl };
+
 class Stream {
  public:
-  explicit Stream(std::string name) : name_(std::move(name)) {}
+  Stream(std::string name, StreamPlane plane) : name_(std::move(name)), plane_(plane) {}
   virtual ~Stream() = default;
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
   const std::string& name() const { return name_; }
+  StreamPlane plane() const { return plane_; }
 
  private:
   std::string name_;
+  StreamPlane plane_;
 };
 
 // Recorded by Backend::record; what it holds is the backend's own.

@@ -15,7 +15,10 @@
 // its free pool slots as a one-hot over 0..planned, so that the sums say
 // the fewest free slots any rank has. A round is posted without waiting
 // and settled later (the next hook), so its all-reduce travels while the
-// unit computes; only one is in flight at a time.
+// unit computes; only one is in flight at a time. At world size 1 there is
+// nothing to agree on: a rank's flags are the sums, nothing is issued or
+// waited for (so the host never waits for the device at a hook, and the
+// host runs ahead of the GPU), and no round is counted.
 #pragma once
 #include <functional>
 #include <memory>
@@ -88,7 +91,6 @@ class RoundProtocol {
   // Posts this rank's round: `self`, and `unit(u)` for every unit. Throws
   // std::logic_error while a round is in flight (settle it first).
   void post(const RankReport& self, const std::function<UnitReport(int)>& unit);
-  bool in_flight() const { return posted_ != nullptr; }
   // Waits for the round in flight and gives its sums; no round when none is in flight.
   Sums settle();
 
@@ -119,7 +121,8 @@ class RoundProtocol {
   int units_ = 0;
   int planned_slots_ = 0;
   Tensor buffer_;  // the control buffer: a host vector, not an arena of the plan
-  std::shared_ptr<StreamEvent> posted_;  // the round in flight
+  bool posted_ = false;                         // a round is posted and not settled
+  std::shared_ptr<StreamEvent> posted_event_;  // its all-reduce's completion (none at world size 1)
   bool posted_failed_ = false;
   int64_t rounds_ = 0, blocking_rounds_ = 0;
   double round_seconds_ = 0;
