@@ -1,5 +1,5 @@
-"""Runs a function on N CPU ranks (gloo, fork start) and returns each rank's
-result. The ranks meet through a FileStore in a fresh temporary directory,
+"""Runs a function on N ranks (gloo; fork start, or spawn for ranks that
+use CUDA, which a forked child cannot) and returns each rank's result. The ranks meet through a FileStore in a fresh temporary directory,
 so no two runs can collide (gloo's own sockets bind port 0 themselves).
 Each rank's stdout and stderr (fds 1 and 2, Python's and native code's) go
 to a file of its own, echoed after the run and quoted in any failure.
@@ -63,6 +63,7 @@ def _worker(rank, world, store_path, log_path, fn, args, queue):
     _redirect_output(log_path)
     try:
         store = dist.FileStore(store_path, world)
+        # gloo moves CUDA tensors too (through pinned host memory): several ranks on one GPU train over it.
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         torch.set_num_threads(1)
@@ -88,11 +89,14 @@ def _output(path, head=OUTPUT_HEAD, tail=OUTPUT_TAIL):
     return text.decode(errors="replace")
 
 
-def run_ranks(fn, world, *args, timeout=60.0, raise_errors=True):
+def run_ranks(fn, world, *args, timeout=60.0, raise_errors=True, start="fork"):
     """[result of rank 0, ..., rank world-1]; with raise_errors=False a
     failed rank's entry is its RankError. A crashed rank raises RankCrash
-    and a hung one TimeoutError, whatever raise_errors says."""
-    ctx = multiprocessing.get_context("fork")
+    and a hung one TimeoutError, whatever raise_errors says. start: the
+    ranks' start method, "fork", or "spawn" (fresh interpreters: fn and
+    args are pickled, so fn must be a module-level function) for ranks
+    that use CUDA."""
+    ctx = multiprocessing.get_context(start)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="zerocore-ranks-") as tmp:
         logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world)]

@@ -41,6 +41,22 @@ def test_a_dead_rank_is_reported_at_once_as_a_crash(how, status):
         assert "Fatal Python error: Segmentation fault" in crash.value.output
 
 
+def _sums(rank, world):
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    return os.getpid(), t
+
+
+def test_spawned_ranks_run_in_fresh_interpreters():
+    """What the GPU tests start ranks with (CUDA fails in a forked child)."""
+    results = run_ranks(_sums, 3, timeout=120, start="spawn")
+    assert len({pid for pid, _ in results} | {os.getpid()}) == 4
+    for _, t in results:
+        assert torch.equal(t, torch.full((3,), 6.0))
+    with pytest.raises(RankCrash, match="rank 1 crashed: exited with code 3"):
+        run_ranks(_dies, 2, "exit 3", timeout=120, start="spawn")
+
+
 def _hangs(rank, world):
     if rank == 1:
         print("rank 1 sleeps", flush=True)

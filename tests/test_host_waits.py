@@ -52,7 +52,8 @@ MEASURED_LATE = (0, 0, 2)
 
 def _count(rank, world, stage, bucket_bytes, model_class=TinyLM, waits=CHECKER.take_host_waits):
     model = make(model_class)
-    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zerocore.Config(stage=stage, **bucket_bytes))
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                           zerocore.Config(stage=stage, **bucket_bytes))
     counts = []
     for step in range(STEPS):
         x, y = lm_batch(step, 0, world)
@@ -84,8 +85,8 @@ def _device_waits(rank, world, cases):
             x, y = lm_batch(step, 0, world)
             x, y = local(x, rank, world) % MOE["vocab"], local(y, rank, world) % MOE["vocab"]
             CHECKER.take_device_waits()
-            out_ = engine(x) if model_name == "dense" else engine(x, y)
-            loss = lm_loss(out_, y) if model_name == "dense" else out_["loss"]
+            output = engine(x) if model_name == "dense" else engine(x, y)
+            loss = lm_loss(output, y) if model_name == "dense" else output["loss"]
             forward = CHECKER.take_device_waits()
             engine.backward(loss)
             backward = CHECKER.take_device_waits()

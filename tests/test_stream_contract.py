@@ -112,7 +112,7 @@ def _transport_completion(rank, world):
     out = {"gloo": transport.all_reduce((2, 0, 0, 4), torch.full((4,), float(rank + 1)))}
     # The other backends' path (NCCL's: tensor collectives that complete
     # through the completion the call returns), run over gloo.
-    transport.in_place = False
+    transport.gloo = False
     t = torch.arange(4.0) + 10 * rank
     shard = torch.empty(2)
     completion = transport.reduce_scatter((1, 0, 1, 4), t, shard)
@@ -126,6 +126,31 @@ def test_torch_transport_completes_through_its_works():
     for rank, out in enumerate(run_ranks(_transport_completion, 2, timeout=60)):
         assert out["gloo"] is None  # gloo: completed in the call, on the queue's issuing thread
         assert out["reduced"] == [[10.0, 12.0], [14.0, 16.0]][rank]
+
+
+def _gloo_tensor_reduce_scatter(rank, world):
+    """gloo's reduce-scatter of a tensor it cannot ring (CUDA's, where gloo
+    has no send or recv: several ranks on one GPU), run on host tensors by
+    saying they cannot ring: the group's tensor collective, completed in the
+    call as gloo's are. Returns (whether host and other tensors would ring,
+    the call's return, this rank's block)."""
+    transport = ProcessGroupTransport(dist.group.WORLD)
+    rings = (transport._rings(torch.empty(4)), transport._rings(torch.empty(4, device="meta")))
+    transport._rings = lambda input: False
+    gen = torch.Generator().manual_seed(rank)
+    t = torch.randn(world * 3, generator=gen)
+    shard = torch.empty(3)
+    returned = transport.reduce_scatter((1, 0, 1, world * 3), t, shard)
+    return rings, returned, shard
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_reduce_scatters_a_tensor_it_cannot_ring_with_its_tensor_collective(world):
+    inputs = [torch.randn(world * 3, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    total = torch.stack(inputs).double().sum(0).view(world, 3)
+    for rank, (rings, returned, shard) in enumerate(run_ranks(_gloo_tensor_reduce_scatter, world, timeout=60)):
+        assert rings == (True, False) and returned is None
+        torch.testing.assert_close(shard.double(), total[rank], rtol=1e-6, atol=1e-6)
 
 
 class _CompletesOnRelease:

@@ -40,7 +40,10 @@ the transport keeps (the largest bucket's block, allocated once, so that
 memory does not depend on the system allocator). A rank sends (N-1)/N of the bucket, as a reduce-scatter must; an
 all-reduce of the bucket (what it was before) sends twice that, and on the
 2-core GPT bench took twice as long (bench/RESULTS.md, 2026-11-27
-breakdown). Other backends (NCCL) get the tensor collectives.
+breakdown). Other backends (NCCL) get the tensor collectives, and so do
+gloo's CUDA tensors (staged through pinned host memory by gloo; it has no
+send or recv for them): what several ranks on one GPU train over in the
+tests (tests/test_gpu_ranks.py).
 
 Timeouts: the engine's groups (private_group) take the timeout of the
 group they were made from, or Config.timeout; torch would give them its
@@ -119,7 +122,7 @@ class ProcessGroupTransport:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
-        self.in_place = dist.get_backend(group) == "gloo"
+        self.gloo = dist.get_backend(group) == "gloo"  # host tensors: in place, completed on the issuing thread
         self.timeout = group_timeout(group)
         self.describe = describe  # key -> what the collective is, for errors
         self.failure = failure or Failure()
@@ -213,13 +216,13 @@ class ProcessGroupTransport:
         with self._running(key, issued):
             works, then = start()
         completion = _Completion(self, key, issued, works, then)
-        if not self.in_place:
+        if not self.gloo:
             return completion
         completion()
         return None
 
     def _all_gather(self, shard, output):
-        if not self.in_place:
+        if not self.gloo:
             return [_all_gather_single(output, shard, group=self.group, async_op=True)], None
         blocks = output.view(self.world_size, -1)
         if blocks[self.rank].data_ptr() != shard.data_ptr():
@@ -228,11 +231,18 @@ class ProcessGroupTransport:
                 for r in range(self.world_size)], None
 
     def _reduce_scatter(self, input, shard):
-        if not self.in_place:
+        if not self._rings(input):
             return [_reduce_scatter_single(shard, input, group=self.group, async_op=True)], None
         mine = self._ring_reduce_scatter(input)
         keep = None if mine.data_ptr() == shard.data_ptr() else lambda: shard.copy_(mine)
         return [], keep
+
+    def _rings(self, input) -> bool:
+        """Whether a reduce-scatter of `input` runs as the ring of sends
+        (gloo on host tensors), or else as the group's tensor collective:
+        NCCL's, and gloo's on CUDA tensors, where gloo has no send or recv
+        (several ranks on one GPU over a gloo data group)."""
+        return self.gloo and input.device.type == "cpu"
 
     def _ring_reduce_scatter(self, input):
         """This rank's block of input becomes the sum of every rank's (the

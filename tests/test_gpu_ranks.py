@@ -1,0 +1,200 @@
+"""Several ranks on one GPU: the multi-rank CUDA engine on the single-GPU
+machines this project gets (`pytest -m gpu`; skipped without a device).
+
+Every rank trains on cuda:0 in a process of its own, started with spawn (a
+forked child cannot use CUDA), over a gloo data group: gloo moves CUDA
+tensors through pinned host memory, and the transport reduce-scatters them
+with gloo's tensor collective (it has no send or recv for them). So the code
+that runs only at world size > 1 on a GPU runs here: rank offsets into
+device buffers, real cross-rank sums in device memory, stage 3's rounds at
+world 2 and 4, the lend path, a dead peer, a checkpoint saved at one world
+size and loaded at another. tests/gpu.sh runs them under
+ZEROCORE_CUDA_POISON=1 (released memory reads as NaN), which the spawned
+ranks inherit. References: single-process torch on the same GPU, as in the
+CPU suite. What one GPU cannot show: device-index bugs (every rank is
+cuda:0), NCCL's own paths between GPUs, and speed.
+"""
+import functools
+
+import pytest
+import torch
+
+import zerocore
+import zerocore.cuda
+from dist_harness import run_ranks
+from mixed_precision_reference import assert_moved_like, mp_reference_train
+from models import assert_state_close, engine_train, lm_batch, lm_loss, local, make, reference_train
+from test_divergent_units import DataRouted, assert_as_close_as_torch, random_codes, routed
+
+STEPS, ACCUM = 3, 2
+STAGES = (0, 1, 2, 3)
+HP = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99))
+TIMEOUT = 300  # each test's ranks: CUDA start-up and gloo's staging on a shared GPU
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and zerocore.cuda.is_available()),
+                       reason="needs a CUDA device and zerocore built with CUDA"),
+]
+
+
+def _gpu():
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+def _on(device, batch=lm_batch):
+    return lambda step, micro, world: tuple(t.to(device) for t in batch(step, micro, world))
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, **HP)
+
+
+def _cpu(state):
+    return {k: v.cpu() for k, v in state.items()}
+
+
+def _train(rank, world, configs, model_fn=make, batch=lm_batch):
+    """Each Config in `configs` trained on this rank's part of the batches,
+    on cuda:0; the full states, on the host."""
+    device = _gpu()
+    out = []
+    for config in configs:
+        model = model_fn().to(device)
+        engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(bucket_bytes=256, **config))
+        assert engine.device == device and engine.comm.world_size == world
+        out.append(_cpu(engine_train(engine, rank, world, STEPS, ACCUM, batch=_on(device, batch))))
+        engine.close()
+    return out
+
+
+def _fp32_reference(world, model_fn=make, batch=lm_batch):
+    device = _gpu()
+    model = model_fn().to(device)
+    return _cpu(reference_train(model, _adamw(model.parameters()), STEPS, ACCUM, world, batch=_on(device, batch)))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_stage_in_fp32_matches_torch(world):
+    configs = [dict(stage=s) for s in STAGES]
+    ref = _fp32_reference(world)
+    for rank, states in enumerate(run_ranks(_train, world, configs, timeout=TIMEOUT, start="spawn")):
+        for config, state in zip(configs, states):
+            assert_state_close(state, ref, rtol=1e-5, atol=1e-6, what=f"rank {rank} of {world}, {config}")
+
+
+# The CPU suite's bounds (test_mixed_precision.py): a share of each param's movement.
+@pytest.mark.parametrize("dtype,config,bound", [
+    ("bf16", {"reduce_dtype": "fp32"}, 1e-4),
+    ("fp16", {"loss_scale": zerocore.DynamicLossScale(initial=2.0**10, window=2)}, 5e-3),
+])
+def test_16_bit_matches_mixed_precision_torch(dtype, config, bound):
+    world = 2
+    device = _gpu()
+    model = make().to(device)
+    initial = _cpu(model.state_dict())
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=2) if dtype == "fp16" else None
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    ref, _ = mp_reference_train(model, _adamw(model.parameters()), torch_dtype, STEPS, ACCUM, world, scaler=scaler,
+                                batch=_on(device))
+    configs = [dict(stage=s, dtype=dtype, **config) for s in STAGES]
+    for rank, states in enumerate(run_ranks(_train, world, configs, timeout=TIMEOUT, start="spawn")):
+        for c, state in zip(configs, states):
+            assert_moved_like(state, _cpu(ref), initial, bound, what=f"rank {rank}, stage {c['stage']} {dtype}")
+
+
+def test_offload_matches_torch():
+    configs = [dict(stage=s, offload_optimizer="cpu") for s in (1, 2, 3)] + \
+        [dict(stage=3, offload_optimizer="cpu", offload_params="cpu")]
+    ref = _fp32_reference(2)
+    for rank, states in enumerate(run_ranks(_train, 2, configs, timeout=TIMEOUT, start="spawn")):
+        for config, state in zip(configs, states):
+            assert_state_close(state, ref, rtol=1e-5, atol=1e-6, what=f"rank {rank}, {config}")
+
+
+def _routed_train(rank, world):
+    """Stages 2 and 3 of the mixture-of-experts model whose ranks run
+    different experts (test_divergent_units.py's): the lend path and
+    divergent units on the GPU."""
+    return _train(rank, world, [dict(stage=2), dict(stage=3)], functools.partial(make, DataRouted),
+                  routed(random_codes))
+
+
+def test_ranks_running_different_experts_match_torch():
+    results = run_ranks(_routed_train, 2, timeout=TIMEOUT, start="spawn")
+    model_fn, batch = functools.partial(make, DataRouted), routed(random_codes)
+    device = _gpu()
+    initial = model_fn().state_dict()
+    refs = []
+    for dtype in (torch.float64, torch.float32):
+        model = model_fn().to(device, dtype)
+        refs.append(_cpu(reference_train(model, _adamw(model.parameters()), STEPS, ACCUM, 2, batch=_on(device, batch))))
+    for rank, (stage2, stage3) in enumerate(results):
+        for stage, state in ((2, stage2), (3, stage3)):
+            assert_as_close_as_torch(state, *refs, initial, what=f"stage {stage} rank {rank}")
+
+
+def _checkpointed(rank, world, path, save):
+    """Trains steps 0-1 and saves (save=True), or loads a fresh engine of
+    other initial values; then trains steps 2-3. The global batches are the
+    same at any world size."""
+    device = _gpu()
+    model = make(seed=0 if save else 1).to(device)
+    engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(stage=3, bucket_bytes=256))
+
+    def steps(which):
+        for step in which:
+            for micro in range(ACCUM):
+                x, y = (t.to(device) for t in lm_batch(step, micro, 4))
+                engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+            engine.step()
+            engine.zero_grad()
+
+    if save:
+        steps(range(2))
+        engine.save(path)
+    else:
+        engine.load(path)
+    steps(range(2, 4))
+    return _cpu(engine.full_state_dict())
+
+
+@pytest.mark.parametrize("resumed", [1, 4])
+def test_a_checkpoint_saved_at_2_ranks_resumes_at_another_world_size(resumed, tmp_path):
+    path = str(tmp_path / "ckpt")
+    straight = run_ranks(_checkpointed, 2, path, True, timeout=TIMEOUT, start="spawn")[0]
+    for rank, state in enumerate(run_ranks(_checkpointed, resumed, path, False, timeout=TIMEOUT, start="spawn")):
+        assert_state_close(state, straight, rtol=1e-5, atol=1e-6, what=f"2 -> {resumed} ranks, rank {rank}")
+
+
+def _dead_peer(rank, world):
+    """Rank 1 leaves after the first step; rank 0's next step must fail at
+    once with an error, not wait out the timeout."""
+    import time
+
+    device = _gpu()
+    model = make().to(device)
+    engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(stage=3, timeout=120))
+
+    def step(s):
+        x, y = (t.to(device) for t in lm_batch(s, 0, world))
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        engine.step()
+
+    step(0)
+    if rank == 1:
+        return None
+    start = time.monotonic()
+    try:
+        step(1)
+    except Exception as e:  # noqa: BLE001 - reported
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None
+
+
+def test_a_dead_peer_fails_the_others_at_once():
+    result = run_ranks(_dead_peer, 2, timeout=TIMEOUT, start="spawn")[0]
+    assert result is not None, "rank 0 trained on without its peer"
+    kind, message, seconds = result
+    assert seconds < 30 and "timed out" not in message, (kind, message, seconds)
