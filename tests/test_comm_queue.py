@@ -15,6 +15,7 @@ import torch.distributed as dist
 import zerocore
 from dist_harness import run_ranks
 from zerocore import _native, ops
+from zerocore import comm as zcomm
 from zerocore.comm import Communicator
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = range(4)
@@ -226,6 +227,32 @@ def test_communicator_over_gloo():
         assert r["stats"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 3}
         assert r["trace"] == [(0, 0, 0, 4), (1, 0, 1, 4), (2, 1, 0, 3)]  # the data plane only
         assert r["exchanged"] == (3.0, 1) and r["trace after check"] == []
+
+
+def _alone(rank, world):
+    """A Communicator of a group of one: what its queue is, and what its collectives do."""
+    made = []
+    real = zcomm.ProcessGroupTransport
+    zcomm.ProcessGroupTransport = lambda *args, **kwargs: made.append(real(*args, **kwargs)) or made[-1]
+    try:
+        comm = Communicator(dist.group.WORLD, backend=_native.process_backend())
+    finally:
+        zcomm.ProcessGroupTransport = real
+    shard, full = torch.arange(4.0), torch.zeros(4)
+    comm.queue.all_gather((ALL_GATHER, 0, 0, 4), shard, full).wait()
+    grads, mine = torch.arange(4.0) + 1, torch.zeros(4)
+    comm.queue.reduce_scatter((REDUCE_SCATTER, 0, 1, 4), grads, mine).wait()
+    return comm.queue.stream.name, len(made), full, mine, comm.trace
+
+
+def test_a_group_of_one_gets_a_queue_of_its_own():
+    """One process under torchrun (a GPU's bench, a single-GPU job): no
+    Python transport and no queue thread between the native schedules and
+    the comm stream; every collective is the identity on its data."""
+    name, transports, full, mine, trace = run_ranks(_alone, 1, timeout=60)[0]
+    assert (name, transports) == ("comm (alone)", 0)
+    assert torch.equal(full, torch.arange(4.0)) and torch.equal(mine, torch.arange(4.0) + 1)
+    assert trace == [(ALL_GATHER, 0, 0, 4), (REDUCE_SCATTER, 0, 1, 4)]  # the books as any queue's
 
 
 def _reduce_scatter_sends(rank, world):

@@ -161,12 +161,10 @@ void bind_comm(nb::module_& m) {
            "message as is; any other error as RuntimeError naming the collective.")
       .def_static(
           "single_process",
-          [](BoundBackend& backend, StreamPlane plane) {
-            return std::make_unique<BoundQueue>(late_if_asked(InProcessGroup(1).transport(0)), nb::find(backend),
-                                                plane);
-          },
+          [](BoundBackend& backend, StreamPlane plane) { return std::make_unique<BoundQueue>(nb::find(backend), plane); },
           "backend"_a, "plane"_a = StreamPlane::kDevice,
-          "A queue over a group of this process alone (no torch.distributed), on `backend`.")
+          "A queue of this rank alone (no torch.distributed, or a group of one), on `backend`: each collective is "
+          "a copy on its comm stream (or nothing), issued by the caller, with no transport or thread.")
       .def_prop_ro("backend", &BoundQueue::backend, "The backend the queue's comm stream is a stream of.")
       .def_prop_ro(
           "stream", [](const BoundQueue& q) -> Stream& { return q.get().stream(); }, nb::rv_policy::reference_internal,

@@ -26,6 +26,10 @@ class BoundQueue {
       : backend_(std::move(backend)),
         queue_(std::make_unique<CommQueue>(std::move(transport), nanobind::cast<BoundBackend&>(backend_).get(),
                                            plane)) {}
+  // A queue of a rank alone (CommQueue's second constructor).
+  BoundQueue(nanobind::object backend, StreamPlane plane)
+      : backend_(std::move(backend)),
+        queue_(std::make_unique<CommQueue>(nanobind::cast<BoundBackend&>(backend_).get(), plane)) {}
   ~BoundQueue() { close(); }
   BoundQueue(const BoundQueue&) = delete;
   BoundQueue& operator=(const BoundQueue&) = delete;

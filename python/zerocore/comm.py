@@ -7,9 +7,12 @@ collectives in the order they were issued and complete them in that order,
 each through its event (never "the call returned": nothing reads an output
 or reuses an input before waiting for it), over a ProcessGroupTransport
 (torch.distributed; on a CudaBackend it issues CUDA tensors' collectives on
-the comm stream itself) or, without a process group (stage 0 on one
-process), over the single-process group, where every collective is the
-identity. Native code issues on the same queue, in the same order.
+the comm stream itself) or, for a rank alone (no process group, or a group
+of one: one GPU under torchrun), a queue of its own where every collective
+is the identity: a copy on the comm stream where its output is not its
+input, issued by the caller, with no transport, thread or Python between
+the native schedules and the stream. Native code issues on the same queue,
+in the same order.
 
 Data plane: the collectives whose volume the ZeRO formulas predict, keyed
 by (kind, the flat group's tag, the same on every rank, bucket, elements).
@@ -41,6 +44,7 @@ import weakref
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 
 from zerocore import _native, devices
 from zerocore.process_group import Failure, ProcessGroupTransport
@@ -103,7 +107,7 @@ class Communicator:
         self.backend = backend
         self.names = CollectiveNames(native_control)
         self.failure = fails_with.failure if fails_with is not None else Failure()
-        if self.distributed:
+        if self.distributed and dist.get_world_size(group) > 1:
             transport = ProcessGroupTransport(group, self.names, self.failure)
             self.queue = _native.CommQueue(transport, backend, plane)
             if devices.is_cuda(backend):

@@ -154,9 +154,10 @@ def fill_agreeing(initializer, comm, places):
 
 # Planning -------------------------------------------------------------------
 def staging_buffers(flat_groups, units) -> int:
-    """Staging buffers of gradient reduction planned at wrap: one in
-    flight, plus the buckets open at once when grads arrive in about
-    plan order. Stage 2: those one param spans, and one more for a
+    """Staging buffers of gradient reduction planned at wrap: those of the
+    reductions in flight (completed only when a bucket needs a buffer and
+    none is free, BucketReducer), plus the buckets open at once when grads
+    arrive in about plan order. Stage 2: those one param spans, and one more for a
     neighbour that comes early (or the next bucket, which takes its
     staging for its grad views as the one before goes out). Stage 3,
     where a unit's buckets hold its grad views: the root's buckets (open all

@@ -9,7 +9,9 @@
 // are its backend's (record_done over the completion flag), so the checking
 // backend orders the collective's declared accesses through them.
 // Issuing also keeps the order contract's books, under the same lock as the
-// queue, so the trace lists collectives in the order they run.
+// queue, so the trace lists collectives in the order they run. A queue of a
+// rank alone has no transport: the caller issues each collective's copy on
+// the comm stream itself.
 #include <utility>
 
 #include "../fnv1a.h"
@@ -100,12 +102,19 @@ CommQueue::CommQueue(std::unique_ptr<Transport> transport, Backend& backend, Str
       world_size_(transport_->world_size()),
       state_(std::make_unique<State>()) {}
 
+CommQueue::CommQueue(Backend& backend, StreamPlane plane)
+    : backend_(backend),
+      stream_(backend.create_stream(std::string(plane == StreamPlane::kControl ? "control" : "comm") + " (alone)",
+                                    plane)),
+      state_(std::make_unique<State>()) {}
+
 // The state (its queues first) goes before the transport its work uses.
 CommQueue::~CommQueue() = default;
 
 std::shared_ptr<StreamEvent> CommQueue::enqueue(const CollectiveKey& key, bool counted,
                                                 const std::vector<Access>& accesses,
-                                                std::function<Completion(Transport&)> work) {
+                                                std::function<Completion(Transport&)> work,
+                                                const std::pair<Tensor, Tensor>& alone) {
   State& s = *state_;
   const std::string op = describe(key);
   if (key.group >= 0) check_device_memory(op, accesses);
@@ -133,6 +142,12 @@ std::shared_ptr<StreamEvent> CommQueue::enqueue(const CollectiveKey& key, bool c
     if (s.trace.size() < s.trace_limit) s.trace.push_back(key);
     if (counted) s.stats[size_t(key.kind)] += key.numel;
   }
+  if (!transport_) {
+    const auto& [dst, src] = alone;
+    if (dst.data() != nullptr && dst.data() != src.data()) backend_.copy(stream_, dst, src);
+    if (unordered) std::rethrow_exception(unordered);
+    return backend_.record(stream_);
+  }
   // The event is made before the issuing thread can set `done`, so a
   // backend that records it as `done` is set (CUDA's, on the issuing thread
   // right after the issue) covers this collective and nothing issued after.
@@ -158,12 +173,15 @@ void CommQueue::check_device_memory(const std::string& op, const std::vector<Acc
 
 std::shared_ptr<StreamEvent> CommQueue::all_gather(const CollectiveKey& key, const Tensor& shard,
                                                    const Tensor& output, bool counted) {
-  return enqueue(key, counted, {Access::read(shard), Access::write(output)}, [=](Transport& t) { return t.all_gather(key, shard, output); });
+  return enqueue(key, counted, {Access::read(shard), Access::write(output)},
+                 [=](Transport& t) { return t.all_gather(key, shard, output); }, {output, shard});
 }
 
 std::shared_ptr<StreamEvent> CommQueue::reduce_scatter(const CollectiveKey& key, const Tensor& input,
                                                        const Tensor& shard, bool counted) {
-  return enqueue(key, counted, {Access::read(input), Access::write(shard)}, [=](Transport& t) { return t.reduce_scatter(key, input, shard); });
+  return enqueue(key, counted, {Access::read(input), Access::write(shard)},
+                 [=](Transport& t) { return t.reduce_scatter(key, input, shard); },
+                 {shard, input.slice(0, shard.numel())});
 }
 
 std::shared_ptr<StreamEvent> CommQueue::all_reduce(const CollectiveKey& key, const Tensor& tensor, bool counted) {

@@ -9,13 +9,6 @@
 
 namespace zerocore {
 
-namespace {
-// Reductions in flight before the oldest is completed: one keeps each
-// reduction overlapped with the next bucket's backward while the staging
-// memory in flight stays at one bucket.
-constexpr size_t kMaxInFlight = 1;
-}  // namespace
-
 BucketReducer::BucketReducer(CommQueue& comm, std::vector<FlatGroupBuffer> grad_parts, DType reduce_dtype,
                              int staging_buffers, bool on_request)
     : comm_(comm), backend_(comm.backend()), groups_(std::move(grad_parts)), reduce_dtype_(reduce_dtype),
@@ -267,7 +260,10 @@ void BucketReducer::issue(int index) {
                                                      staging.slice(comm_.rank() * shard, shard))});
   b.staging = -1;  // later grads go to a fresh buffer
   b.issued = true;
-  while (in_flight_.size() > kMaxInFlight) complete_oldest();
+  // Completed only when its staging is needed (take_staging) or backward
+  // ends: the compute stream waits for a reduce-scatter as late as it can,
+  // so a unit's reductions run behind the next units' backward (as FSDP2's
+  // do) and the staging pool, not a count in flight, bounds the memory.
 }
 
 void BucketReducer::complete_oldest() {

@@ -34,6 +34,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zerocore/backend/cpu_backend.h"
@@ -152,6 +153,13 @@ class CommQueue {
   // the step's exchange: host data the host decides on), kDevice otherwise.
   explicit CommQueue(std::unique_ptr<Transport> transport, Backend& backend = default_cpu_backend(),
                      StreamPlane plane = StreamPlane::kDevice);
+  // The queue of a rank alone (a group of one): every collective is the
+  // identity on its data, so it is a copy on the comm stream where its
+  // output is not its input, issued by the caller: no transport, no thread
+  // and no Python between a schedule and its stream (on a GPU, a
+  // cudaMemcpyAsync where NCCL's world-size-1 collective would be one, from
+  // Python). The books are kept as any queue's.
+  CommQueue(Backend& backend, StreamPlane plane);
   ~CommQueue();  // issues and completes the queued collectives first
   CommQueue(const CommQueue&) = delete;
   CommQueue& operator=(const CommQueue&) = delete;
@@ -198,13 +206,16 @@ class CommQueue {
  private:
   struct State;  // the threads, their work and the books
 
+  // alone: what the collective does in a queue of one rank, the copy of
+  // `alone.second` into `alone.first` (none where they are the same memory).
   std::shared_ptr<StreamEvent> enqueue(const CollectiveKey& key, bool counted, const std::vector<Access>& accesses,
-                                       std::function<Completion(Transport&)> work);
+                                       std::function<Completion(Transport&)> work,
+                                       const std::pair<Tensor, Tensor>& alone = {});
   // A data-plane collective's operands are not host memory of the backend's
   // (InvalidArgument, before anything is issued: every rank has the same plan).
   void check_device_memory(const std::string& op, const std::vector<Access>& accesses) const;
 
-  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<Transport> transport_;  // none for a queue of a rank alone
   Backend& backend_;
   Stream& stream_;
   int rank_ = 0;

@@ -40,8 +40,9 @@
 // bucket holds staging is added instead, as is one that spans buckets.
 //
 //   open --all params reported--> ready --its turn--> in flight --event--> open
-//    (staging taken on the first grad,                  (shard added, staging back)
-//     or on its turn when views are handed out)
+//    (staging taken on the first grad,                  (shard added, staging back:
+//     or on its turn when views are handed out)          when a bucket needs staging
+//                                                        and none is free, or at the end)
 //
 // A grad partition in host memory (ZeRO-Offload's, stages 2-3) is filled
 // on a stream of the reducer's own ("grads down"): each reduced shard is
