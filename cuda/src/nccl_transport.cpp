@@ -87,7 +87,9 @@ class NativeNcclTransport final : public NcclTransport {
     nccl_->check(nccl_->comm_init_rank(&comm_, options_.world_size, id, options_.rank), "ncclCommInitRank", nullptr);
   }
 
-  // The queue is drained by now: no collective is in flight.
+  // The queue is drained by now: no collective is in flight. A failed
+  // destroy is left unreported: a destructor must not throw, and the
+  // process is letting go of the communicator either way.
   ~NativeNcclTransport() override {
     if (aborted_) return;
     cuda_detail::DeviceGuard guard(options_.device);
@@ -200,7 +202,8 @@ class NativeNcclTransport final : public NcclTransport {
   // ncclCommAbort ends the communicator's kernels (the stream moves on) and
   // frees it. It waits a moment for an issue in progress to leave NCCL, but
   // not for ever: an issue stuck inside NCCL (connecting to a dead peer) is
-  // what an abort is for.
+  // what an abort is for. Its own result is not checked: it runs on the way
+  // to throwing the error that made it, which says more.
   void abort() {
     std::unique_lock<std::timed_mutex> lock(calling_, std::defer_lock);
     (void)lock.try_lock_for(std::chrono::seconds(1));
