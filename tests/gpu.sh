@@ -20,7 +20,9 @@
 # passes its own, so CI compiles the CUDA kernels once per build kind).
 #
 # --dry-run needs no GPU and no driver: it makes the same two CUDA builds,
-# lists the C++ tests, imports zerocore.cuda from the CUDA build, collects
+# lists the C++ tests, imports zerocore.cuda from the CUDA build, checks
+# that the native NCCL transport was built (nccl.h found: tests/run.sh
+# installs nvidia-nccl-cu13 for it), collects
 # every GPU test (at least one, none failing to import) and starts each GPU
 # benchmark far enough to parse its arguments, and writes the results file:
 # everything the real run needs up to the GPU itself.
@@ -59,6 +61,7 @@ native=${ZEROCORE_REUSE_BUILD:-$scratch/native}
   fi
   if (( dry_run )); then
     "$PYTHON" -c 'import zerocore.cuda as c; assert c.is_built(), "zerocore was built without the CUDA kernels"'
+    "$PYTHON" -c 'import zerocore.nccl as n; assert n.is_built(), n.unavailable_reason()'
     collected=$("$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --collect-only tests | tail -n 1)
     echo "$collected"
     [[ "$collected" =~ ^([0-9]+)/[0-9]+\ tests\ collected ]] && (( BASH_REMATCH[1] > 0 )) ||

@@ -28,12 +28,25 @@ trap 'rm -rf "$scratch"' EXIT
 "$PYTHON" -m venv "$scratch/venv"
 venv="$scratch/venv/bin"
 
+# Where a CUDA compiler is, the CUDA builds (the package's, the C++ one and
+# the GPU script's dry run) compile the native NCCL transport too: it needs
+# nccl.h, from the nvidia-nccl-cu13 wheel (about 300 MB), installed into the
+# venv and named to both builds (the package's build is isolated from the venv).
+cuda=0 nccl_cmake=() nccl_pip=()
+if command -v nvcc > /dev/null || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || -x /usr/local/cuda/bin/nvcc ]]; then
+  cuda=1
+  "$venv/python" -m pip install -q nvidia-nccl-cu13
+  nccl_include=$("$venv/python" -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "include"))')
+  nccl_cmake=(-DZEROCORE_NCCL_INCLUDE_DIR="$nccl_include")
+  nccl_pip=(-Ccmake.define.ZEROCORE_NCCL_INCLUDE_DIR="$nccl_include")
+fi
+
 # The build runs isolated, from pyproject.toml's build-system requirements.
-"$venv/python" -m pip install -q torch==2.13.0 ".[test]"
+"$venv/python" -m pip install -q torch==2.13.0 "${nccl_pip[@]}" ".[test]"
 phase_done "set-up (venv, torch, the package built)"
 
 "$venv/cmake" -S . -B "$scratch/native" -G Ninja -DCMAKE_MAKE_PROGRAM="$venv/ninja" \
-  -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF
+  -DCMAKE_BUILD_TYPE=Release -DZEROCORE_PYTHON=OFF "${nccl_cmake[@]}"
 "$venv/cmake" --build "$scratch/native"
 "$venv/ctest" --test-dir "$scratch/native" --output-on-failure --timeout 300
 phase_done "the C++ build and tests"
@@ -42,7 +55,7 @@ phase_done "the C++ build and tests"
 # imports, test collection), wherever a CUDA compiler is. The package and
 # the C++ build above found the same compiler (ZEROCORE_CUDA=AUTO), so the
 # dry run uses them rather than compiling the CUDA kernels again.
-if command -v nvcc > /dev/null || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || -x /usr/local/cuda/bin/nvcc ]]; then
+if (( cuda )); then
   PATH="$venv:$PATH" PYTHON="$venv/python" ZEROCORE_REUSE_BUILD="$scratch/native" \
     bash tests/gpu.sh --dry-run "$scratch/gpu-dry-run.txt"
   phase_done "tests/gpu.sh --dry-run"

@@ -51,25 +51,8 @@ using namespace zerocore;
 namespace {
 
 using cuda_tests::failures;
-
-// The message of what `f` throws as E, or "" when it throws nothing (any
-// other error ends the test).
-template <typename E>
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  std::fprintf(stderr, "threw nothing\n");
-  return "";
-}
-
-bool has(const std::string& message, const std::string& part) {
-  if (message.find(part) != std::string::npos) return true;
-  std::fprintf(stderr, "'%s' does not say '%s'\n", message.c_str(), part.c_str());
-  return false;
-}
+using cuda_tests::has;
+using cuda_tests::message_of;
 
 // A tensor claiming to be on `device` whose memory is never touched: enough
 // for checks that read only dtype, device and size.

@@ -21,4 +21,7 @@ NB_MODULE(_native, m) {
 #ifdef ZEROCORE_WITH_CUDA
   bind_cuda_backend(m);
 #endif
+#ifdef ZEROCORE_WITH_NCCL
+  bind_nccl(m);
+#endif
 }

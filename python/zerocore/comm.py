@@ -7,12 +7,13 @@ collectives in the order they were issued and complete them in that order,
 each through its event (never "the call returned": nothing reads an output
 or reuses an input before waiting for it), over a ProcessGroupTransport
 (torch.distributed; on a CudaBackend it issues CUDA tensors' collectives on
-the comm stream itself) or, for a rank alone (no process group, or a group
-of one: one GPU under torchrun), a queue of its own where every collective
-is the identity: a copy on the comm stream where its output is not its
-input, issued by the caller, with no transport, thread or Python between
-the native schedules and the stream. Native code issues on the same queue,
-in the same order.
+the comm stream itself), over zerocore's own NCCL transport (the data
+group with Config(nccl="native"): zerocore/nccl.py) or, for a rank alone (no
+process group, or a group of one: one GPU under torchrun), a queue of its
+own where every collective is the identity: a copy on the comm stream where
+its output is not its input, issued by the caller, with no transport,
+thread or Python between the native schedules and the stream. Native code
+issues on the same queue, in the same order.
 
 Data plane: the collectives whose volume the ZeRO formulas predict, keyed
 by (kind, the flat group's tag, the same on every rank, bucket, elements).
@@ -47,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from zerocore import _native, devices
-from zerocore.process_group import Failure, ProcessGroupTransport
+from zerocore import nccl as native_nccl
+from zerocore.process_group import Failure, ProcessGroupTransport, group_timeout
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the data plane, by native CollectiveKind
 _ALL_GATHER, _BROADCAST = 0, 3  # native CollectiveKind values
@@ -98,16 +100,25 @@ class Communicator:
     host group beside this data group; None: this one's queue), so that they
     never wait behind data collectives nor need the data group to move host
     tensors. plane: its comm stream's (zerocore._native.StreamPlane),
-    CONTROL for a group of the control plane (agreements, rounds)."""
+    CONTROL for a group of the control plane (agreements, rounds). nccl:
+    Config.nccl, for the data plane on CUDA: "native" makes the queue over
+    zerocore's own NCCL transport (zerocore/nccl.py) instead of a
+    ProcessGroupTransport, also for a group of one (else a rank alone's
+    queue), the one way to run the engine over it on a single GPU."""
 
     def __init__(self, group, native_control="backward's agreement on late grads", fails_with=None, control=None, *,
-                 backend, plane=_native.StreamPlane.DEVICE):
+                 backend, plane=_native.StreamPlane.DEVICE, nccl="torch"):
         self.group = group
         self.distributed = group is not None
         self.backend = backend
         self.names = CollectiveNames(native_control)
         self.failure = fails_with.failure if fails_with is not None else Failure()
-        if self.distributed and dist.get_world_size(group) > 1:
+        if nccl == "native" and not devices.is_cuda(backend):
+            raise ValueError("zerocore: Config(nccl=\"native\") issues the data plane's collectives with NCCL on "
+                             "CUDA, but this model trains on the CPU; use Config(nccl=\"torch\")")
+        if self.distributed and nccl == "native":
+            self.queue = native_nccl.queue(group, backend, group_timeout(group))
+        elif self.distributed and dist.get_world_size(group) > 1:
             transport = ProcessGroupTransport(group, self.names, self.failure)
             self.queue = _native.CommQueue(transport, backend, plane)
             if devices.is_cuda(backend):

@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 DTYPES = ("fp32", "bf16", "fp16")
 OFFLOADS = (None, "cpu")
+NCCLS = ("torch", "native")
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
@@ -123,6 +124,12 @@ class Config:
         rank: a datetime.timedelta or seconds. None (the default): the
         timeout of the process group given to wrap (init_process_group's),
         which the engine's own groups then take.
+    nccl: on CUDA, what issues the data plane's collectives: "torch" (the
+        default: torch.distributed's NCCL group, called from Python under
+        the GIL) or "native" (zerocore's own NCCL communicator, which the
+        comm queue's native threads call directly: zerocore/nccl.py). The
+        control plane stays on gloo either way. "native" needs a CUDA
+        module and zerocore built with the transport (nccl.h at build time).
     """
 
     stage: int = 3
@@ -139,6 +146,7 @@ class Config:
     delayed_update: bool = False
     delayed_update_warmup: int = 40
     timeout: Optional[Union[datetime.timedelta, float]] = None
+    nccl: str = "torch"
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -162,6 +170,9 @@ class Config:
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"zerocore.Config: {name}={v!r}; use an integer >= {lo}")
         object.__setattr__(self, "timeout", _timeout(self.timeout))
+        if self.nccl not in NCCLS:
+            raise ValueError(f"zerocore.Config: nccl={self.nccl!r}; use \"torch\" (torch.distributed's NCCL) or "
+                             "\"native\" (zerocore's own NCCL transport)")
         self._check_offload()
 
     @property

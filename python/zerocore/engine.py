@@ -84,7 +84,7 @@ class Engine(Training, StateIO, Reports):
         self.control = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"), backend=self.backend,
                                     plane=_native.StreamPlane.CONTROL) if process_group is not None else None
         self.comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.control,
-                                 control=self.control, backend=self.backend)
+                                 control=self.control, backend=self.backend, nccl=cfg.nccl)
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
