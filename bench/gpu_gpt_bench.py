@@ -390,7 +390,8 @@ def main(argv=None) -> int:
         for module in ("zerocore", "torch.distributed.fsdp", "torch.profiler"):  # what the runs import
             importlib.import_module(module)
         importlib.import_module("zerocore").Config(stage=3, dtype="bf16", **args.zero_config)  # its fields exist
-        print("dry run: nothing ran")
+        print(f"dry run: nothing ran (breakdown {'on' if args.breakdown else 'off'}, profile to {args.profile}, "
+              f"zero config {json.dumps(args.zero_config)})")
         return 0
     (peak,) = run_ranks("matmul", [sys.executable, os.path.abspath(__file__), "--worker", "matmul",
                                    "--device", args.device], 1, args.timeout)
