@@ -62,7 +62,8 @@ else
 fi
 
 {
-  echo "# zerocore GPU run, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  echo "# zerocore GPU run, $(date -u +%Y-%m-%dT%H:%MZ), commit $commit"
   if (( dry_run )); then
     echo "# dry run: build, imports, collection and arguments only; nothing ran on a GPU"
   fi
@@ -83,7 +84,8 @@ fi
   phase "throughput (bench/gpu_gpt_bench.py)" "$bench_s" "$PYTHON" bench/gpu_gpt_bench.py --breakdown \
     --profile "$traces" --timeout 60 "${dry[@]}"
   # The offload search's budget is per config (zero3, then FSDP2); each may
-  # overrun it by the run it started last (about 45 s at these sizes).
+  # overrun it by the run it started last: 45 s each are kept for that (a
+  # guess, not measured; the phase's limit still holds).
   if (( ! dry_run )); then
     offload_search_s=$(( (PHASES_DEADLINE - SECONDS - 90) / 2 ))
     (( offload_search_s >= 10 )) || offload_search_s=10

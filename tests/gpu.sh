@@ -43,7 +43,8 @@ trap 'rm -rf "$scratch"' EXIT
 native=${ZEROCORE_REUSE_BUILD:-$scratch/native}
 
 {
-  echo "# zerocore GPU tests, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  echo "# zerocore GPU tests, $(date -u +%Y-%m-%dT%H:%MZ), commit $commit"
   if (( dry_run )); then
     echo "# dry run: build, imports and collection only; nothing ran on a GPU"
   else
