@@ -162,7 +162,7 @@ def _adamw(params, device):
 
 def build(name: str, cfg, device, mark=lambda phase: None, zero_config=None):
     """(step(x, y) -> loss, params, the zerocore engine or None) for config
-    `name`; each step calls mark(phase) after each of PHASES."""
+    `name`; each step calls mark(phase) after each phase (gpu_phases.PHASES)."""
     import torch
 
     from zerocore.examples.gpt import GPT
