@@ -317,7 +317,10 @@ def worker(args) -> None:
             x, y = (t.to(device) for t in data.batch(args.warmup + args.steps + i, 0, 1))
             float(step(x, y).detach())
 
-        result["profile"] = profile_steps(profiled, 2, device, args.profile, f"{args.worker}-{args.layers}L")
+        try:
+            result["profile"] = profile_steps(profiled, 2, device, args.profile, f"{args.worker}-{args.layers}L")
+        except Exception as e:  # the profile is an extra: the throughput figures above stand without it
+            result["profile"] = {"error": repr(e)}
     dist.destroy_process_group()
     print(RESULT_TAG + json.dumps(result), flush=True)
 
@@ -345,7 +348,9 @@ def report(r: dict) -> None:
         lines += phase_table(r["breakdown"]) + ["  " + line for line in stage3_lines(r["breakdown"])]
         if r["instrument_error"]:
             lines.append(f"  zero3's hooks not timed: {r['instrument_error']}")
-    if "profile" in r:
+    if "profile" in r and "error" in r["profile"]:
+        lines.append(f"  profile failed: {r['profile']['error']}")
+    elif "profile" in r:
         lines += ["  " + line for line in format_summary(r["profile"])] + [f"    trace: {r['profile']['trace']}"]
     for line in lines:
         print("    " + line, flush=True)
