@@ -4,6 +4,7 @@ cast its user needs, on one GPU, in the same run.
 
     python bench/gpu_adam_bench.py              # 2**28 params
     python bench/gpu_adam_bench.py --numel 67108864
+    python bench/gpu_adam_bench.py --dry-run    # imports and arguments only; no GPU needed
 
 zerocore's update reads fp32 params and moments and bf16 grads and writes
 fp32 params, moments and a bf16 copy of the params in one pass: 28 bytes a
@@ -44,11 +45,16 @@ def main(argv=None):
     p.add_argument("--numel", type=int, default=1 << 28, help="params updated")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dry-run", action="store_true", help="import what the run needs; run nothing")
     args = p.parse_args(argv)
     import torch
 
     import zerocore.cuda
 
+    if args.dry_run:
+        print(f"gpu_adam_bench: {args.numel:,} params, {args.iters} iterations after {args.warmup}; "
+              f"dry run: nothing ran")
+        return
     n, dev = args.numel, torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     param = torch.randn(n, device=dev, generator=g)

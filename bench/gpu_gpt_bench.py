@@ -3,6 +3,8 @@ and the largest GPT each trains with its optimizer offloaded to the host.
 
     python bench/gpu_gpt_bench.py                    # throughput: ~1.3B params, bf16
     python bench/gpu_gpt_bench.py --mode offload     # the largest model with offload
+    python bench/gpu_gpt_bench.py --breakdown --profile traces   # + per-phase times, a profile summary
+    python bench/gpu_gpt_bench.py --zero-config '{"prefetch_bytes": 0}'  # zerocore.Config fields for zero1..3
     python bench/gpu_gpt_bench.py --dry-run          # plan, imports, params; no GPU needed
     python bench/gpu_gpt_bench.py --device cpu --layers 2 --d-model 64 --heads 2 --seq-len 32 --batch 2
                                                      # the same code end to end on the CPU (gloo)
@@ -31,6 +33,16 @@ from --layers until a size fails (out of memory) or --budget seconds are
 spent, then bisect; the largest that trains --steps steps is reported with
 its TFLOPS. Target: zerocore's largest model is larger than FSDP2's, at 40%
 or more of the matmul rate. A search cut short by the budget says so.
+
+Where the time goes, per config (in offload mode, of the largest model):
+--breakdown prints each phase's median host and GPU time (gpu_phases.py)
+and, for zero3, its hooks, native calls and rounds
+(step_breakdown.StepBreakdown.instrument; its timers add a perf_counter
+pair per hook and native call to the timed steps). --profile DIR runs two
+more steps after the timed ones (the profiler's own overhead stays out of
+them) under torch.profiler and prints a summary (gpu_profile.py: GPU busy
+against wall time, the largest idle gaps and the host op during each, host
+syncs); the gzip chrome trace goes to DIR when small.
 """
 
 from __future__ import annotations
@@ -44,6 +56,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_phases import DevicePhases, phase_table  # noqa: E402
+from gpu_profile import format_summary, profile_steps  # noqa: E402
+from step_breakdown import StepBreakdown, stage3_lines, stage3_schedule  # noqa: E402
 from train_step_bench import RESULT_TAG, _free_port, _rss_kb, config_names, run_ranks  # noqa: E402
 
 THROUGHPUT_CONFIGS = ("torch", "fsdp2", "zero1", "zero2", "zero3")
@@ -56,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--mode", default="throughput", choices=("throughput", "offload"))
     p.add_argument("--configs", default=None, help="comma-separated subset of the mode's configs (default: all)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--layers", type=int, default=26, help="throughput: the model's layers; offload: the first size tried")
+    p.add_argument("--layers", type=int, default=26,
+                   help="throughput: the model's layers; offload: the first size tried")
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=1024)
@@ -65,12 +81,20 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--budget", type=float, default=240.0, help="offload: seconds the size search may take per config")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take before it is killed")
+    p.add_argument("--zero-config", default="{}", type=json.loads,
+                   help="JSON object: more zerocore.Config fields for the zero configs")
+    p.add_argument("--breakdown", action="store_true", help="per-phase host and GPU times; zero3's hooks")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile two more steps: print a summary, keep the gzip trace in DIR when small")
     p.add_argument("--json", default=None, help="also write all results to this file")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the model's size; run nothing")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one run of one config
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not isinstance(args.zero_config, dict):
+        p.error("--zero-config must be a JSON object")
+    return args
 
 
 def gpt_config(args, layers: int):
@@ -136,8 +160,9 @@ def _adamw(params, device):
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
 
 
-def build(name: str, cfg, device):
-    """(step(x, y) -> loss, params) for config `name`."""
+def build(name: str, cfg, device, mark=lambda phase: None, zero_config=None):
+    """(step(x, y) -> loss, params, the zerocore engine or None) for config
+    `name`; each step calls mark(phase) after each phase (gpu_phases.PHASES)."""
     import torch
 
     from zerocore.examples.gpt import GPT
@@ -146,9 +171,13 @@ def build(name: str, cfg, device):
         def step(x, y):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = model(x, y)["loss"]
+            mark("fwd")
             loss.backward()
+            mark("bwd")
             opt.step()
+            mark("opt")
             opt.zero_grad(set_to_none=True)
+            mark("zero_grad")
             return loss
         return step
 
@@ -166,20 +195,24 @@ def build(name: str, cfg, device):
         extra = {"offload_optimizer": "cpu", "offload_params": "cpu"} if offload else {}
         # A meta model (offload) is materialised where it trains, each part where the Config keeps it.
         engine = zerocore.wrap(model, _adamw(model.parameters(), torch.device("cpu") if offload else device),
-                               zerocore.Config(stage=int(name[4]), dtype="bf16", **extra),
+                               zerocore.Config(stage=int(name[4]), dtype="bf16", **extra, **(zero_config or {})),
                                device=device if offload else None)
 
         def step(x, y):
             loss = engine(x, y)["loss"]
+            mark("fwd")
             engine.backward(loss)
+            mark("bwd")
             engine.step()
+            mark("opt")
             engine.zero_grad()
+            mark("zero_grad")
             return loss
-        return step, params
+        return step, params, engine
     if name == "torch":
         with torch.device(device):
             model = GPT(cfg)
-        return torch_step(model, _adamw(model.parameters(), device), autocast=True), model.num_params()
+        return torch_step(model, _adamw(model.parameters(), device), autocast=True), model.num_params(), None
     if name.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -198,7 +231,7 @@ def build(name: str, cfg, device):
         model.to_empty(device="cpu" if offload else device)  # CPUOffloadPolicy keeps the shards on the host
         _reset_modules(model)
         return torch_step(model, _adamw(model.parameters(), torch.device("cpu") if offload else device),
-                          autocast=False), params
+                          autocast=False), params, None
     raise SystemExit(f"unknown config {name!r}")
 
 
@@ -240,7 +273,20 @@ def worker(args) -> None:
                             timeout=timedelta(seconds=args.timeout))
     memory = DeviceMemory(device)
     cfg = gpt_config(args, args.layers)
-    step, params = build(args.worker, cfg, device)
+    host, gpu = (StepBreakdown(), DevicePhases(device)) if args.breakdown else (None, None)
+
+    def mark(phase):
+        if host:
+            host.phase(phase)
+            gpu.phase(phase)
+
+    step, params, engine = build(args.worker, cfg, device, mark, args.zero_config)
+    instrument_error = None
+    if host and engine is not None and stage3_schedule(engine) is not None:
+        try:
+            host.instrument(engine)
+        except Exception as e:  # written against the CPU engine: a CUDA engine may differ, the phases still count
+            instrument_error = repr(e)
     memory.sample()
     data, _ = TextData.from_corpus(args.seq_len, args.batch, seed=0)
     times, losses = [], []
@@ -248,15 +294,36 @@ def worker(args) -> None:
         x, y = (t.to(device) for t in data.batch(i, 0, 1))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if host:
+            host.begin()
+            gpu.begin()
         t0 = time.perf_counter()
         loss = step(x, y)
         losses.append(float(loss.detach()))  # waits for the step's device work
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+        if host:
+            host.phase("wait")
+            host.end()
+            gpu.end()
         memory.sample()
-    dist.destroy_process_group()
     result = {"config": args.worker, "layers": args.layers, "params": params, "median_s": statistics.median(times),
               "memory_mb": memory.growth_mb, "losses": losses}
+    if host:
+        for figures, device_figures in zip(host.steps, gpu.seconds()):
+            figures.update(device_figures)
+        result["breakdown"] = host.medians(args.warmup)
+        result["instrument_error"] = instrument_error
+    if args.profile:
+        def profiled(i):
+            x, y = (t.to(device) for t in data.batch(args.warmup + args.steps + i, 0, 1))
+            float(step(x, y).detach())
+
+        try:
+            result["profile"] = profile_steps(profiled, 2, device, args.profile, f"{args.worker}-{args.layers}L")
+        except Exception as e:  # the profile is an extra: the throughput figures above stand without it
+            result["profile"] = {"error": repr(e)}
+    dist.destroy_process_group()
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
@@ -267,11 +334,28 @@ def run(args, name: str, layers: int) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--port", str(_free_port()),
                "--device", args.device, "--layers", str(layers), "--d-model", str(args.d_model),
                "--heads", str(args.heads), "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--timeout", str(args.timeout)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--timeout", str(args.timeout),
+               "--zero-config", json.dumps(args.zero_config)] + (["--breakdown"] if args.breakdown else []) + \
+        (["--profile", os.path.abspath(args.profile)] if args.profile else [])
     (result,) = run_ranks(f"{name} ({layers} layers)", command, 1, args.timeout)
     result["tflops"] = flops_per_token(result["params"], gpt_config(args, layers)) * args.batch * args.seq_len / \
         result["median_s"] / 1e12
     return result
+
+
+def report(r: dict) -> None:
+    """A run's --breakdown and --profile figures, if it has them."""
+    lines = []
+    if "breakdown" in r:
+        lines += phase_table(r["breakdown"]) + ["  " + line for line in stage3_lines(r["breakdown"])]
+        if r["instrument_error"]:
+            lines.append(f"  zero3's hooks not timed: {r['instrument_error']}")
+    if "profile" in r and "error" in r["profile"]:
+        lines.append(f"  profile failed: {r['profile']['error']}")
+    elif "profile" in r:
+        lines += ["  " + line for line in format_summary(r["profile"])] + [f"    trace: {r['profile']['trace']}"]
+    for line in lines:
+        print("    " + line, flush=True)
 
 
 def largest(args, name: str) -> tuple:
@@ -310,9 +394,11 @@ def main(argv=None) -> int:
           f"({count_params(cfg) / 1e9:.2f}B params), heads {cfg.n_head}, seq {cfg.seq_len}, batch {args.batch}, "
           f"bf16, configs {', '.join(names)}", flush=True)
     if args.dry_run:
-        for module in ("zerocore", "torch.distributed.fsdp"):  # what the runs import, checked without them
+        for module in ("zerocore", "torch.distributed.fsdp", "torch.profiler"):  # what the runs import
             importlib.import_module(module)
-        print("dry run: nothing ran")
+        importlib.import_module("zerocore").Config(stage=3, dtype="bf16", **args.zero_config)  # its fields exist
+        print(f"dry run: nothing ran (breakdown {'on' if args.breakdown else 'off'}, profile to {args.profile}, "
+              f"zero config {json.dumps(args.zero_config)})")
         return 0
     (peak,) = run_ranks("matmul", [sys.executable, os.path.abspath(__file__), "--worker", "matmul",
                                    "--device", args.device], 1, args.timeout)
@@ -326,10 +412,13 @@ def main(argv=None) -> int:
                 print(f"  {name:<8} {args.batch * args.seq_len / r['median_s']:10.0f} tokens/s "
                       f"{r['tflops']:7.1f} TFLOPS ({r['tflops'] / peak['tflops']:.0%} of matmul)  "
                       f"memory {r['memory_mb']:9.0f} MB  loss {r['losses'][-1]:.3f}", flush=True)
+                report(r)
             else:
                 results[name], cut[name] = largest(args, name)
                 if results[name] is None:
                     failed[name] = f"not even {args.layers} layers trained"
+                else:
+                    report(results[name])
         except RuntimeError as e:
             failed[name] = str(e)
             print(f"  {name:<8} FAILED: {e}", flush=True)

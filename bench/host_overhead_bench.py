@@ -137,6 +137,7 @@ def build(name, model, rank, world):
 
         def step(x):
             rounds = schedule.rounds if schedule else 0
+            waited = schedule.round_seconds if schedule else 0.0
             loss = mse(engine(x))
             engine.backward(loss)
             # The queue's trace restarts at the step's order check: just
@@ -145,6 +146,8 @@ def build(name, model, rank, world):
             engine.step()
             engine.zero_grad()
             counts["rounds"] = (schedule.rounds - rounds) if schedule else 0
+            # What the rounds cost the training thread: its waits for them to settle (control plane, host flags).
+            counts["round_ms"] = 1000 * (schedule.round_seconds - waited) if schedule else 0.0
             return loss
 
         # Closed before the process group goes, so no queue thread outlives it.
@@ -262,7 +265,8 @@ def run_config(args, name) -> dict:
 def describe_collectives(c: dict) -> str:
     """A config's collectives a step: zerocore's by plane, DeepSpeed's by torch.distributed function."""
     if "data" in c:
-        return f"{c['data']} data, {c['rounds']} rounds, {c['control']} control"
+        waits = f" (the host waited {c['round_ms']:.2f} ms for them)" if c["rounds"] else ""
+        return f"{c['data']} data, {c['rounds']} rounds{waits}, {c['control']} control"
     calls = ", ".join(f"{n} {k}" for k, n in sorted(c.items()) if k != "total")
     return f"{c['total']} torch.distributed calls ({calls})"
 

@@ -199,6 +199,28 @@ def collectives_alone(engine, trace, repeats: int = 3) -> dict:
 # ------------------------------------------------------------------ report
 
 
+def stage3_schedule(engine):
+    """The engine's native unit schedule if it is stage 3's (with rounds), else None."""
+    schedule = getattr(engine.scheduler, "native", None)
+    return schedule if hasattr(schedule, "rounds") else None
+
+
+def stage3_lines(b: dict) -> list:
+    """Lines of stage 3's hook, native-call and round figures in median
+    figures `b` (StepBreakdown.medians after instrument), ms; none without."""
+    if "rounds" not in b:
+        return []
+    ms = lambda k: f"{1e3 * b.get(k, 0.0):7.1f}"
+    native = {k: b[k] for k in b if k.startswith(("schedule.", "reducer."))}
+    hooks = b.get("hook.forward", 0) + b.get("hook.backward", 0) + b.get("hook.saved_tensors", 0) + \
+        b.get("hook.grad", 0)
+    return [f"hooks {1e3 * hooks:.1f} ms (forward {ms('hook.forward')}, backward {ms('hook.backward')}, saved "
+            f"tensors {ms('hook.saved_tensors')}, grads {ms('hook.grad')}); their Python {ms('hook.python')}",
+            "native calls, ms: " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(native.items()) if v >= 5e-5),
+            f"rounds {b['rounds']:.0f} ({b['blocking_rounds']:.0f} blocking), waiting for them "
+            f"{ms('round_seconds')} ms"]
+
+
 def print_breakdown(ranks: list) -> None:
     """Each rank's median figures, ms (rounds: counts), as run_config's ranks hold them."""
     for r in ranks:
@@ -208,18 +230,9 @@ def print_breakdown(ranks: list) -> None:
         ms = lambda k: f"{1e3 * b.get(k, 0.0):7.1f}"
         phases = "  ".join(f"{k[6:]} {ms(k)}" for k in ("phase.fwd", "phase.bwd", "phase.opt", "phase.zero_grad"))
         print(f"           rank {r['rank']} phases, ms: {phases}", flush=True)
-        if "rounds" not in b:
-            continue
-        native = {k: b[k] for k in b if k.startswith(("schedule.", "reducer."))}
-        hooks = b.get("hook.forward", 0) + b.get("hook.backward", 0) + b.get("hook.saved_tensors", 0) + \
-            b.get("hook.grad", 0)
-        print(f"             hooks {1e3 * hooks:.1f} ms (forward {ms('hook.forward')}, backward "
-              f"{ms('hook.backward')}, saved tensors {ms('hook.saved_tensors')}, grads {ms('hook.grad')}); their "
-              f"Python {ms('hook.python')}", flush=True)
-        print("             native calls, ms: " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(native.items())
-                                                         if v >= 5e-5), flush=True)
-        print(f"             rounds {b['rounds']:.0f} ({b['blocking_rounds']:.0f} blocking), waiting for them "
-              f"{ms('round_seconds')} ms", flush=True)
-        if "alone" in r:
+        lines = stage3_lines(b)
+        for line in lines:
+            print("             " + line, flush=True)
+        if lines and "alone" in r:
             print("             collectives alone, ms: " + ", ".join(f"{k} {1e3 * v:.1f}"
                                                                    for k, v in r["alone"].items()), flush=True)

@@ -63,7 +63,7 @@ import subprocess
 import sys
 import time
 
-from step_breakdown import StepBreakdown, collectives_alone, print_breakdown
+from step_breakdown import StepBreakdown, collectives_alone, print_breakdown, stage3_schedule
 
 CONFIGS = ("zero0", "zero1", "zero2", "zero3", "ddp", "fsdp2")
 RESULT_TAG = "BENCH_RESULT "
@@ -210,9 +210,7 @@ def worker(args) -> None:
             cfg_kw["bucket_bytes"] = args.bucket_bytes
         engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1),
                                zerocore.Config(**cfg_kw))
-        schedule = getattr(engine.scheduler, "native", None)
-        if not hasattr(schedule, "rounds"):  # stages 0-2, or a baseline build from before rounds
-            schedule = None
+        schedule = stage3_schedule(engine)  # None at stages 0-2, or on a baseline build from before rounds
 
         if breakdown and schedule:
             breakdown.instrument(engine)

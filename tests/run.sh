@@ -4,8 +4,8 @@
 # what the project's own files declare (pyproject.toml: the package, its
 # `test` extra, torch pinned to the CPU build), so a dependency the project
 # forgot to declare fails here instead of hiding behind the machine's own
-# packages. Then it runs the C++ tests (ctest), the GPU script's dry run
-# where a CUDA compiler is (tests/gpu.sh --dry-run) and the Python tests
+# packages. Then it runs the C++ tests (ctest), the GPU run's dry run
+# where a CUDA compiler is (bench/gpu_run.sh --dry-run) and the Python tests
 # (pytest); GPU tests skip without a GPU. Extra arguments go to pytest.
 # Last, the checked subset runs again under the checking backend
 # (ZEROCORE_BACKEND=checking, tests/README.md).
@@ -51,16 +51,18 @@ phase_done "set-up (venv, torch, the package built)"
 "$venv/ctest" --test-dir "$scratch/native" --output-on-failure --timeout 300
 phase_done "the C++ build and tests"
 
-# The GPU path up to the GPU itself (tests/gpu.sh --dry-run: the CUDA builds,
-# imports, test collection), wherever a CUDA compiler is. The package and
-# the C++ build above found the same compiler (ZEROCORE_CUDA=AUTO), so the
-# dry run uses them rather than compiling the CUDA kernels again.
+# The GPU run up to the GPU itself (bench/gpu_run.sh --dry-run: the GPU
+# environment's report, tests/gpu.sh --dry-run's imports and test
+# collection, each GPU benchmark's arguments), wherever a CUDA compiler is.
+# The package and the C++ build above found the same compiler
+# (ZEROCORE_CUDA=AUTO), so the dry run uses them rather than compiling the
+# CUDA kernels again.
 if (( cuda )); then
   PATH="$venv:$PATH" PYTHON="$venv/python" ZEROCORE_REUSE_BUILD="$scratch/native" \
-    bash tests/gpu.sh --dry-run "$scratch/gpu-dry-run.txt"
-  phase_done "tests/gpu.sh --dry-run"
+    bash bench/gpu_run.sh --dry-run "$scratch/gpu-dry-run.txt"
+  phase_done "bench/gpu_run.sh --dry-run"
 else
-  echo "tests/run.sh: no CUDA compiler found; skipping tests/gpu.sh --dry-run"
+  echo "tests/run.sh: no CUDA compiler found; skipping bench/gpu_run.sh --dry-run"
 fi
 
 # From the repository root `python/zerocore` is not on the path, so the

@@ -50,20 +50,20 @@ MEASURED = {0: (0, 0, 1), 1: (0, 0, 1), 2: (0, 0, 1), 3: (3, 5, 1)}
 MEASURED_LATE = (0, 0, 2)
 
 
-def _count(rank, world, stage, bucket_bytes, model_class=TinyLM, waits=CHECKER.take_host_waits):
+def _count(rank, world, stage, bucket_bytes, model_class=TinyLM):
     model = make(model_class)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                            zerocore.Config(stage=stage, **bucket_bytes))
     counts = []
     for step in range(STEPS):
         x, y = lm_batch(step, 0, world)
-        waits()
+        CHECKER.take_host_waits()
         loss = lm_loss(engine(local(x, rank, world)), local(y, rank, world))
-        forward = waits()
+        forward = CHECKER.take_host_waits()
         engine.backward(loss)
-        backward = waits()
+        backward = CHECKER.take_host_waits()
         engine.step()
-        counts.append((forward, backward, waits()))
+        counts.append((forward, backward, CHECKER.take_host_waits()))
         engine.zero_grad()
     engine.close()
     return counts
