@@ -34,6 +34,7 @@ from zerocore import _native
 
 _CUDA_BUILT = hasattr(_native, "CudaBackend")  # the runtime's CUDA backend is in this build
 SUPPORTED = ("cpu", "cuda") if _CUDA_BUILT else ("cpu",)  # device types the runtime can train on
+_CPU = torch.device("cpu")
 _MATERIALIZED = ("meta",)  # params and buffers that get their values at wrap (on its device=, the CPU by default)
 
 
@@ -109,7 +110,7 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def training_device(devices: Iterable[torch.device], meta_device: torch.device) -> torch.device:
+def training_device(devices: Iterable[torch.device], meta_device: torch.device = _CPU) -> torch.device:
     """The one device of a module's params and buffers that tensor_problem
     accepts: meta_device for a module all on the meta device, or with
     neither params nor buffers."""
@@ -117,7 +118,7 @@ def training_device(devices: Iterable[torch.device], meta_device: torch.device) 
     return placed.pop() if placed else meta_device
 
 
-def tensor_problem(tensors: Iterable, meta_device: torch.device) -> Optional[str]:
+def tensor_problem(tensors: Iterable, meta_device: torch.device = _CPU) -> Optional[str]:
     """The error for (name, device) pairs of a module's params and buffers
     that wrap cannot train, or None: they must all be on the CPU (or the
     meta device), or all on one CUDA device where cuda_usable(); meta ones
