@@ -2,6 +2,10 @@
 does, or raises a clear error naming what to call instead, on every rank
 that uses it and without a hang. Against single-process torch on the same
 global batch (models.reference_train), at every stage."""
+import os
+import signal
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -345,3 +349,97 @@ def test_loss_backward_in_place_of_engine_backward_raises_naming_it():
             assert error is not None and "engine.backward(loss)" in error, (stage, error)
             assert_state_close(unchanged, before, rtol=0, atol=0, what=f"stage {stage}: nothing changed")
             assert_state_close(after, ref, rtol=1e-5, atol=1e-5, what=f"stage {stage}: the step after")
+
+
+# Ctrl-C at stage 3 ---------------------------------------------------------------
+
+class _Interrupting(nn.Module):
+    """Block `inner`, which raises KeyboardInterrupt on its forward call
+    number `at` ("forward"), or from a hook on that call's output grad
+    ("backward hook")."""
+
+    def __init__(self, inner, where, at):
+        super().__init__()
+        self.inner, self.where, self.at, self.calls = inner, where, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at and self.where == "forward":
+            raise KeyboardInterrupt
+        out = self.inner(x)
+        if self.calls == self.at and self.where == "backward hook":
+            out.register_hook(lambda grad: (_ for _ in ()).throw(KeyboardInterrupt))
+        return out
+
+
+class _SignalAfter:
+    """The native unit schedule, with a SIGINT sent to this process as its
+    call `name` returns for the `at`-th time: where a real Ctrl-C comes out,
+    since Python runs the handler once the native wait is over."""
+
+    def __init__(self, native, name, at):
+        self._native, self._name, self._at, self._calls = native, name, at, 0
+
+    def __getattr__(self, attr):
+        call = getattr(self._native, attr)
+        if attr != self._name:
+            return call
+
+        def signalling(*args):
+            out = call(*args)
+            self._calls += 1
+            if self._calls == self._at:
+                os.kill(os.getpid(), signal.SIGINT)
+            return out
+        return signalling
+
+
+def _interrupted(rank, world, where, ranks, path):
+    """Step 0 trains; step 1 is interrupted on `ranks` (where: in a block's
+    forward, a backward hook, or a signal as one of stage 3's native calls
+    returns); the handler zeroes the grads and saves on every rank; step 2
+    trains."""
+    model = make()
+    model.blocks[1] = _Interrupting(model.blocks[1], where, 2 if rank in ranks else 0)
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=3, timeout=20))
+    caught, states = None, []
+    for step in range(3):
+        if step == 1 and rank in ranks and where not in ("forward", "backward hook"):
+            engine.scheduler.native = _SignalAfter(engine.scheduler.native, where, 2 if "forward" in where else 1)
+        x, y = lm_batch(step, 0, world)
+        try:
+            engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+            engine.step()
+        except BaseException as e:  # noqa: BLE001 - the handler of a user's loop
+            caught = (type(e).__name__, str(e))
+            engine.zero_grad()
+            engine.save(path)
+        states.append(engine.full_state_dict())
+    return caught, states
+
+
+@pytest.mark.parametrize("where", ["forward", "backward hook", "pre_forward", "post_forward", "end_forward",
+                                   "pre_backward", "post_backward", "end_backward"])
+def test_ctrl_c_at_stage_3_comes_out_as_itself_and_the_engine_saves(where, tmp_path):
+    """Every rank interrupted (as a Ctrl-C in a terminal interrupts every
+    rank of the job), on 1 and 2 ranks; in the module's own code, only rank
+    0 too: its peer raises naming the failure, not waiting for it."""
+    cases = [(1, (0,)), (2, (0, 1))] + ([(2, (0,))] if where in ("forward", "backward hook") else [])
+    for world, ranks in cases:
+        path = str(tmp_path / f"{world}-{len(ranks)}")
+        results = run_ranks(_interrupted, world, where, ranks, path)
+        for rank, (caught, states) in enumerate(results):
+            what = f"{where}, {world} rank(s), rank {rank}"
+            assert caught is not None, what
+            if rank in ranks:
+                assert caught[0] == "KeyboardInterrupt", (what, caught)
+            else:
+                assert caught[0] == "RuntimeError" and "other rank(s) failed during this" in caught[1], (what, caught)
+            assert_state_close(states[1], states[0], rtol=0, atol=0, what=f"{what}: the interrupted step")
+            assert_state_close(states[2], results[0][1][2], rtol=0, atol=0, what=f"{what}: the ranks agree")
+            assert not torch.equal(states[2]["blocks.0.up.weight"], states[1]["blocks.0.up.weight"]), what
+        model = make()
+        model.blocks[1] = _Interrupting(model.blocks[1], where, 0)
+        engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
+        engine.load(path)
+        assert_state_close(engine.full_state_dict(), results[0][1][1], rtol=0, atol=0, what=f"{where}: saved")

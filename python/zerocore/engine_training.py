@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from zerocore import _native
+from zerocore import _native, interrupts
 from zerocore.loss_scale import NonFiniteGradientError
 
 # Why a graph breaks at the engine's calls: dynamo's error under fullgraph=True.
@@ -203,15 +203,18 @@ class Training:
         self._check_grads()
         bounds = [b for b in (self.config.max_grad_norm, self._clip_norm) if b is not None]
         self._carry_param_writes()
-        try:
-            applied, _, _ = self._agreeing(lambda: self.zero_step.step(
-                self.kind, self.optimizer.param_groups, step=self.step_count + 1,
-                max_norm=min(bounds) if bounds else None, changes=len(self._trainability_changed)))
-        except NonFiniteGradientError:  # nothing was updated; a pending offload update lands
-            self.finish_update()
-            raise
-        self.step_count += applied
-        self._end_step()
+        # A Ctrl-C during the native step comes out after the engine counted
+        # the update it applied and released what it must (interrupts.py).
+        with interrupts.deferred():
+            try:
+                applied, _, _ = self._agreeing(lambda: self.zero_step.step(
+                    self.kind, self.optimizer.param_groups, step=self.step_count + 1,
+                    max_norm=min(bounds) if bounds else None, changes=len(self._trainability_changed)))
+            except NonFiniteGradientError:  # nothing was updated; a pending offload update lands
+                self.finish_update()
+                raise
+            self.step_count += applied
+            self._end_step()
         return applied
 
     def finish_update(self):

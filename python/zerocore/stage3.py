@@ -48,6 +48,10 @@ code eagerly: dynamo gives up on a frame with a graph break in a loop.)
 fullgraph=True across units cannot work and raises with UNIT_HOOKS as the
 reason; the backward hooks run inside engine.backward, which is eager.
 
+Each hook's native call and the binding that mirrors what it did happen
+under interrupts.deferred(): a Ctrl-C between them would leave the params of
+a unit the schedule bound pointing at placeholders (interrupts.py).
+
 Saved tensors: a released unit may be gathered again into another buffer
 of the pool. Autograd saves a leaf param as the param itself, which follows
 the rebinding; a view of a param (W.t() inside a linear) it saves as is, so
@@ -65,6 +69,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import zerocore
+from zerocore import interrupts
 from zerocore.flat_group import NATIVE_NAMES
 from zerocore.grad_reducer import outside_engine_backward
 
@@ -238,7 +243,8 @@ class UnitScheduler:
             flat, spec = tree_flatten((args, kwargs))
             need = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             marks = bool(need) and torch.is_grad_enabled()
-            self._apply(unit, self.native.pre_forward(unit.index, marks))
+            with interrupts.deferred():
+                self._apply(unit, self.native.pre_forward(unit.index, marks))
             if len(unit.modules) > 1:
                 self.open_run = (unit, position - 1, None)
             if not marks:
@@ -287,7 +293,8 @@ class UnitScheduler:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors and not self.in_backward:  # a recomputation's backward is the one already running
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-        self._apply(unit, self.native.post_forward(unit.index, bool(tensors)))
+        with interrupts.deferred():
+            self._apply(unit, self.native.post_forward(unit.index, bool(tensors)))
         if unit.index == 0 and not self.in_backward:  # the end of the forward, however it was called
             self.end_forward()
 
@@ -297,10 +304,11 @@ class UnitScheduler:
         done-round (a failure waits for the other ranks to hear of it)."""
         self.open_run = None  # a forward that raised inside a coalesced unit: the schedule releases it
         self._save_param_views(False)
-        try:
-            self.native.end_forward(failed)
-        finally:
-            self._unbind_released()
+        with interrupts.deferred():
+            try:
+                self.native.end_forward(failed)
+            finally:
+                self._unbind_released()
 
     # Backward --------------------------------------------------------------
     def begin_backward(self):
@@ -312,23 +320,26 @@ class UnitScheduler:
         def hook(_grad):
             if not self.in_backward:
                 raise outside_engine_backward()
-            self._apply(unit, self.native.pre_backward(unit.index))
-            self.on_unit_backward(unit)
+            with interrupts.deferred():  # the unit's grad views mirror the reducer's staging too
+                self._apply(unit, self.native.pre_backward(unit.index))
+                self.on_unit_backward(unit)
         return hook
 
     def _post_backward(self, unit):
         def hook():
-            self._apply(unit, self.native.post_backward(unit.index))
+            with interrupts.deferred():
+                self._apply(unit, self.native.post_backward(unit.index))
         return hook
 
     def end_backward(self, failed=False):
         """Rounds until every rank's backward is over; the last one reduces
         the grads of every unit not reduced yet and releases every unit."""
-        try:
-            self.native.end_backward(failed)
-        finally:
-            self._unbind_released()
-            self.in_backward = False
+        with interrupts.deferred():
+            try:
+                self.native.end_backward(failed)
+            finally:
+                self._unbind_released()
+                self.in_backward = False
 
     def end_step(self):
         """Called once per optimizer step, after the native step ran the
