@@ -4,6 +4,7 @@ that uses it and without a hang. Against single-process torch on the same
 global batch (models.reference_train), at every stage."""
 import os
 import signal
+import tempfile
 import time
 
 import pytest
@@ -351,6 +352,79 @@ def test_loss_backward_in_place_of_engine_backward_raises_naming_it():
             assert_state_close(after, ref, rtol=1e-5, atol=1e-5, what=f"stage {stage}: the step after")
 
 
+
+# Uneven micro-batch counts -------------------------------------------------------
+
+def _uneven(rank, world, stage):
+    """Rank 0 runs 2 micro-batches, rank 1 3, then steps; on the error every
+    rank zeroes its grads and trains a step of 2 micro-batches."""
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage, bucket_bytes=512))
+    before = engine.full_state_dict()
+    start = time.monotonic()
+    try:
+        for micro in range(2 + rank):
+            x, y = lm_batch(0, micro, world)
+            engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        engine.step()
+        error = None
+    except zerocore.CollectiveOrderError as e:
+        error = str(e)
+    seconds = time.monotonic() - start
+    engine.zero_grad()
+    after_error = engine.full_state_dict()
+    for micro in range(2):
+        x, y = lm_batch(1, micro, world)
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    engine.step()
+    return error, seconds, before, after_error, engine.full_state_dict()
+
+
+def test_uneven_micro_batch_counts_raise_on_every_rank_at_once_naming_both():
+    """Where the extra micro-batch's collectives would wait for a peer at the
+    step (stage 3's rounds in its forward, stage 2's reduce-scatters in its
+    backward; none at stages 0-1), every rank raises within seconds, not the
+    timeout (the harness's group waits 60 s), and can go on."""
+    for stage in STAGES:
+        results = run_ranks(_uneven, 2, stage)
+        for rank, (error, seconds, before, after_error, after) in enumerate(results):
+            what = f"stage {stage} rank {rank}"
+            assert error is not None, what
+            assert "rank 0: at the step after 2 micro-batch(es)" in error, (what, error)
+            place = "forward" if stage == 3 else "backward" if stage == 2 else "step"
+            assert (f"rank 1: at the {place} of micro-batch 3" if place != "step"
+                    else "rank 1: at the step after 3 micro-batch(es)") in error, (what, error)
+            assert "Nothing was updated" in error and "engine.zero_grad()" in error, (what, error)
+            assert seconds < 10, f"{what}: the error took {seconds:.1f} s"
+            assert_state_close(after_error, before, rtol=0, atol=0, what=f"{what}: nothing updated")
+            assert_state_close(after, results[0][4], rtol=0, atol=0, what=f"{what}: the ranks train on alike")
+            assert not torch.equal(after["blocks.0.up.weight"], before["blocks.0.up.weight"]), what
+
+
+
+def _evaluating_mid_step(rank, world, stage, evaluations):
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage, bucket_bytes=512))
+    for step in range(2):
+        x, y = lm_batch(step, 0, world)
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        with torch.no_grad():  # forwards with no backward, on every rank (stage 3's rounds stay open)
+            for _ in range(evaluations):
+                engine(local(x, rank, world))
+        engine.step()
+    return engine.full_state_dict()
+
+
+def test_evaluation_forwards_between_backward_and_step_train_as_without():
+    """The ranks meet only where none may still wait for another's rounds:
+    forwards with no backward between them, then the step, neither hang nor
+    raise."""
+    for stage in STAGES:
+        without = run_ranks(_evaluating_mid_step, 2, stage, 0)
+        for rank, got in enumerate(run_ranks(_evaluating_mid_step, 2, stage, 2)):
+            assert_state_close(got, without[rank], rtol=0, atol=0, what=f"stage {stage} rank {rank}")
+
+
 # Ctrl-C at stage 3 ---------------------------------------------------------------
 
 class _Interrupting(nn.Module):
@@ -443,3 +517,24 @@ def test_ctrl_c_at_stage_3_comes_out_as_itself_and_the_engine_saves(where, tmp_p
         engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
         engine.load(path)
         assert_state_close(engine.full_state_dict(), results[0][1][1], rtol=0, atol=0, what=f"{where}: saved")
+
+
+def _save_after_giving_up(rank, world, stage, path):
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage))
+    x, y = lm_batch(0, 0, world)
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    engine.zero_grad()
+    engine.save(path)
+    return engine.full_state_dict()
+
+
+def test_save_after_a_step_given_up_with_zero_grad():
+    """zero_grad() gives the step up: no grads are pending, so save works."""
+    for stage in STAGES:
+        with tempfile.TemporaryDirectory() as path:
+            state = run_ranks(_save_after_giving_up, 2, stage, path)[0]
+            model = make()
+            engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
+            engine.load(path)
+            assert_state_close(engine.full_state_dict(), state, rtol=0, atol=0, what=f"stage {stage}")

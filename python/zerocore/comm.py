@@ -51,8 +51,10 @@ _CONTROL = -1  # the key group of control-plane collectives
 # What a control collective is for, in its key's bucket. Native code issues
 # its own with bucket 0: the Communicator's `native_control` names them.
 _NORMS, _AGREEMENT, _BROADCASTS = 1, 2, 3
+MICRO_BATCHES = 4  # the engine's, before a micro-batch's collectives and at the step (Training._meet)
 _PURPOSES = {_NORMS: "the step's norm exchange", _AGREEMENT: "the ranks' agreement (at wrap, load or save)",
-             _BROADCASTS: "a broadcast of buffers or params"}
+             _BROADCASTS: "a broadcast of buffers or params",
+             MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)"}
 
 
 class CollectiveOrderError(RuntimeError):
@@ -179,9 +181,9 @@ class Communicator:
     def _broadcast_halves(self, halves, src_rank):
         self.queue.broadcast((_BROADCAST, _CONTROL, _BROADCASTS, halves.numel()), halves, src_rank).compute_waits()
 
-    def gather_ints(self, value: int) -> list:
-        """Every rank's int, in rank order."""
-        return [row[0] for row in self._gather_rows([value], torch.int64)]
+    def gather_ints(self, value: int, purpose=_AGREEMENT) -> list:
+        """Every rank's int, in rank order; purpose: what it is for (_PURPOSES), named if it fails."""
+        return [row[0] for row in self._gather_rows([value], torch.int64, purpose)]
 
     def raise_together(self, error, others: str, error_type=ValueError):
         """Where any rank failed, every rank raises instead of waiting for it

@@ -169,8 +169,7 @@ class Engine(Training, StateIO, Reports):
         # param_groups hold the hyperparameters every step reads.
         self.optimizer = optimizer
         drive_engine(optimizer, self._step, self.zero_grad)
-        self._backward_calls = 0
-        # Per step: the reduced grads' global squared norm once taken,
+        # Per step: the backward calls, the reduced grads' global squared norm once taken,
         # clip_grad_norm_'s bound, and trainability changes noted.
         self._forget_reduction()
         module._zerocore_engine = self

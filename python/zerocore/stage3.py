@@ -167,6 +167,11 @@ class UnitScheduler:
         # A coalesced unit in its forward: (unit, position of the last of its
         # modules whose forward ended, that module's output), or None.
         self.open_run = None
+        # This rank's forward ended with no hook since (end_forward): its
+        # peers may still need its answers in their forward's rounds, which
+        # the next hook, backward or step gives, so nothing may wait for
+        # them before that (Training._meet).
+        self.joining = False
         self.handles = []
         for u in units:
             for position, m in enumerate(u.modules):
@@ -243,6 +248,7 @@ class UnitScheduler:
             flat, spec = tree_flatten((args, kwargs))
             need = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             marks = bool(need) and torch.is_grad_enabled()
+            self.joining = False  # the call ends the join (or fails with the pass)
             with interrupts.deferred():
                 self._apply(unit, self.native.pre_forward(unit.index, marks))
             if len(unit.modules) > 1:
@@ -304,15 +310,18 @@ class UnitScheduler:
         done-round (a failure waits for the other ranks to hear of it)."""
         self.open_run = None  # a forward that raised inside a coalesced unit: the schedule releases it
         self._save_param_views(False)
+        self.joining = False
         with interrupts.deferred():
             try:
                 self.native.end_forward(failed)
             finally:
                 self._unbind_released()
+        self.joining = not failed
 
     # Backward --------------------------------------------------------------
     def begin_backward(self):
         """Raises (PeerFailed) if another rank's forward failed."""
+        self.joining = False
         self.native.begin_backward()
         self.in_backward = True
 
@@ -320,6 +329,7 @@ class UnitScheduler:
         def hook(_grad):
             if not self.in_backward:
                 raise outside_engine_backward()
+            self.joining = False
             with interrupts.deferred():  # the unit's grad views mirror the reducer's staging too
                 self._apply(unit, self.native.pre_backward(unit.index))
                 self.on_unit_backward(unit)
@@ -345,7 +355,20 @@ class UnitScheduler:
         """Called once per optimizer step, after the native step ran the
         schedule's end-of-step round (ZeroStep: this step's order guides the
         next, the units it updated are released): their params unbind."""
+        self.joining = False
         self._unbind_released()
+
+    def close_passes(self):
+        """Before the step's first collective (Training._meet): a forward
+        this rank ended is over on every rank, as the step's own exchange
+        would make it first (UnitSchedule::release_all), so no peer still
+        waits for this rank's rounds; what it releases unbinds."""
+        self.joining = False
+        with interrupts.deferred():
+            try:
+                self.native.release_all()
+            finally:
+                self._unbind_released()
 
     # Whole-model views -----------------------------------------------------
     def gather_all(self):
@@ -364,6 +387,7 @@ class UnitScheduler:
     def free_all(self):
         """After gathered_params: every unit's params may have been edited,
         so nothing gathered before stays."""
+        self.joining = False
         self.native.release_all()
         self.native.unbind_all()
         for u in self.units:
