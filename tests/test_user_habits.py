@@ -6,6 +6,7 @@ import os
 import signal
 import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -538,3 +539,56 @@ def test_save_after_a_step_given_up_with_zero_grad():
             engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
             engine.load(path)
             assert_state_close(engine.full_state_dict(), state, rtol=0, atol=0, what=f"stage {stage}")
+
+
+# Training dtype, and the module's modes ------------------------------------------
+
+def test_a_16_bit_model_wrapped_to_train_in_fp32_is_told_so():
+    model = make().to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"params are torch.bfloat16 .* trains in torch.float32.*"
+                                         r"pass Config\(dtype='bf16'\)"):
+        zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
+    model = make().to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0, dtype="bf16"))
+
+
+def _cast_after_wrap(rank, world, stage):
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage))
+    before = engine.full_state_dict()
+    x, y = lm_batch(0, 0, world)
+    try:
+        model.to(torch.bfloat16)
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    except RuntimeError as e:
+        error = str(e)
+    else:
+        error = None
+    return error, before, engine.close().state_dict()
+
+
+def test_a_model_cast_after_wrap_raises_naming_config_dtype():
+    """At stage 3 the cast itself raises (the params are released); at
+    stages 0-2 the next forward does, before torch's dtype error in
+    backward. engine.close() gives the fp32 params back, as trained."""
+    for stage in STAGES:
+        for error, before, closed in run_ranks(_cast_after_wrap, 2, stage):
+            assert error is not None and "was cast to torch.bfloat16 after zerocore.wrap" in error, (stage, error)
+            assert "model = engine.close()" in error and "Config(dtype='bf16')" in error, (stage, error)
+            assert_state_close(closed, before, rtol=0, atol=0, what=f"stage {stage}: nothing lost")
+
+
+def test_engine_train_and_eval_set_the_modules_mode_as_a_modules_do():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
+    x = torch.randn(4, 8)
+    assert engine.eval() is engine and not engine.training and not any(m.training for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(engine(x), engine(x))  # no dropout
+    assert engine.train() is engine and engine.training and all(m.training for m in model.modules())
+    with torch.no_grad():
+        assert not torch.equal(engine(x), engine(x))
+    assert engine.train(False) is engine and not model[1].training

@@ -26,6 +26,8 @@ import torch
 from zerocore import _native, interrupts
 from zerocore.comm import MICRO_BATCHES, CollectiveOrderError
 from zerocore.loss_scale import NonFiniteGradientError
+from zerocore.param_guards import dtype_changed
+from zerocore.stage3 import UNIT_HOOKS
 
 # Why a graph breaks at the engine's calls: dynamo's error under fullgraph=True.
 _BUFFERS = ("zerocore: engine.forward broadcasts the module's buffers from rank 0 eagerly, a graph break before the "
@@ -34,9 +36,6 @@ _TRAINING = ("zerocore: engine.backward, step and zero_grad run eagerly (native 
              "for fullgraph=True compile the forward alone (torch.compile(engine) or model.compile()) and call "
              "them outside it: the backward of the compiled forward is compiled all the same")
 _training = torch.compiler.disable(reason=_TRAINING)
-_MEETING = ("zerocore: engine.forward has the ranks agree on their place in the step eagerly (a control collective) "
-            "where the forward issues collectives (stage 3, or a module with buffers), a graph break before the "
-            "module runs; for fullgraph=True compile the module (model.compile(fullgraph=True)), not the engine")
 # Where a rank is in its step, for _meet: before a micro-batch's forward or backward, or at the step.
 _PLACES = ("forward", "backward", "step")
 
@@ -52,14 +51,20 @@ class Training:
         """Runs the module. Floating-point inputs are cast to the training
         dtype; buffers come from rank 0, as DDP does."""
         self.compute_stream.follow()
+        for p, name, dtype in self._dtype_probes:
+            if p.dtype != dtype:
+                cast = p.dtype
+                for g in self.groups:
+                    g.undo_casts()
+                raise dtype_changed(name, cast, dtype)
         buffers = next(self.module.buffers(), None) is not None  # compiled, a model without them has no graph break
-        # The forward issues collectives: the ranks meet first, unless stage
-        # 3's last forward is still open on a peer (a forward with no
-        # backward, as in evaluation), whose rounds this rank must answer.
-        if self.scheduler and not self.scheduler.joining or not self.scheduler and buffers:
-            self._meet_eagerly("forward")
+        # The forward issues collectives: the ranks meet first (_meet), at
+        # stage 3 unless its last forward is still open on a peer (a forward
+        # with no backward, as in evaluation), whose rounds this rank must answer.
+        if self.scheduler and not self.scheduler.joining:
+            self._meet_before_units()
         if buffers:
-            self._sync_buffers()
+            self._sync_buffers(meet=not self.scheduler)
         if self.dtype != torch.float32:
             cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             args = torch.utils._pytree.tree_map(cast, args)
@@ -73,9 +78,25 @@ class Training:
             if self.scheduler:
                 self.scheduler.end_forward(failed)
 
-    @torch.compiler.disable(reason=_MEETING)
-    def _meet_eagerly(self, place):
-        self._meet(place)
+    # Modes -----------------------------------------------------------------
+    def train(self, mode: bool = True):
+        """As nn.Module.train(mode): the module's training mode (dropout,
+        batch norm's statistics); returns the engine."""
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        """As nn.Module.eval(): the module in evaluation mode, until
+        engine.train(); returns the engine."""
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    @torch.compiler.disable(reason=UNIT_HOOKS)  # stage 3's forward breaks graphs at its units' hooks anyway
+    def _meet_before_units(self):
+        self._meet("forward")
 
     def _meet(self, place: str):
         """Every rank at the same place of its step (_PLACES), or every
@@ -112,8 +133,11 @@ class Training:
             "can go on.")
 
     @torch.compiler.disable(reason=_BUFFERS)
-    def _sync_buffers(self):
-        """Every rank takes rank 0's buffers (running statistics...), as DDP does."""
+    def _sync_buffers(self, meet=False):
+        """Every rank takes rank 0's buffers (running statistics...), as DDP
+        does; meet: the ranks meet first (_meet), where nothing else has."""
+        if meet:
+            self._meet("forward")
         for b in self.module.buffers():
             self.comm.broadcast(b)
 
