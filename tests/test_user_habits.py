@@ -354,6 +354,33 @@ def test_loss_backward_in_place_of_engine_backward_raises_naming_it():
 
 
 
+
+def _loss_backward_after_engine_backward(rank, world, stage):
+    model = make()
+    opt = sgd(model.parameters())
+    engine = zerocore.wrap(model, opt, zerocore.Config(stage=stage, bucket_bytes=512))
+    x, y = lm_batch(0, 0, world)
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    try:
+        lm_loss(engine(local(x, rank, world)), local(y, rank, world)).backward()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    opt.step()  # the engine.backward's grads alone
+    return error, engine.full_state_dict()
+
+
+def test_loss_backward_after_engine_backward_raises_naming_it_and_adds_nothing():
+    """Stages 0-1 too: zerocore's error, not torch's memory-overlap error
+    from the placeholders in .grad."""
+    model = make()
+    ref = reference_train(model, sgd(model.parameters()), 1, 1, 2)
+    for stage in STAGES:
+        for error, after in run_ranks(_loss_backward_after_engine_backward, 2, stage):
+            assert error is not None and "call engine.backward(loss)" in error, (stage, error)
+            assert_state_close(after, ref, rtol=1e-5, atol=1e-5, what=f"stage {stage}: the step after")
+
+
 # Uneven micro-batch counts -------------------------------------------------------
 
 def _uneven(rank, world, stage):
