@@ -181,9 +181,10 @@ class Communicator:
     def _broadcast_halves(self, halves, src_rank):
         self.queue.broadcast((_BROADCAST, _CONTROL, _BROADCASTS, halves.numel()), halves, src_rank).compute_waits()
 
-    def gather_ints(self, value: int, purpose=_AGREEMENT) -> list:
-        """Every rank's int, in rank order; purpose: what it is for (_PURPOSES), named if it fails."""
-        return [row[0] for row in self._gather_rows([value], torch.int64, purpose)]
+    def gather_ints(self, value: int, purpose=_AGREEMENT, after_compute=True) -> list:
+        """Every rank's int, in rank order; purpose: what it is for (_PURPOSES), named if it fails;
+        after_compute=False: it waits for no device work (a host number), as stage 3's rounds do not."""
+        return [row[0] for row in self._gather_rows([value], torch.int64, purpose, after_compute)]
 
     def raise_together(self, error, others: str, error_type=ValueError):
         """Where any rank failed, every rank raises instead of waiting for it
@@ -239,10 +240,11 @@ class Communicator:
         return (f"zerocore: ranks issued different collectives since the last step; collective #{first + 1} was\n"
                 f"{ranks}\nNothing was updated. Every rank must issue the same collectives in the same order.")
 
-    def _gather_rows(self, values, dtype, purpose=_AGREEMENT) -> list:
+    def _gather_rows(self, values, dtype, purpose=_AGREEMENT, after_compute=True) -> list:
         """Every rank's list of numbers (all of one length, 8-byte dtype), in rank order."""
         t = torch.tensor(values, dtype=dtype)
         out = torch.empty(self.world_size * t.numel(), dtype=dtype)
         rows = _as_halves(out)
-        self.control_queue.all_gather((_ALL_GATHER, _CONTROL, purpose, rows.numel()), _as_halves(t), rows).wait()
+        self.control_queue.all_gather((_ALL_GATHER, _CONTROL, purpose, rows.numel()), _as_halves(t), rows,
+                                      after_compute=after_compute).wait()
         return out.view(self.world_size, -1).tolist()

@@ -117,7 +117,8 @@ class Training:
             return
         micro_batch = self._backward_calls + (place != "step")  # the one about to run; at the step, how many ran
         mine = len(_PLACES) * micro_batch + _PLACES.index(place)
-        places = [divmod(v, len(_PLACES)) for v in self.comm.gather_ints(mine, MICRO_BATCHES)]
+        # A host number: the meeting waits for no device work (on CUDA the host runs on ahead of the GPU).
+        places = [divmod(v, len(_PLACES)) for v in self.comm.gather_ints(mine, MICRO_BATCHES, after_compute=False)]
         if len(set(places)) == 1:
             return
 
