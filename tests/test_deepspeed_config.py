@@ -100,7 +100,7 @@ def test_adam_types_keep_deepspeeds_semantics(kind, decoupled, weight_decay):
     ({"curriculum_learning": {"enabled": True}}, "'curriculum_learning' would change training"),
     ({"amp": {"enabled": True}}, "'amp' would change training"),
     ({"prescale_gradients": True}, "'prescale_gradients'"),
-    ({"gradient_clipping": "auto"}, "gradient_clipping is \"auto\""),
+    ({"gradient_clipping": "auto"}, "sets gradient_clipping to \"auto\""),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both fp16 and bf16"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
     ({"train_micro_batch_size_per_gpu": 3}, "disagree"),
@@ -477,6 +477,33 @@ def test_auto_is_resolved_where_it_changes_no_result():
                                                     "stage3_param_persistence_threshold": "auto"}}, world_size=2)
     assert (ds.train_batch_size, ds.micro_batch_size, ds.gradient_accumulation_steps) == (6, 3, 1)
     assert ds.config == zerocore.Config(stage=3)
+
+
+# The Hugging Face docs' DeepSpeed config, "auto" wherever the Trainer fills a value.
+HF_DOCS = {"fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16}, "bf16": {"enabled": "auto"},
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                     "weight_decay": "auto"}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                        "warmup_num_steps": "auto"}},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": "auto"},
+                                 "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto",
+                                 "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                                 "stage3_gather_16bit_weights_on_model_save": True},
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+           "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+
+
+def test_every_unresolved_auto_is_named_in_one_error():
+    """Outside the Trainer, every "auto" that needs a value is listed at
+    once; those zerocore resolves (batch keys, ZeRO sizes, ignored knobs)
+    are not."""
+    with pytest.raises(DeepSpeedConfigError) as error:
+        zerocore.Config.from_deepspeed(HF_DOCS)
+    named = re.search(r"sets (.*) to \"auto\"", str(error.value)).group(1).split(", ")
+    assert named == ["fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+                     "optimizer.params.eps", "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr",
+                     "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps", "gradient_clipping"]
+    assert "ZeroTrainer" in str(error.value) and "give their values" in str(error.value)
 
 
 def test_zerocore_needs_neither_deepspeed_nor_transformers(tmp_path):

@@ -248,6 +248,31 @@ def test_a_deepspeed_config_gives_the_zero_part(tmp_path):
             ZeroTrainer(model=gpt2(), args=args, zero_config=zerocore.DeepSpeedConfig({**ds, **bad}, world_size=WORLD))
 
 
+def test_a_deepspeed_config_with_auto_values_takes_them_from_the_arguments(tmp_path):
+    """The Hugging Face docs' DeepSpeed config, as a path or a dict: each
+    "auto" takes the TrainingArguments' value (the model's hidden_size for
+    the ZeRO sizes), as the Trainer's own DeepSpeed integration fills it.
+    Its optimizer and scheduler blocks are refused first, naming why."""
+    args = arguments(str(tmp_path), 2, gradient_accumulation_steps=2, bf16=True, max_grad_norm=0.5)
+    ds = {"fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": "auto"},
+          "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto",
+                                "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+          "train_micro_batch_size_per_gpu": "auto"}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    hidden = gpt2().config.hidden_size
+    for source in (str(path), ds):
+        with pytest.warns(UserWarning, match="overlap_comm"):
+            c = ZeroTrainer(model=gpt2(), args=args, zero_config=source).zero_config
+        assert (c.stage, c.dtype, c.max_grad_norm) == (3, "bf16", 0.5), c
+        assert (c.bucket_bytes, c.prefetch_bytes, c.persist_threshold) == \
+            (2 * hidden * hidden, 2 * int(0.9 * hidden * hidden), 10 * hidden + 1), c
+    optimizer = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    with pytest.raises(ValueError, match="optimizer or scheduler block"):
+        ZeroTrainer(model=gpt2(), args=args, zero_config={**ds, **optimizer})
+
+
 def _unlaunched(rank, world, out):
     """A process group the Trainer's accelerate does not see (no RANK,
     WORLD_SIZE, LOCAL_RANK in the environment)."""

@@ -3,7 +3,8 @@ ZEROCORE_BACKEND=checking: tests/run.sh's checking pass; skipped
 otherwise), and of those the ones that wait for device work.
 
 Host waits: the target (issue 20) is one host wait a step at stages 1-2,
-and at stage 3 for a dense model where no rank needs a unit it lacks. A
+and at stage 3 for a dense model where no rank needs a unit it lacks, plus
+the ranks' meeting on their micro-batch counts (issue 36, below). A
 wait whose reader is the compute stream (the update reading reduced grads,
 a forward reading gathered params) is a stream wait, not a host wait: on
 CUDA the host goes on. The counts below (2 ranks, this model, default
@@ -43,11 +44,14 @@ STEPS = 3
 # hooks settle rounds (control-plane reads of the ranks' flags), 6 in
 # backward before the late grads' fold.
 # The step's own waits do not grow with the number of buckets (checked with
-# small ones).
-MEASURED = {0: (0, 0, 1), 1: (0, 0, 1), 2: (0, 0, 1), 3: (3, 5, 1)}
+# small ones). One more at the step at every stage, in stage 2's backward
+# and in stage 3's forward: the ranks' meeting on their micro-batch counts
+# (Training._meet, issue 36: uneven counts raise at once instead of waiting
+# out the timeout), a gather of host numbers that waits for no device work.
+MEASURED = {0: (0, 0, 2), 1: (0, 0, 2), 2: (0, 1, 2), 3: (4, 5, 2)}
 # A step whose last backward left late grads (models.LateGrads at stage 2)
 # exchanges twice: once to agree on them, once for the sums after reducing them.
-MEASURED_LATE = (0, 0, 2)
+MEASURED_LATE = (0, 1, 3)
 
 
 def _count(rank, world, stage, bucket_bytes, model_class=TinyLM):

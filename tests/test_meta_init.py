@@ -219,6 +219,31 @@ def test_a_module_without_reset_parameters_fails_every_rank():
         assert isinstance(r, RankError) and "blocks.1.gate (_Gate)" in r.message, r
 
 
+def _attention_layers():
+    """torch's attention layers, whose nn.MultiheadAttention initialises in
+    _reset_parameters (no reset_parameters) and zeroes its out_proj's bias."""
+    return nn.Sequential(nn.TransformerEncoderLayer(DIM, 2, 2 * DIM),
+                         nn.MultiheadAttention(DIM, 2, kdim=8, vdim=8, add_bias_kv=True))
+
+
+def _meta_attention(rank, world, stage):
+    torch.manual_seed(SEED)
+    with zerocore.init():
+        model = _attention_layers()
+    engine = _wrap(model, stage)
+    return engine.full_state_dict(), torch.rand(4)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_meta_init_of_multihead_attention_equals_eager_init(stage):
+    torch.manual_seed(SEED)
+    ref = _attention_layers().state_dict()
+    rng = torch.rand(4)
+    for rank, (values, after) in enumerate(run_ranks(_meta_attention, 2, stage)):
+        _assert_equal(values, ref, f"stage {stage} rank {rank}")
+        assert torch.equal(after, rng), f"stage {stage} rank {rank}: the RNG after wrap is not eager's"
+
+
 def test_bad_init_arguments():
     with pytest.raises(TypeError, match="zerocore.wrap: init= takes None"):
         _wrap(_meta_lm(), 0, init=42)

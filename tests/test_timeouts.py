@@ -121,13 +121,13 @@ def test_a_stuck_peer_raises_within_the_timeout(world, stage, where, offload, in
         assert TIMEOUT * 0.9 <= live["seconds"] <= TIMEOUT + 5, (rank, live)
         # It names the collective: its kind, and its params or what a control one is for.
         assert re.search(r"^zerocore: the (all_gather|reduce_scatter|all_reduce|broadcast) of the params \S+"
-                         r"|^zerocore: the control \w+ of (stage 3's round|the step's norm exchange|backward's)",
+                         r"|^zerocore: the control \w+ of (stage 3's round|the step's norm exchange|backward's"
+                         r"|the ranks' micro-batch counts)",
                          live["error"]), (rank, live["error"])
         peers = [r for r in range(world) if r != rank]
         assert f"timed out after {TIMEOUT:g} s waiting for rank(s) {peers}" in live["error"], (rank, live["error"])
-        if where == "step":  # rank 1 stalls before the step's one control collective
-            # Stage 1 reduces inside the native step, first: the live ranks wait in its reduce-scatter.
-            waited = "reduce_scatter of the params" if stage == 1 else "control all_gather of the step's norm exchange"
+        if where == "step":  # rank 1 stalls before the step's first control collective, the ranks' meeting
+            waited = "control all_gather of the ranks' micro-batch counts"
             assert waited in live["error"], (rank, live["error"])
         # The engine is left failing at once (with the first timeout of the
         # queue it reaches: another may have timed out beside this one).

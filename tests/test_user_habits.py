@@ -2,6 +2,12 @@
 does, or raises a clear error naming what to call instead, on every rank
 that uses it and without a hang. Against single-process torch on the same
 global batch (models.reference_train), at every stage."""
+import os
+import signal
+import tempfile
+import time
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -345,3 +351,271 @@ def test_loss_backward_in_place_of_engine_backward_raises_naming_it():
             assert error is not None and "engine.backward(loss)" in error, (stage, error)
             assert_state_close(unchanged, before, rtol=0, atol=0, what=f"stage {stage}: nothing changed")
             assert_state_close(after, ref, rtol=1e-5, atol=1e-5, what=f"stage {stage}: the step after")
+
+
+
+
+def _loss_backward_after_engine_backward(rank, world, stage):
+    model = make()
+    opt = sgd(model.parameters())
+    engine = zerocore.wrap(model, opt, zerocore.Config(stage=stage, bucket_bytes=512))
+    x, y = lm_batch(0, 0, world)
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    try:
+        lm_loss(engine(local(x, rank, world)), local(y, rank, world)).backward()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    opt.step()  # the engine.backward's grads alone
+    return error, engine.full_state_dict()
+
+
+def test_loss_backward_after_engine_backward_raises_naming_it_and_adds_nothing():
+    """Stages 0-1 too: zerocore's error, not torch's memory-overlap error
+    from the placeholders in .grad."""
+    model = make()
+    ref = reference_train(model, sgd(model.parameters()), 1, 1, 2)
+    for stage in STAGES:
+        for error, after in run_ranks(_loss_backward_after_engine_backward, 2, stage):
+            assert error is not None and "call engine.backward(loss)" in error, (stage, error)
+            assert_state_close(after, ref, rtol=1e-5, atol=1e-5, what=f"stage {stage}: the step after")
+
+
+# Uneven micro-batch counts -------------------------------------------------------
+
+def _uneven(rank, world, stage):
+    """Rank 0 runs 2 micro-batches, rank 1 3, then steps; on the error every
+    rank zeroes its grads and trains a step of 2 micro-batches."""
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage, bucket_bytes=512))
+    before = engine.full_state_dict()
+    start = time.monotonic()
+    try:
+        for micro in range(2 + rank):
+            x, y = lm_batch(0, micro, world)
+            engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        engine.step()
+        error = None
+    except zerocore.CollectiveOrderError as e:
+        error = str(e)
+    seconds = time.monotonic() - start
+    engine.zero_grad()
+    after_error = engine.full_state_dict()
+    for micro in range(2):
+        x, y = lm_batch(1, micro, world)
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    engine.step()
+    return error, seconds, before, after_error, engine.full_state_dict()
+
+
+def test_uneven_micro_batch_counts_raise_on_every_rank_at_once_naming_both():
+    """Where the extra micro-batch's collectives would wait for a peer at the
+    step (stage 3's rounds in its forward, stage 2's reduce-scatters in its
+    backward; none at stages 0-1), every rank raises within seconds, not the
+    timeout (the harness's group waits 60 s), and can go on."""
+    for stage in STAGES:
+        results = run_ranks(_uneven, 2, stage)
+        for rank, (error, seconds, before, after_error, after) in enumerate(results):
+            what = f"stage {stage} rank {rank}"
+            assert error is not None, what
+            assert "rank 0: at the step after 2 micro-batch(es)" in error, (what, error)
+            place = "forward" if stage == 3 else "backward" if stage == 2 else "step"
+            assert (f"rank 1: at the {place} of micro-batch 3" if place != "step"
+                    else "rank 1: at the step after 3 micro-batch(es)") in error, (what, error)
+            assert "Nothing was updated" in error and "engine.zero_grad()" in error, (what, error)
+            assert seconds < 10, f"{what}: the error took {seconds:.1f} s"
+            assert_state_close(after_error, before, rtol=0, atol=0, what=f"{what}: nothing updated")
+            assert_state_close(after, results[0][4], rtol=0, atol=0, what=f"{what}: the ranks train on alike")
+            assert not torch.equal(after["blocks.0.up.weight"], before["blocks.0.up.weight"]), what
+
+
+
+def _evaluating_mid_step(rank, world, stage, evaluations):
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage, bucket_bytes=512))
+    for step in range(2):
+        x, y = lm_batch(step, 0, world)
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+        with torch.no_grad():  # forwards with no backward, on every rank (stage 3's rounds stay open)
+            for _ in range(evaluations):
+                engine(local(x, rank, world))
+        engine.step()
+    return engine.full_state_dict()
+
+
+def test_evaluation_forwards_between_backward_and_step_train_as_without():
+    """The ranks meet only where none may still wait for another's rounds:
+    forwards with no backward between them, then the step, neither hang nor
+    raise."""
+    for stage in STAGES:
+        without = run_ranks(_evaluating_mid_step, 2, stage, 0)
+        for rank, got in enumerate(run_ranks(_evaluating_mid_step, 2, stage, 2)):
+            assert_state_close(got, without[rank], rtol=0, atol=0, what=f"stage {stage} rank {rank}")
+
+
+# Ctrl-C at stage 3 ---------------------------------------------------------------
+
+class _Interrupting(nn.Module):
+    """Block `inner`, which raises KeyboardInterrupt on its forward call
+    number `at` ("forward"), or from a hook on that call's output grad
+    ("backward hook")."""
+
+    def __init__(self, inner, where, at):
+        super().__init__()
+        self.inner, self.where, self.at, self.calls = inner, where, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at and self.where == "forward":
+            raise KeyboardInterrupt
+        out = self.inner(x)
+        if self.calls == self.at and self.where == "backward hook":
+            out.register_hook(lambda grad: (_ for _ in ()).throw(KeyboardInterrupt))
+        return out
+
+
+class _SignalAfter:
+    """The native unit schedule, with a SIGINT sent to this process as its
+    call `name` returns for the `at`-th time: where a real Ctrl-C comes out,
+    since Python runs the handler once the native wait is over."""
+
+    def __init__(self, native, name, at):
+        self._native, self._name, self._at, self._calls = native, name, at, 0
+
+    def __getattr__(self, attr):
+        call = getattr(self._native, attr)
+        if attr != self._name:
+            return call
+
+        def signalling(*args):
+            out = call(*args)
+            self._calls += 1
+            if self._calls == self._at:
+                os.kill(os.getpid(), signal.SIGINT)
+            return out
+        return signalling
+
+
+def _interrupted(rank, world, where, ranks, path):
+    """Step 0 trains; step 1 is interrupted on `ranks` (where: in a block's
+    forward, a backward hook, or a signal as one of stage 3's native calls
+    returns); the handler zeroes the grads and saves on every rank; step 2
+    trains."""
+    model = make()
+    model.blocks[1] = _Interrupting(model.blocks[1], where, 2 if rank in ranks else 0)
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=3, timeout=20))
+    caught, states = None, []
+    for step in range(3):
+        if step == 1 and rank in ranks and where not in ("forward", "backward hook"):
+            engine.scheduler.native = _SignalAfter(engine.scheduler.native, where, 2 if "forward" in where else 1)
+        x, y = lm_batch(step, 0, world)
+        try:
+            engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+            engine.step()
+        except BaseException as e:  # noqa: BLE001 - the handler of a user's loop
+            caught = (type(e).__name__, str(e))
+            engine.zero_grad()
+            engine.save(path)
+        states.append(engine.full_state_dict())
+    return caught, states
+
+
+@pytest.mark.parametrize("where", ["forward", "backward hook", "pre_forward", "post_forward", "end_forward",
+                                   "pre_backward", "post_backward", "end_backward"])
+def test_ctrl_c_at_stage_3_comes_out_as_itself_and_the_engine_saves(where, tmp_path):
+    """Every rank interrupted (as a Ctrl-C in a terminal interrupts every
+    rank of the job), on 1 and 2 ranks; in the module's own code, only rank
+    0 too: its peer raises naming the failure, not waiting for it."""
+    cases = [(1, (0,)), (2, (0, 1))] + ([(2, (0,))] if where in ("forward", "backward hook") else [])
+    for world, ranks in cases:
+        path = str(tmp_path / f"{world}-{len(ranks)}")
+        results = run_ranks(_interrupted, world, where, ranks, path)
+        for rank, (caught, states) in enumerate(results):
+            what = f"{where}, {world} rank(s), rank {rank}"
+            assert caught is not None, what
+            if rank in ranks:
+                assert caught[0] == "KeyboardInterrupt", (what, caught)
+            else:
+                assert caught[0] == "RuntimeError" and "other rank(s) failed during this" in caught[1], (what, caught)
+            assert_state_close(states[1], states[0], rtol=0, atol=0, what=f"{what}: the interrupted step")
+            assert_state_close(states[2], results[0][1][2], rtol=0, atol=0, what=f"{what}: the ranks agree")
+            assert not torch.equal(states[2]["blocks.0.up.weight"], states[1]["blocks.0.up.weight"]), what
+        model = make()
+        model.blocks[1] = _Interrupting(model.blocks[1], where, 0)
+        engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
+        engine.load(path)
+        assert_state_close(engine.full_state_dict(), results[0][1][1], rtol=0, atol=0, what=f"{where}: saved")
+
+
+def _save_after_giving_up(rank, world, stage, path):
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage))
+    x, y = lm_batch(0, 0, world)
+    engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    engine.zero_grad()
+    engine.save(path)
+    return engine.full_state_dict()
+
+
+def test_save_after_a_step_given_up_with_zero_grad():
+    """zero_grad() gives the step up: no grads are pending, so save works."""
+    for stage in STAGES:
+        with tempfile.TemporaryDirectory() as path:
+            state = run_ranks(_save_after_giving_up, 2, stage, path)[0]
+            model = make()
+            engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
+            engine.load(path)
+            assert_state_close(engine.full_state_dict(), state, rtol=0, atol=0, what=f"stage {stage}")
+
+
+# Training dtype, and the module's modes ------------------------------------------
+
+def test_a_16_bit_model_wrapped_to_train_in_fp32_is_told_so():
+    model = make().to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"params are torch.bfloat16 .* trains in torch.float32.*"
+                                         r"pass Config\(dtype='bf16'\)"):
+        zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
+    model = make().to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0, dtype="bf16"))
+
+
+def _cast_after_wrap(rank, world, stage):
+    model = make()
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage))
+    before = engine.full_state_dict()
+    x, y = lm_batch(0, 0, world)
+    try:
+        model.to(torch.bfloat16)
+        engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+    except RuntimeError as e:
+        error = str(e)
+    else:
+        error = None
+    return error, before, engine.close().state_dict()
+
+
+def test_a_model_cast_after_wrap_raises_naming_config_dtype():
+    """At stage 3 the cast itself raises (the params are released); at
+    stages 0-2 the next forward does, before torch's dtype error in
+    backward. engine.close() gives the fp32 params back, as trained."""
+    for stage in STAGES:
+        for error, before, closed in run_ranks(_cast_after_wrap, 2, stage):
+            assert error is not None and "was cast to torch.bfloat16 after zerocore.wrap" in error, (stage, error)
+            assert "model = engine.close()" in error and "Config(dtype='bf16')" in error, (stage, error)
+            assert_state_close(closed, before, rtol=0, atol=0, what=f"stage {stage}: nothing lost")
+
+
+def test_engine_train_and_eval_set_the_modules_mode_as_a_modules_do():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=0))
+    x = torch.randn(4, 8)
+    assert engine.eval() is engine and not engine.training and not any(m.training for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(engine(x), engine(x))  # no dropout
+    assert engine.train() is engine and engine.training and all(m.training for m in model.modules())
+    with torch.no_grad():
+        assert not torch.equal(engine(x), engine(x))
+    assert engine.train(False) is engine and not model[1].training

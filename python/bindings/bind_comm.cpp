@@ -173,11 +173,15 @@ void bind_comm(nb::module_& m) {
       .def_prop_ro("world_size", [](const BoundQueue& q) { return q.get().world_size(); })
       .def(
           "all_gather",
-          [](const BoundQueue& q, nb::handle key, nb::handle shard, nb::handle output, bool counted) {
-            return completion(q, behind_compute(q).all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
-                                                              tensor_from_dlpack(output, "output"), counted));
+          [](const BoundQueue& q, nb::handle key, nb::handle shard, nb::handle output, bool counted,
+             bool after_compute) {
+            CommQueue& queue = after_compute ? behind_compute(q) : q.get();
+            return completion(q, queue.all_gather(to_key(key), tensor_from_dlpack(shard, "shard"),
+                                                  tensor_from_dlpack(output, "output"), counted));
           },
-          "key"_a, "shard"_a, "output"_a, "counted"_a = true, "output (world_size x shard) <- every rank's shard.")
+          "key"_a, "shard"_a, "output"_a, "counted"_a = true, "after_compute"_a = true,
+          "output (world_size x shard) <- every rank's shard. after_compute=False: shard is host memory the host "
+          "wrote, which no device work must precede, so the comm stream does not wait for the compute stream.")
       .def(
           "reduce_scatter",
           [](const BoundQueue& q, nb::handle key, nb::handle input, nb::handle shard, bool counted) {

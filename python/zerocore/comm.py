@@ -57,8 +57,10 @@ _CONTROL = -1  # the key group of control-plane collectives
 # What a control collective is for, in its key's bucket. Native code issues
 # its own with bucket 0: the Communicator's `native_control` names them.
 _NORMS, _AGREEMENT, _BROADCASTS = 1, 2, 3
+MICRO_BATCHES = 4  # the engine's, before a micro-batch's collectives and at the step (Training._meet)
 _PURPOSES = {_NORMS: "the step's norm exchange", _AGREEMENT: "the ranks' agreement (at wrap, load or save)",
-             _BROADCASTS: "a broadcast of buffers or params"}
+             _BROADCASTS: "a broadcast of buffers or params",
+             MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)"}
 
 
 class CollectiveOrderError(RuntimeError):
@@ -194,9 +196,10 @@ class Communicator:
     def _broadcast_halves(self, halves, src_rank):
         self.queue.broadcast((_BROADCAST, _CONTROL, _BROADCASTS, halves.numel()), halves, src_rank).compute_waits()
 
-    def gather_ints(self, value: int) -> list:
-        """Every rank's int, in rank order."""
-        return [row[0] for row in self._gather_rows([value], torch.int64)]
+    def gather_ints(self, value: int, purpose=_AGREEMENT, after_compute=True) -> list:
+        """Every rank's int, in rank order; purpose: what it is for (_PURPOSES), named if it fails;
+        after_compute=False: it waits for no device work (a host number), as stage 3's rounds do not."""
+        return [row[0] for row in self._gather_rows([value], torch.int64, purpose, after_compute)]
 
     def raise_together(self, error, others: str, error_type=ValueError):
         """Where any rank failed, every rank raises instead of waiting for it
@@ -252,10 +255,11 @@ class Communicator:
         return (f"zerocore: ranks issued different collectives since the last step; collective #{first + 1} was\n"
                 f"{ranks}\nNothing was updated. Every rank must issue the same collectives in the same order.")
 
-    def _gather_rows(self, values, dtype, purpose=_AGREEMENT) -> list:
+    def _gather_rows(self, values, dtype, purpose=_AGREEMENT, after_compute=True) -> list:
         """Every rank's list of numbers (all of one length, 8-byte dtype), in rank order."""
         t = torch.tensor(values, dtype=dtype)
         out = torch.empty(self.world_size * t.numel(), dtype=dtype)
         rows = _as_halves(out)
-        self.control_queue.all_gather((_ALL_GATHER, _CONTROL, purpose, rows.numel()), _as_halves(t), rows).wait()
+        self.control_queue.all_gather((_ALL_GATHER, _CONTROL, purpose, rows.numel()), _as_halves(t), rows,
+                                      after_compute=after_compute).wait()
         return out.view(self.world_size, -1).tolist()

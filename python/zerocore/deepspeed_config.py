@@ -85,21 +85,45 @@ _NOT_DONE_ZERO = {
     "mics_shard_size": (-1, "MiCS partitioning"),
 }
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# ZeRO sizes whose "auto" is zerocore's own default (zerocore plans them; no result changes).
+_SIZES = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+          "stage3_param_persistence_threshold", "param_persistence_threshold")
 
 
 class DeepSpeedConfigError(ValueError):
     """A DeepSpeed config zerocore cannot train as DeepSpeed would."""
 
 
+def read_json(path) -> dict:
+    """The DeepSpeed config in the JSON file at `path`."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise DeepSpeedConfigError(f"zerocore: cannot read the DeepSpeed config {os.fspath(path)}: {e}") from e
+
+
+def fill_auto(raw: dict, values: dict) -> dict:
+    """A copy of the DeepSpeed config `raw` with each "auto" at a path in
+    `values` ((key, subkey, ...) -> value) set to that value."""
+    out = dict(raw)
+    for path, value in values.items():
+        block = out
+        for key in path[:-1]:
+            if not isinstance(block.get(key), dict):
+                break
+            block[key] = block = dict(block[key])
+        else:
+            if block.get(path[-1]) == "auto":
+                block[path[-1]] = value
+    return out
+
+
 def _load(source) -> dict:
     if isinstance(source, dict):
         return source
     if isinstance(source, (str, os.PathLike)):
-        try:
-            with open(source) as f:
-                return json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise DeepSpeedConfigError(f"zerocore: cannot read the DeepSpeed config {os.fspath(source)}: {e}") from e
+        return read_json(source)
     raise TypeError(f"zerocore: a DeepSpeed config is a path or a dict, got {type(source).__name__}")
 
 
@@ -118,6 +142,12 @@ class DeepSpeedConfig:
 
     def __init__(self, source, world_size: Optional[int] = None):
         raw = _load(source)
+        unresolved = [".".join(path) for path in _autos(raw) if not _auto_resolved(raw, path)]
+        if unresolved:
+            raise DeepSpeedConfigError(
+                f"zerocore: the DeepSpeed config sets {', '.join(unresolved)} to \"auto\", which the Hugging Face "
+                "Trainer fills from its TrainingArguments (so does zerocore's ZeroTrainer, given the config as "
+                "zero_config=); outside it zerocore cannot tell what they should be: give their values")
         if world_size is None:
             world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.world_size = world_size
@@ -324,6 +354,32 @@ class DeepSpeedConfig:
             return SCHEDULES[kind](optimizer, **args)
         except TypeError as e:
             raise DeepSpeedConfigError(f"zerocore: scheduler {kind}: {e}") from e
+
+
+def _autos(value, path=()):
+    """The paths (tuples of keys) of every "auto" in a config."""
+    if value == "auto":
+        yield path
+    elif isinstance(value, dict):
+        for key, v in value.items():
+            yield from _autos(v, path + (key,))
+
+
+def _auto_resolved(raw, path) -> bool:
+    """Whether the "auto" at `path` needs no value: a batch key (DeepSpeed
+    resolves it from the others), a ZeRO size (zerocore's own), or a key
+    that changes nothing (ignored, or in a disabled block)."""
+    top = path[0]
+    if len(path) == 1 and top in _BATCH_KEYS:
+        return True
+    disabled = isinstance(raw.get(top), dict) and not _enabled(raw[top])
+    if top in _NO_EFFECT_TOP or disabled:
+        return True
+    if top == "zero_optimization" and len(path) >= 2:
+        key = path[1]
+        offload_knob = key.startswith("offload_") and len(path) == 3 and path[2] not in ("device", "ratio")
+        return key in _SIZES or key in _NO_EFFECT_ZERO or offload_knob
+    return False
 
 
 def _given(key, value, default=None):

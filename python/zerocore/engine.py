@@ -37,7 +37,8 @@ from zerocore._native import BucketCollectives, UnitSchedule, ZeroStep
 from zerocore.comm import KINDS, Communicator
 from zerocore.config import Config
 from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_process_group, fill_agreeing,
-                                   model_problem, staging_buffers, training_process_group)
+                                   model_problem, staging_buffers, training_process_group,
+                                   warn_of_param_dtypes)
 from zerocore.engine_reports import Reports
 from zerocore.engine_state_io import StateIO
 from zerocore.engine_training import Training
@@ -86,6 +87,7 @@ class Engine(Training, StateIO, Reports):
         self.comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.control,
                                  control=self.control, backend=self.backend, nccl=cfg.nccl)
         self.dtype = TORCH_DTYPES[cfg.dtype]
+        warn_of_param_dtypes(params, names, self.dtype)
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
         self.scaler = LossScaler(cfg.loss_scale, cfg.dtype)
         self.kind = spec.kind
@@ -110,6 +112,9 @@ class Engine(Training, StateIO, Reports):
         for g in self.groups:
             g.note_param_versions()
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
+        # A param of each group held whole, in the dtype it trains in: a cast after wrap raises at the forward.
+        self._dtype_probes = [(g.params[0], g.names[0][0], g.params[0].dtype) for g in self.groups
+                              if g.params and not g.sharded]
         # requires_grad as planned, checked at each backward (_note_trainability).
         self._planned_trainable = [(p, g.trainable, p_names[0]) for g in self.groups
                                    for p, p_names in zip(g.params, g.names)]
@@ -169,8 +174,7 @@ class Engine(Training, StateIO, Reports):
         # param_groups hold the hyperparameters every step reads.
         self.optimizer = optimizer
         drive_engine(optimizer, self._step, self.zero_grad)
-        self._backward_calls = 0
-        # Per step: the reduced grads' global squared norm once taken,
+        # Per step: the backward calls, the reduced grads' global squared norm once taken,
         # clip_grad_norm_'s bound, and trainability changes noted.
         self._forget_reduction()
         module._zerocore_engine = self

@@ -12,6 +12,7 @@ failed one in a collective it never issues. The first of them
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,21 @@ def model_problem(params, names, spec, where):
         return ValueError(f"zerocore.wrap: optimizer param group {unknown[0]} holds a tensor that is not a "
                           "parameter of this module")
     return None
+
+
+def warn_of_param_dtypes(params, names, dtype: torch.dtype):
+    """A model whose params are in 16 bits, wrapped to train in another dtype
+    (a bf16 checkpoint with the default fp32 Config): the engine trains in
+    Config.dtype, which the user may not know they chose."""
+    other = [(names[id(p)][0], p.dtype) for p in params if p.is_floating_point() and p.dtype != dtype
+             and p.dtype in (torch.bfloat16, torch.float16)]
+    if other:
+        theirs = other[0][1]
+        warnings.warn(
+            f"zerocore.wrap: {len(other)} of the model's params are {theirs} ({other[0][0]}, ...), but the engine "
+            f"trains in {dtype} (Config.dtype): their values are copied into {dtype} params, computed in {dtype}. To train in {theirs} (with fp32 master weights), "
+            f"pass Config(dtype={'bf16' if theirs == torch.bfloat16 else 'fp16'!r}); to train in {dtype}, "
+            f"model.to({dtype}) before wrap silences this.", stacklevel=4)  # the caller of zerocore.wrap
 
 
 def _hash(data: bytes, bits: int) -> int:

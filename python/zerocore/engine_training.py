@@ -23,8 +23,11 @@ import math
 
 import torch
 
-from zerocore import _native
+from zerocore import _native, interrupts
+from zerocore.comm import MICRO_BATCHES, CollectiveOrderError
 from zerocore.loss_scale import NonFiniteGradientError
+from zerocore.param_guards import dtype_changed
+from zerocore.stage3 import UNIT_HOOKS
 
 # Why a graph breaks at the engine's calls: dynamo's error under fullgraph=True.
 _BUFFERS = ("zerocore: engine.forward broadcasts the module's buffers from rank 0 eagerly, a graph break before the "
@@ -33,6 +36,8 @@ _TRAINING = ("zerocore: engine.backward, step and zero_grad run eagerly (native 
              "for fullgraph=True compile the forward alone (torch.compile(engine) or model.compile()) and call "
              "them outside it: the backward of the compiled forward is compiled all the same")
 _training = torch.compiler.disable(reason=_TRAINING)
+# Where a rank is in its step, for _meet: before a micro-batch's forward or backward, or at the step.
+_PLACES = ("forward", "backward", "step")
 
 
 class Training:
@@ -46,8 +51,20 @@ class Training:
         """Runs the module. Floating-point inputs are cast to the training
         dtype; buffers come from rank 0, as DDP does."""
         self.compute_stream.follow()
-        if next(self.module.buffers(), None) is not None:  # compiled, a model without buffers has no graph break
-            self._sync_buffers()
+        for p, name, dtype in self._dtype_probes:
+            if p.dtype != dtype:
+                cast = p.dtype
+                for g in self.groups:
+                    g.undo_casts()
+                raise dtype_changed(name, cast, dtype)
+        buffers = next(self.module.buffers(), None) is not None  # compiled, a model without them has no graph break
+        # The forward issues collectives: the ranks meet first (_meet), at
+        # stage 3 unless its last forward is still open on a peer (a forward
+        # with no backward, as in evaluation), whose rounds this rank must answer.
+        if self.scheduler and not self.scheduler.joining:
+            self._meet_before_units()
+        if buffers:
+            self._sync_buffers(meet=not self.scheduler)
         if self.dtype != torch.float32:
             cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             args = torch.utils._pytree.tree_map(cast, args)
@@ -61,9 +78,67 @@ class Training:
             if self.scheduler:
                 self.scheduler.end_forward(failed)
 
+    # Modes -----------------------------------------------------------------
+    def train(self, mode: bool = True):
+        """As nn.Module.train(mode): the module's training mode (dropout,
+        batch norm's statistics); returns the engine."""
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        """As nn.Module.eval(): the module in evaluation mode, until
+        engine.train(); returns the engine."""
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    @torch.compiler.disable(reason=UNIT_HOOKS)  # stage 3's forward breaks graphs at its units' hooks anyway
+    def _meet_before_units(self):
+        self._meet("forward")
+
+    def _meet(self, place: str):
+        """Every rank at the same place of its step (_PLACES), or every
+        rank raises CollectiveOrderError naming each one's: a rank that runs
+        more micro-batches than another would otherwise wait, until the
+        timeout, in a collective its peers never issue (stage 3's rounds,
+        stage 2's reduce-scatters, a buffer broadcast) while they wait in the
+        step's. The ranks meet before each forward and backward that issues
+        collectives and at the step's exchange (one small control collective
+        each), so the first place where they part is a meeting. At stage 3
+        the forward meets (its rounds are a micro-batch's first
+        collectives), not the backward, which begins by answering the rounds
+        of peers still in their forward: a rank must not wait in a meeting
+        while a peer may wait for its answers (UnitScheduler.joining), so a
+        forward right after a forward with no backward (evaluation) does not
+        meet, and the step closes stage 3's passes before meeting."""
+        if self.comm.world_size == 1:
+            return
+        micro_batch = self._backward_calls + (place != "step")  # the one about to run; at the step, how many ran
+        mine = len(_PLACES) * micro_batch + _PLACES.index(place)
+        # A host number: the meeting waits for no device work (on CUDA the host runs on ahead of the GPU).
+        places = [divmod(v, len(_PLACES)) for v in self.comm.gather_ints(mine, MICRO_BATCHES, after_compute=False)]
+        if len(set(places)) == 1:
+            return
+
+        def at(n, p):
+            return (f"at the step after {n} micro-batch(es) (engine.backward calls)" if _PLACES[p] == "step"
+                    else f"at the {_PLACES[p]} of micro-batch {n}")
+        ranks = "\n".join(f"  rank {r}: {at(n, p)}" for r, (n, p) in enumerate(places))
+        raise CollectiveOrderError(
+            f"zerocore: the ranks ran different numbers of micro-batches in this step:\n{ranks}\nEvery rank must "
+            "run as many forwards and engine.backward calls between steps as every other: give each rank as many "
+            "batches (DistributedSampler(drop_last=True), or stop every rank at the count of the one with "
+            "fewest). Nothing was updated; engine.zero_grad() on every rank drops this step's grads, and training "
+            "can go on.")
+
     @torch.compiler.disable(reason=_BUFFERS)
-    def _sync_buffers(self):
-        """Every rank takes rank 0's buffers (running statistics...), as DDP does."""
+    def _sync_buffers(self, meet=False):
+        """Every rank takes rank 0's buffers (running statistics...), as DDP
+        does; meet: the ranks meet first (_meet), where nothing else has."""
+        if meet:
+            self._meet("forward")
         for b in self.module.buffers():
             self.comm.broadcast(b)
 
@@ -86,6 +161,8 @@ class Training:
         if self.zero_step.exchanged:
             raise RuntimeError("engine.backward: the grads of this step were already reduced (engine.clip_grad_norm_ "
                                "or a step that raised); call engine.step() or engine.zero_grad() first")
+        if self.placement.partitions_grads and not self.scheduler:  # its reductions are collectives
+            self._meet("backward")
         self._note_trainability()
         self.reducer.before_backward()
         if self.scheduler:
@@ -157,6 +234,9 @@ class Training:
         different collectives, a param frozen or unfrozen on some rank)
         become the errors that name what differed, on every rank."""
         if not self.zero_step.exchanged:  # this call takes the grads
+            if self.scheduler and self.scheduler.joining:  # a forward with no backward since
+                self.scheduler.close_passes()
+            self._meet("step")
             self.update.count_grads(self._backward_calls)
         try:
             return call()
@@ -203,15 +283,18 @@ class Training:
         self._check_grads()
         bounds = [b for b in (self.config.max_grad_norm, self._clip_norm) if b is not None]
         self._carry_param_writes()
-        try:
-            applied, _, _ = self._agreeing(lambda: self.zero_step.step(
-                self.kind, self.optimizer.param_groups, step=self.step_count + 1,
-                max_norm=min(bounds) if bounds else None, changes=len(self._trainability_changed)))
-        except NonFiniteGradientError:  # nothing was updated; a pending offload update lands
-            self.finish_update()
-            raise
-        self.step_count += applied
-        self._end_step()
+        # A Ctrl-C during the native step comes out after the engine counted
+        # the update it applied and released what it must (interrupts.py).
+        with interrupts.deferred():
+            try:
+                applied, _, _ = self._agreeing(lambda: self.zero_step.step(
+                    self.kind, self.optimizer.param_groups, step=self.step_count + 1,
+                    max_norm=min(bounds) if bounds else None, changes=len(self._trainability_changed)))
+            except NonFiniteGradientError:  # nothing was updated; a pending offload update lands
+                self.finish_update()
+                raise
+            self.step_count += applied
+            self._end_step()
         return applied
 
     def finish_update(self):
@@ -235,7 +318,6 @@ class Training:
             g.carry_param_writes()
 
     def _end_step(self):
-        self._backward_calls = 0
         self._forget_reduction()
         if self.scheduler:
             self.scheduler.end_step()
@@ -250,7 +332,9 @@ class Training:
         self._forget_reduction()
 
     def _forget_reduction(self):
-        """A new step begins: nothing of the last one's reduction applies."""
+        """A new step begins: nothing of the last one's reduction applies,
+        and no backward of it counts (save, _meet)."""
+        self._backward_calls = 0
         self.compute_stream.end_step()
         self._clip_norm = None
         self.zero_step.forget()

@@ -83,6 +83,16 @@ class ParamBinding:
                 self._views[flat.data_ptr()] = views
         return views
 
+    def undo_casts(self):
+        """Params held whole whose .data a cast replaced since wrap
+        (model.to(dtype), .half()): they view self.full again, which holds
+        their values in the dtype the engine trains in, untouched by it."""
+        if self.full is None:
+            return
+        for p, view in zip(self.params, self._param_views(self.full)):
+            if p.dtype != view.dtype and p.shape == view.shape:
+                param_guards.restore(p, view)
+
     def take_rebound(self, keep_views=True) -> list:
         """Params bound to self.full whose .data the user rebound since
         (`p.data = t`, `p.set_(t)`): their values go into their place in

@@ -29,6 +29,7 @@ import zerocore
 from zerocore._native import BucketCollectives, BucketReducer
 from zerocore.comm import KINDS, Communicator
 from zerocore.flat_group import NATIVE_NAMES
+from zerocore.param_guards import GradPlaceholder
 
 
 def outside_engine_backward() -> RuntimeError:
@@ -37,6 +38,21 @@ def outside_engine_backward() -> RuntimeError:
     return RuntimeError("zerocore: a backward ran outside engine.backward (loss.backward() or torch.autograd on a "
                         "wrapped model's output): call engine.backward(loss), which reduces the grads across ranks "
                         "as autograd produces them")
+
+
+def _guard_each(params, running):
+    """A backward outside engine.backward after one inside it
+    (engine.backward(loss), then loss.backward()) would accumulate into the
+    placeholders hide_grads left in .grad, whose one repeated element torch
+    refuses to write (its memory-overlap error). A hook on each param, run
+    before its grad accumulates, raises zerocore's error instead, before
+    any is accumulated. running: whether engine.backward is running."""
+    def guard(p):
+        def hook(grad):
+            if not running() and isinstance(p.grad, GradPlaceholder):
+                raise outside_engine_backward()
+        return hook
+    return [p.register_hook(guard(p)) for p in params]
 
 
 def _hook_each(params, method):
@@ -58,6 +74,8 @@ class FullGradReducer:
                           for i, p in enumerate(g.params)}
         self.hooks = _hook_each([g.params[i] for g, i in self.converted.values()], self._on_grad)
         self.running = False  # inside engine.backward
+        ref = weakref.ref(self)
+        self.hooks += _guard_each([p for g in self.groups for p in g.params], lambda: ref() is None or ref().running)
         kind = "reduce_scatter" if placement.partitions_optimizer else "all_reduce"
         self.collectives = BucketCollectives(comm.queue, KINDS.index(kind),
                                              [g.store.group_buffer(g.tag, "grad_full") for g in self.groups])
@@ -112,6 +130,8 @@ class StagedReducer:
         self.order([g for g in groups if g.trainable])
         self.hooks = _hook_each([p for g in self.groups for p in g.params], self._on_grad)
         self.running = False  # inside engine.backward
+        ref = weakref.ref(self)
+        self.hooks += _guard_each([p for g in self.groups for p in g.params], lambda: ref() is None or ref().running)
         self.viewed = {}  # id(param) -> (param, its .grad: a view into a staging buffer), until its grad comes
 
     def order(self, groups):

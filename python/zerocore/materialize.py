@@ -11,9 +11,11 @@ broadcast from rank 0) and then fills them on every rank alike, each rank
 writing only what it holds (FlatGroup.load_param: the full params in stages
 0-2, the shard in stage 3, and the fp32 master), from one of:
 
-- init=None: each module's reset_parameters(), replayed as eager construction
-  runs it (below): the values, and the global RNG after wrap, are those of
-  building the model on the CPU after the same torch.manual_seed;
+- init=None: each module's reset_parameters() (nn.MultiheadAttention's
+  _reset_parameters(), which zeroes its out_proj's bias too), replayed as
+  eager construction runs it (below): the values, and the global RNG after
+  wrap, are those of building the model on the CPU after the same
+  torch.manual_seed;
 - init=fn: fn(module) on each module that holds meta params or buffers of
   its own, children first, as model.apply(fn) calls it (init=model._init_weights);
 - init=a state_dict, or the path of a safetensors file: each param straight
@@ -122,6 +124,16 @@ def _post_order(module):
 
     visit(module)
     return out
+
+
+def _reset(module):
+    """The method that initialises `module` as its constructor does:
+    reset_parameters(), or nn.MultiheadAttention's _reset_parameters(), or None."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(module, name, None)
+        if callable(method):
+            return method
+    return None
 
 
 def _module_label(path, module) -> str:
@@ -282,8 +294,7 @@ class Initializer:
                 f"{type(init).__name__}")
 
     def _reset_problem(self):
-        bare = [_module_label(path, m) for path, m in self.replayed
-                if not callable(getattr(m, "reset_parameters", None))]
+        bare = [_module_label(path, m) for path, m in self.replayed if _reset(m) is None]
         if not bare:
             return None
         return ValueError(
@@ -335,15 +346,29 @@ class Initializer:
         taken = set()  # params that have their values (reset_parameters: the first registrant's)
         for path, mod in self.replayed:
             direct = list(mod.named_parameters(recurse=False))
-            with param_guards.unguarded([p for _, p in direct]):
+            # nn.MultiheadAttention's initialisation (_reset_parameters, run by
+            # its constructor after its out_proj's) also zeroes out_proj.bias:
+            # its children's params it writes take those values, as eagerly.
+            owned = {id(p) for _, p in direct}
+            nested = [] if self.fn or callable(getattr(mod, "reset_parameters", None)) else \
+                [p for p in mod.parameters() if id(p) not in owned and id(p) in self.meta]
+            with param_guards.unguarded([p for _, p in direct] + nested):
                 bound = [p.data for _, p in direct]
-                for _, p in direct:
+                nested_bound = [p.data for p in nested]
+                for p in [p for _, p in direct] + nested:
                     p.data = _scratch(p.shape, self.meta.get(id(p), p.dtype))
+                versions = [p._version for p in nested]
                 with torch.no_grad():
                     if self.fn:
                         self.fn(mod)
                     else:
-                        mod.reset_parameters()
+                        _reset(mod)()
+                for p, version in zip(nested, versions):
+                    if p._version != version:  # written: the values of the module initialised last
+                        group, index = places[id(p)]
+                        group.load_param(index, _reads(p.data))
+                for p, data in zip(nested, nested_bound):
+                    p.data = data
                 for name, p in direct:
                     if mod._parameters[name] is not p:
                         raise ValueError(

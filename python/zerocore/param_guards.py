@@ -87,6 +87,18 @@ def _write_error(what: str) -> RuntimeError:
         "engine.load_state_dict(...) on every rank.")
 
 
+def dtype_changed(name: str, cast: torch.dtype, planned: torch.dtype) -> RuntimeError:
+    """A param cast after wrap (model.to(dtype), .half(), .bfloat16()):
+    refused, the params as they were (at stage 3 the cast raises; at stages
+    0-2 the next forward undoes it: FlatGroup.undo_casts)."""
+    return RuntimeError(
+        f"zerocore: {name} was cast to {cast} after zerocore.wrap (model.to(dtype), .half(), .bfloat16()?), but "
+        f"the engine laid the params out, and trains them, in {planned}, in buffers of its own: the cast is "
+        "refused and the params are as they were. To train in 16 bits, ask the engine: model = engine.close() "
+        "(the params as trained), then zerocore.wrap(model, opt, Config(dtype='bf16')) (or 'fp16': 16-bit "
+        "compute with fp32 master weights; the engine casts the inputs).")
+
+
 class ReleasedParam(torch.nn.Parameter):
     """The class of a stage-3 param while it is released."""
 
@@ -97,6 +109,8 @@ class ReleasedParam(torch.nn.Parameter):
             if _writes(func, kwargs):
                 raise _write_error(f"{_name(func)} on {target._zerocore_name}")
             if _rebinds_data(func, args):
+                if args[1].dtype != args[0].dtype:
+                    raise dtype_changed(target._zerocore_name, args[1].dtype, args[0].dtype)
                 raise _write_error(f"setting the .data of {target._zerocore_name}")
             if _is_data_getter(func):  # p.data.fill_(...) must raise as p.fill_(...) does
                 return _ReleasedData.of(_plain(func, args, kwargs), target._zerocore_name)

@@ -64,7 +64,8 @@ def _json(value, what):
 def _no_pending_grads(engine, verb):
     if engine._backward_calls:
         raise ValueError(f"engine.{verb}: {engine._backward_calls} backward pass(es) since the last step; "
-                         f"{verb} between steps (after engine.step()), where no gradients are pending")
+                         f"{verb} between steps (after engine.step(), or engine.zero_grad() to give the step up), "
+                         "where no gradients are pending")
 
 
 def _params(engine):

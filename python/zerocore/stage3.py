@@ -48,6 +48,10 @@ code eagerly: dynamo gives up on a frame with a graph break in a loop.)
 fullgraph=True across units cannot work and raises with UNIT_HOOKS as the
 reason; the backward hooks run inside engine.backward, which is eager.
 
+Each hook's native call and the binding that mirrors what it did happen
+under interrupts.deferred(): a Ctrl-C between them would leave the params of
+a unit the schedule bound pointing at placeholders (interrupts.py).
+
 Saved tensors: a released unit may be gathered again into another buffer
 of the pool. Autograd saves a leaf param as the param itself, which follows
 the rebinding; a view of a param (W.t() inside a linear) it saves as is, so
@@ -65,6 +69,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import zerocore
+from zerocore import interrupts
 from zerocore.flat_group import NATIVE_NAMES
 from zerocore.grad_reducer import outside_engine_backward
 
@@ -162,6 +167,11 @@ class UnitScheduler:
         # A coalesced unit in its forward: (unit, position of the last of its
         # modules whose forward ended, that module's output), or None.
         self.open_run = None
+        # This rank's forward ended with no hook since (end_forward): its
+        # peers may still need its answers in their forward's rounds, which
+        # the next hook, backward or step gives, so nothing may wait for
+        # them before that (Training._meet).
+        self.joining = False
         self.handles = []
         for u in units:
             for position, m in enumerate(u.modules):
@@ -238,7 +248,9 @@ class UnitScheduler:
             flat, spec = tree_flatten((args, kwargs))
             need = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             marks = bool(need) and torch.is_grad_enabled()
-            self._apply(unit, self.native.pre_forward(unit.index, marks))
+            self.joining = False  # the call ends the join (or fails with the pass)
+            with interrupts.deferred():
+                self._apply(unit, self.native.pre_forward(unit.index, marks))
             if len(unit.modules) > 1:
                 self.open_run = (unit, position - 1, None)
             if not marks:
@@ -287,7 +299,8 @@ class UnitScheduler:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors and not self.in_backward:  # a recomputation's backward is the one already running
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-        self._apply(unit, self.native.post_forward(unit.index, bool(tensors)))
+        with interrupts.deferred():
+            self._apply(unit, self.native.post_forward(unit.index, bool(tensors)))
         if unit.index == 0 and not self.in_backward:  # the end of the forward, however it was called
             self.end_forward()
 
@@ -297,14 +310,18 @@ class UnitScheduler:
         done-round (a failure waits for the other ranks to hear of it)."""
         self.open_run = None  # a forward that raised inside a coalesced unit: the schedule releases it
         self._save_param_views(False)
-        try:
-            self.native.end_forward(failed)
-        finally:
-            self._unbind_released()
+        self.joining = False
+        with interrupts.deferred():
+            try:
+                self.native.end_forward(failed)
+            finally:
+                self._unbind_released()
+        self.joining = not failed
 
     # Backward --------------------------------------------------------------
     def begin_backward(self):
         """Raises (PeerFailed) if another rank's forward failed."""
+        self.joining = False
         self.native.begin_backward()
         self.in_backward = True
 
@@ -312,29 +329,46 @@ class UnitScheduler:
         def hook(_grad):
             if not self.in_backward:
                 raise outside_engine_backward()
-            self._apply(unit, self.native.pre_backward(unit.index))
-            self.on_unit_backward(unit)
+            self.joining = False
+            with interrupts.deferred():  # the unit's grad views mirror the reducer's staging too
+                self._apply(unit, self.native.pre_backward(unit.index))
+                self.on_unit_backward(unit)
         return hook
 
     def _post_backward(self, unit):
         def hook():
-            self._apply(unit, self.native.post_backward(unit.index))
+            with interrupts.deferred():
+                self._apply(unit, self.native.post_backward(unit.index))
         return hook
 
     def end_backward(self, failed=False):
         """Rounds until every rank's backward is over; the last one reduces
         the grads of every unit not reduced yet and releases every unit."""
-        try:
-            self.native.end_backward(failed)
-        finally:
-            self._unbind_released()
-            self.in_backward = False
+        with interrupts.deferred():
+            try:
+                self.native.end_backward(failed)
+            finally:
+                self._unbind_released()
+                self.in_backward = False
 
     def end_step(self):
         """Called once per optimizer step, after the native step ran the
         schedule's end-of-step round (ZeroStep: this step's order guides the
         next, the units it updated are released): their params unbind."""
+        self.joining = False
         self._unbind_released()
+
+    def close_passes(self):
+        """Before the step's first collective (Training._meet): a forward
+        this rank ended is over on every rank, as the step's own exchange
+        would make it first (UnitSchedule::release_all), so no peer still
+        waits for this rank's rounds; what it releases unbinds."""
+        self.joining = False
+        with interrupts.deferred():
+            try:
+                self.native.release_all()
+            finally:
+                self._unbind_released()
 
     # Whole-model views -----------------------------------------------------
     def gather_all(self):
@@ -353,6 +387,7 @@ class UnitScheduler:
     def free_all(self):
         """After gathered_params: every unit's params may have been edited,
         so nothing gathered before stays."""
+        self.joining = False
         self.native.release_all()
         self.native.unbind_all()
         for u in self.units:

@@ -171,10 +171,14 @@ StepResult ZeroStep::step(const StepOptions& options) {
   out.applied = std::isfinite(agreed.sum_of_squares);
   if (!out.applied) {
     if (scaler == nullptr || !scaler->dynamic()) {
+      // options.step counts this step too (Adam's bias correction); the user's engine.step_count does not.
       throw NonFiniteGradients(
-          "zerocore: gradients hold inf/NaN at step " + std::to_string(options.step) +
-          " (a NaN or inf loss?); the step was not applied and params and optimizer state are unchanged. Train "
-          "in fp16 with dynamic loss scaling (dtype='fp16') to skip such steps instead.");
+          "zerocore: gradients hold inf/NaN, so this step was not applied (engine.step_count stays " +
+          std::to_string(options.step - 1) +
+          "): params and optimizer state are unchanged. Most often the loss was NaN or inf: "
+          "check this step's batches (bad data, an empty or all-padding batch, a log of 0) and the loss; "
+          "engine.zero_grad() on every rank gives the step up, and training can go on with the next batch. If "
+          "16-bit grads overflowed, fp16 with dynamic loss scaling (dtype='fp16') skips such steps instead.");
     }
     scaler->update(true);  // backs off; throws at the minimum scale
     // The next forward reads a pending update's params (and, in stages 1-2,

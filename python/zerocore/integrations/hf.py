@@ -43,7 +43,7 @@ from torch import nn
 
 from zerocore import devices
 from zerocore.config import Config
-from zerocore.deepspeed_config import DeepSpeedConfig
+from zerocore.deepspeed_config import DeepSpeedConfig, fill_auto, read_json
 from zerocore.engine import wrap
 
 # The engine's checkpoint inside each of the Trainer's checkpoint-N folders.
@@ -70,10 +70,51 @@ class EngineModule(nn.Module):
         return self.module._get_name()  # the Trainer picks a causal LM's label smoothing by the model's name
 
 
-def _resolve_config(zero_config, args) -> Config:
+_BLOCKS = ("ZeroTrainer: the DeepSpeed config has an optimizer or scheduler block; the Trainer builds them from its "
+           "arguments (optim, learning_rate, weight_decay, lr_scheduler_type, ...) or takes optimizers=(optimizer, "
+           "scheduler): remove the blocks")
+
+
+def _deepspeed_dict(zero_config):
+    """zero_config as a DeepSpeed config (a path, or a dict with keys that
+    are no Config fields), or None."""
+    if isinstance(zero_config, (str, os.PathLike)):
+        return read_json(zero_config)
+    fields = {f.name for f in dataclasses.fields(Config)}
+    if isinstance(zero_config, dict) and not set(zero_config) <= fields:
+        return zero_config
+    return None
+
+
+def _filled(raw, args, model) -> dict:
+    """raw with its "auto" values filled from the TrainingArguments and the
+    model, as transformers' own DeepSpeed integration fills them
+    (HfTrainerDeepSpeedConfig): the batch keys, gradient_clipping, the
+    precision blocks, and the ZeRO sizes from the model's hidden_size (else
+    zerocore's own)."""
+    batch, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    values = {("train_micro_batch_size_per_gpu",): batch, ("gradient_accumulation_steps",): accum,
+              ("train_batch_size",): batch * accum * args.world_size, ("gradient_clipping",): args.max_grad_norm,
+              ("fp16", "enabled"): bool(args.fp16 or args.fp16_full_eval),
+              ("bf16", "enabled"): bool(args.bf16 or args.bf16_full_eval)}
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if isinstance(hidden, int):
+        values.update({("zero_optimization", "reduce_bucket_size"): hidden * hidden,
+                       ("zero_optimization", "stage3_prefetch_bucket_size"): int(0.9 * hidden * hidden),
+                       ("zero_optimization", "stage3_param_persistence_threshold"): 10 * hidden})
+    return fill_auto(raw, values)
+
+
+def _resolve_config(zero_config, args, model) -> Config:
     """The engine's Config: zero_config's (a Config, a dict of its fields,
-    or a zerocore.DeepSpeedConfig's ZeRO part), in the dtype args.bf16 or
-    args.fp16 asks for."""
+    or a DeepSpeed config's ZeRO part: a zerocore.DeepSpeedConfig, its path
+    or its dict, whose "auto" values the TrainingArguments fill), in the
+    dtype args.bf16 or args.fp16 asks for."""
+    raw = _deepspeed_dict(zero_config)
+    if raw is not None:
+        if raw.get("optimizer") is not None or raw.get("scheduler") is not None:
+            raise ValueError(_BLOCKS)
+        zero_config = DeepSpeedConfig(_filled(raw, args, model), world_size=args.world_size)
     deepspeed = isinstance(zero_config, DeepSpeedConfig)
     if deepspeed:
         _check_deepspeed(zero_config, args)
@@ -94,9 +135,7 @@ def _check_deepspeed(ds, args):
     """The Trainer's arguments give the batches, the optimizer and the
     scheduler: a DeepSpeed config may not say otherwise."""
     if ds._optimizer_block is not None or ds._scheduler_block is not None:
-        raise ValueError("ZeroTrainer: the DeepSpeed config has an optimizer or scheduler block; the Trainer builds "
-                         "them from its arguments (optim, learning_rate, weight_decay, lr_scheduler_type, ...) or "
-                         "takes optimizers=(optimizer, scheduler): remove the blocks")
+        raise ValueError(_BLOCKS)
     given = {"train_micro_batch_size_per_gpu": (ds.micro_batch_size, args.per_device_train_batch_size),
              "gradient_accumulation_steps": (ds.gradient_accumulation_steps, args.gradient_accumulation_steps)}
     for key, (theirs, ours) in given.items():
@@ -134,9 +173,12 @@ def _check_args(args, model_init):
 class ZeroTrainer(transformers.Trainer):
     """transformers.Trainer training its model with ZeRO (the module
     docstring says how). zero_config: a zerocore.Config (default:
-    Config(), stage 3), a dict of its fields, or a zerocore.DeepSpeedConfig
-    (its ZeRO, precision and clipping keys; the TrainingArguments give the
-    batches, the optimizer and the scheduler). args.bf16 / args.fp16 set
+    Config(), stage 3), a dict of its fields, or a DeepSpeed config: a
+    zerocore.DeepSpeedConfig, the path of its JSON or its dict (its ZeRO,
+    precision and clipping keys, each "auto" filled from the
+    TrainingArguments as the Trainer's DeepSpeed integration fills them;
+    the TrainingArguments give the batches, the optimizer and the
+    scheduler). args.bf16 / args.fp16 set
     the training dtype. trainer.engine is the engine once training starts
     (None before); between steps, read the model's params inside `with
     trainer.engine.gathered_params():` on every rank, or save it with
@@ -147,7 +189,7 @@ class ZeroTrainer(transformers.Trainer):
         self._engine_module = None
         super().__init__(*args, **kwargs)
         _check_args(self.args, self.model_init)
-        self.zero_config = _resolve_config(zero_config, self.args)
+        self.zero_config = _resolve_config(zero_config, self.args, self.model)
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
