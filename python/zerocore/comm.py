@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from typing import Optional
 
 import torch
 
@@ -48,8 +49,10 @@ from zerocore.process_group import Failure, ProcessGroupTransport
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the data plane, by native CollectiveKind
 _ALL_GATHER, _BROADCAST = 0, 3  # native CollectiveKind values
 _CONTROL = -1  # the key group of control-plane collectives
-# What a control collective is for, in its key's bucket. Native code issues
-# its own with bucket 0: the Communicator's `native_control` names them.
+# What a control collective is for, in its key's bucket. The native step's
+# exchange has its own (_NORMS); stage 3's rounds (round_protocol.cpp) use
+# bucket 0 on a group of their own, which that Communicator's
+# `native_control` names.
 _NORMS, _AGREEMENT, _BROADCASTS = 1, 2, 3
 _PURPOSES = {_NORMS: "the step's norm exchange", _AGREEMENT: "the ranks' agreement (at wrap, load or save)",
              _BROADCASTS: "a broadcast of buffers or params"}
@@ -71,7 +74,7 @@ class CollectiveNames:
     flat group's params (once `groups` lists their labels, by tag), a
     control one by what it is for."""
 
-    def __init__(self, native_control: str):
+    def __init__(self, native_control: Optional[str]):
         self.groups = []
         self.native_control = native_control
 
@@ -79,7 +82,8 @@ class CollectiveNames:
         kind, tag, bucket, numel = key
         name = (KINDS + ("broadcast",))[kind]
         if tag < 0:
-            return f"control {name} of {_PURPOSES.get(bucket, self.native_control)} ({numel:,} elements)"
+            purpose = _PURPOSES.get(bucket) or self.native_control or f"unknown purpose {bucket}"
+            return f"control {name} of {purpose} ({numel:,} elements)"
         group = self.groups[tag] if tag < len(self.groups) else f"flat group {tag}"
         return f"{name} of {group}, bucket {bucket} ({numel:,} elements)"
 
@@ -88,7 +92,8 @@ class Communicator:
     """The collectives of one process group (None: this process alone), on
     a comm stream of `backend` (a zerocore._native.Backend: the engine's).
     native_control: what the control collectives native code issues on it
-    are for. fails_with: a Communicator of the same engine; after a failed
+    with bucket 0 are for (stage 3's rounds; None: native code issues none
+    there, as on the data and control groups). fails_with: a Communicator of the same engine; after a failed
     collective on either, every collective of both fails at once. control:
     the Communicator whose queue carries this one's agreements and sums (a
     host group beside this data group; None: this one's queue), so that they
@@ -96,7 +101,7 @@ class Communicator:
     tensors. plane: its comm stream's (zerocore._native.StreamPlane),
     CONTROL for a group of the control plane (agreements, rounds)."""
 
-    def __init__(self, group, native_control="backward's agreement on late grads", fails_with=None, control=None, *,
+    def __init__(self, group, native_control=None, fails_with=None, control=None, *,
                  backend, plane=_native.StreamPlane.DEVICE):
         self.group = group
         self.distributed = group is not None

@@ -166,14 +166,9 @@ class PartitionStore {
   Span run_span(int64_t buffer_elems, int run) const;
   Span segment_span(int64_t buffer_elems, int segment) const;
 
-  // Views into `buf`, a whole or partition-sized buffer of this plan.
+  // Views into `buf`, a whole or partition-sized buffer of this plan: what
+  // an embedder's forward and backward read and write (cpp/examples).
   Tensor param_view(const Tensor& buf, int param) const { return at(buf, param_span(buf.numel(), param)); }
-  Tensor bucket_view(const Tensor& buf, int bucket) const { return at(buf, bucket_span(buf.numel(), bucket)); }
-  Tensor shard_view(const Tensor& whole, int bucket, int rank) const {
-    return at(whole, shard_span(whole.numel(), bucket, rank));
-  }
-  Tensor run_view(const Tensor& buf, int run) const { return at(buf, run_span(buf.numel(), run)); }
-  Tensor segment_view(const Tensor& buf, int segment) const { return at(buf, segment_span(buf.numel(), segment)); }
   // (first element of the param, view) of each piece of param in buf.
   std::vector<std::pair<int64_t, Tensor>> param_stretches(const Tensor& buf, int param) const;
 
@@ -182,8 +177,11 @@ class PartitionStore {
   std::vector<std::pair<int64_t, Tensor>> param_stretches(const std::string& kind, int param) const {
     return param_stretches(buffer(kind), param);
   }
-  Tensor bucket_view(const std::string& kind, int bucket) const { return bucket_view(buffer(kind), bucket); }
-  Tensor run_view(const std::string& kind, int run) const { return run_view(buffer(kind), run); }
+  // Run `run` of this store's buffer of `kind` (flat_runs' views).
+  Tensor run_view(const std::string& kind, int run) const {
+    const Tensor buf = buffer(kind);
+    return at(buf, run_span(buf.numel(), run));
+  }
 
  private:
   bool is_whole(int64_t buffer_elems) const;  // else partition-sized; throws for neither
