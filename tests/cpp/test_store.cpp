@@ -90,7 +90,7 @@ void check_views(const std::vector<ParamSpec>& specs, const LayoutOptions& o) {
   for (int r = 0; r < o.world_size; ++r) {
     StorePlacement place;
     place.rank = r;
-    const PartitionStore store(plan, place);
+    const PartitionStore store(plan, place, default_cpu_backend());
     const std::vector<float> expected = ref.partition(r, o.world_size);
     CHECK(int64_t(expected.size()) == plan.partition_elems());
     const Tensor part = filled(expected);
@@ -175,7 +175,7 @@ void placements() {
   p.dtype = DType::kBFloat16;
   p.state_names = {"exp_avg", "exp_avg_sq"};
   {  // stage 1, bf16
-    const PartitionStore s(plan, p);
+    const PartitionStore s(plan, p, default_cpu_backend());
     CHECK((kinds(s) == std::vector<std::string>{"full", "master", "state.exp_avg", "state.exp_avg_sq", "grad_full"}));
     CHECK(s.planned_bytes(Where::kDevice) == size_t(whole * 2 + part * 4 * 3 + whole * 4));
     CHECK(s.planned_bytes(Where::kHost) == 0);
@@ -183,7 +183,7 @@ void placements() {
   p.sharded = p.partitions_grads = p.params_on_host = p.optimizer_on_host = true;
   p.reduce_dtype = DType::kBFloat16;
   {  // stage 3, everything offloaded: host_grad is grad_part
-    PartitionStore s(plan, p);
+    PartitionStore s(plan, p, default_cpu_backend());
     CHECK((kinds(s) ==
            std::vector<std::string>{"shard", "master", "state.exp_avg", "state.exp_avg_sq", "grad_part", "host_param"}));
     CHECK(s.planned_bytes(Where::kDevice) == 0);
@@ -202,7 +202,7 @@ void placements() {
   }
   p.delayed = true;
   {  // delayed: two host grad buffers that trade places
-    PartitionStore s(plan, p);
+    PartitionStore s(plan, p, default_cpu_backend());
     s.allocate();
     CHECK(s.swaps_grads());
     void* const a = s.buffer("grad_part").data();
@@ -214,7 +214,7 @@ void placements() {
   }
   p.trainable = false;
   {
-    const PartitionStore s(plan, p);
+    const PartitionStore s(plan, p, default_cpu_backend());
     CHECK(kinds(s) == std::vector<std::string>{"shard"} && s.runs().empty());
   }
 }
@@ -223,7 +223,7 @@ void placements() {
 // update reads and writes, per placement: kinds = {param, grad, state0,
 // state1, param_copy}, "" where there is none.
 void check_step_runs(const LayoutPlan& plan, const StorePlacement& p, const std::vector<std::string>& kinds) {
-  PartitionStore s(plan, p);
+  PartitionStore s(plan, p, default_cpu_backend());
   s.allocate();
   const std::vector<FlatRun> runs = s.flat_runs();
   CHECK(runs.size() == s.runs().size() && (runs.empty() != p.trainable));
@@ -266,7 +266,7 @@ void step_runs() {
   p.trainable = false;
   check_step_runs(plan, p, {});
   // A buffer handed out with the plan and the tag, for the collectives.
-  PartitionStore s(plan, p);
+  PartitionStore s(plan, p, default_cpu_backend());
   s.allocate();
   const FlatGroupBuffer shard = s.group_buffer(7, "shard");
   CHECK(shard.tag == 7 && shard.buffer.data() == s.buffer("shard").data() &&
@@ -287,7 +287,7 @@ void zeroing() {
     // Stage 1 (grad_full on the device), or stage 2 offloaded with a delayed
     // update (grad_part and a host_grad of its own on the host).
     p.partitions_grads = p.optimizer_on_host = p.delayed = offloaded == 1;
-    PartitionStore s(plan, p);
+    PartitionStore s(plan, p, default_cpu_backend());
     s.allocate();
     for (const BufferSpec& b : s.buffers()) std::memset(s.buffer(b.kind).data(), 1, b.bytes());
     s.zero_grads();
@@ -303,9 +303,9 @@ void zeroing() {
 void errors() {
   const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 0}}, LayoutOptions{2, 1, 8});
   StorePlacement p;
-  CHECK(throws([&] { p.rank = 2; PartitionStore(plan, p); }));
+  CHECK(throws([&] { p.rank = 2; PartitionStore(plan, p, default_cpu_backend()); }));
   p.rank = 0;
-  const PartitionStore s(plan, p);
+  const PartitionStore s(plan, p, default_cpu_backend());
   const Tensor odd = Tensor::zeros({plan.partition_elems() + 1}, DType::kFloat32);
   const Tensor part = Tensor::zeros({plan.partition_elems()}, DType::kFloat32);
   CHECK(throws([&] { s.param_view(odd, 0); }));

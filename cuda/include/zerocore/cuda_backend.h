@@ -153,6 +153,12 @@ class CudaBackend : public Backend {
   // Whether a kernel over `operands` runs on the host (all host memory) or
   // on this device (all its memory); kernel_on_host's error otherwise.
   bool runs_on_host(const std::string& op, const KernelOperands& operands) const;
+  // The kernels' one dispatch: on_host() as a host function in `stream`'s
+  // order where runs_on_host, else on_device(the stream's cudaStream_t).
+  // Used (and defined) in cuda_backend.cpp only.
+  template <typename OnHost, typename OnDevice>
+  void dispatch(Stream& stream, const std::string& op, const KernelOperands& operands, OnHost on_host,
+                OnDevice on_device);
 
   const int device_;
   const CudaBackendOptions options_;

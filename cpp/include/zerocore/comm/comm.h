@@ -150,8 +150,7 @@ class CommQueue {
   // Its comm stream is a new stream of `backend`, which must outlive it, of
   // `plane`: kControl for a queue of the control plane (agreements, rounds,
   // the step's exchange: host data the host decides on), kDevice otherwise.
-  explicit CommQueue(std::unique_ptr<Transport> transport, Backend& backend = default_cpu_backend(),
-                     StreamPlane plane = StreamPlane::kDevice);
+  explicit CommQueue(std::unique_ptr<Transport> transport, Backend& backend, StreamPlane plane = StreamPlane::kDevice);
   ~CommQueue();  // issues and completes the queued collectives first
   CommQueue(const CommQueue&) = delete;
   CommQueue& operator=(const CommQueue&) = delete;

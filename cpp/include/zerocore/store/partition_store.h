@@ -36,10 +36,10 @@
 #include <utility>
 #include <vector>
 
-#include "zerocore/backend/cpu_backend.h"
+#include "zerocore/backend/backend.h"
 #include "zerocore/dtype.h"
 #include "zerocore/flat_group_buffer.h"
-#include "zerocore/kernels/cpu_optim.h"
+#include "zerocore/kernels/flat_run.h"
 #include "zerocore/layout.h"
 #include "zerocore/tensor.h"
 
@@ -102,8 +102,7 @@ class PartitionStore {
   // Throws InvalidArgument when rank is outside the plan's world size.
   // The buffers come from `backend` (which must outlive them), named
   // "<kind> of <name>" in the checker's reports.
-  PartitionStore(LayoutPlan plan, StorePlacement placement, Backend& backend = default_cpu_backend(),
-                 std::string name = "a flat group");
+  PartitionStore(LayoutPlan plan, StorePlacement placement, Backend& backend, std::string name = "a flat group");
 
   const LayoutPlan& plan() const { return plan_; }
   const StorePlacement& placement() const { return placement_; }
