@@ -95,14 +95,14 @@ def test_control_traffic_goes_on_the_control_group(stage):
         assert elsewhere == []
         control = by_group["control"]
         assert all(group == zcomm._CONTROL for _, group, _, _ in control)
-        gathers = [bucket for kind, _, bucket, _ in control if kind == zcomm._ALL_GATHER]
+        gathers = [bucket for kind, _, bucket, _ in control if kind == zcomm.CollectiveKind.ALL_GATHER]
         # Start-up checks and both steps' exchanges (with the order fingerprint
         # and, at stages 2-3, the late grads: no agreement of their own).
         assert set(gathers) == {zcomm._NORMS, zcomm._AGREEMENT} and gathers.count(zcomm._NORMS) == 2
-        assert [kind for kind, _, _, _ in control if kind != zcomm._ALL_GATHER] == []
+        assert [kind for kind, _, _, _ in control if kind != zcomm.CollectiveKind.ALL_GATHER] == []
         # The data group: data collectives and the model's broadcasts only.
         for kind, group, bucket, _ in by_group["data"]:
-            assert group >= 0 or (kind, bucket) == (zcomm._BROADCAST, zcomm._BROADCASTS), (kind, bucket)
+            assert group >= 0 or (kind, bucket) == (zcomm.CollectiveKind.BROADCAST, zcomm._BROADCASTS), (kind, bucket)
         if stage == 3:
             assert by_group["rounds"] and all(group == zcomm._CONTROL for _, group, _, _ in by_group["rounds"])
 

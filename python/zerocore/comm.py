@@ -46,8 +46,9 @@ import torch
 from zerocore import _native, devices
 from zerocore.process_group import Failure, ProcessGroupTransport
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the data plane, by native CollectiveKind
-_ALL_GATHER, _BROADCAST = 0, 3  # native CollectiveKind values
+CollectiveKind = _native.CollectiveKind
+# The data plane's kinds by name, in native CollectiveKind's order (the queue's stats').
+KINDS = tuple(k.name.lower() for k in CollectiveKind if k is not CollectiveKind.BROADCAST)
 _CONTROL = -1  # the key group of control-plane collectives
 # What a control collective is for, in its key's bucket. The native step's
 # exchange has its own (_NORMS); stage 3's rounds (round_protocol.cpp) use
@@ -80,7 +81,7 @@ class CollectiveNames:
 
     def __call__(self, key) -> str:
         kind, tag, bucket, numel = key
-        name = (KINDS + ("broadcast",))[kind]
+        name = CollectiveKind(kind).name.lower()
         if tag < 0:
             purpose = _PURPOSES.get(bucket) or self.native_control or f"unknown purpose {bucket}"
             return f"control {name} of {purpose} ({numel:,} elements)"
@@ -162,7 +163,7 @@ class Communicator:
         this rank's block of output, before torch's next work reads it (the
         compute stream waits for it: on CUDA on the device). key: (group
         tag, bucket)."""
-        self.queue.all_gather((_ALL_GATHER, *key, output.numel()), shard, output, count).compute_waits()
+        self.queue.all_gather((CollectiveKind.ALL_GATHER, *key, output.numel()), shard, output, count).compute_waits()
 
     # Control plane (uncounted) ----------------------------------------------
     # Broadcasts move the model's own tensors (params, buffers: on the data
@@ -182,7 +183,8 @@ class Communicator:
         t.copy_(staged[:nbytes].view(t.dtype).view(t.shape))
 
     def _broadcast_halves(self, halves, src_rank):
-        self.queue.broadcast((_BROADCAST, _CONTROL, _BROADCASTS, halves.numel()), halves, src_rank).compute_waits()
+        key = (CollectiveKind.BROADCAST, _CONTROL, _BROADCASTS, halves.numel())
+        self.queue.broadcast(key, halves, src_rank).compute_waits()
 
     def gather_ints(self, value: int) -> list:
         """Every rank's int, in rank order."""
@@ -247,5 +249,6 @@ class Communicator:
         t = torch.tensor(values, dtype=dtype)
         out = torch.empty(self.world_size * t.numel(), dtype=dtype)
         rows = _as_halves(out)
-        self.control_queue.all_gather((_ALL_GATHER, _CONTROL, purpose, rows.numel()), _as_halves(t), rows).wait()
+        key = (CollectiveKind.ALL_GATHER, _CONTROL, purpose, rows.numel())
+        self.control_queue.all_gather(key, _as_halves(t), rows).wait()
         return out.view(self.world_size, -1).tolist()

@@ -34,7 +34,7 @@ from torch import nn
 
 from zerocore import _native, compute_stream, devices, param_guards
 from zerocore._native import BucketCollectives, UnitSchedule, ZeroStep
-from zerocore.comm import KINDS, Communicator
+from zerocore.comm import CollectiveKind, Communicator
 from zerocore.config import Config
 from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_process_group, fill_agreeing,
                                    model_problem, staging_buffers, training_process_group)
@@ -127,7 +127,7 @@ class Engine(Training, StateIO, Reports):
         # Stages 1-2: every rank's updated blocks into every rank's full params, in place.
         gathered = [g for g in self.groups if g.trainable and placement.partitions_optimizer and not g.sharded]
         self.param_gather = BucketCollectives(
-            self.comm.queue, KINDS.index("all_gather"),
+            self.comm.queue, CollectiveKind.ALL_GATHER,
             [g.store.group_buffer(g.tag, "full") for g in gathered]) if gathered else None
         self.scheduler = None
         if not placement.partitions_grads:

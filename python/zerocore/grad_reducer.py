@@ -27,7 +27,7 @@ import weakref
 
 import zerocore
 from zerocore._native import BucketCollectives, BucketReducer
-from zerocore.comm import KINDS, Communicator
+from zerocore.comm import CollectiveKind, Communicator
 from zerocore.flat_group import NATIVE_NAMES
 
 
@@ -58,8 +58,8 @@ class FullGradReducer:
                           for i, p in enumerate(g.params)}
         self.hooks = _hook_each([g.params[i] for g, i in self.converted.values()], self._on_grad)
         self.running = False  # inside engine.backward
-        kind = "reduce_scatter" if placement.partitions_optimizer else "all_reduce"
-        self.collectives = BucketCollectives(comm.queue, KINDS.index(kind),
+        kind = CollectiveKind.REDUCE_SCATTER if placement.partitions_optimizer else CollectiveKind.ALL_REDUCE
+        self.collectives = BucketCollectives(comm.queue, kind,
                                              [g.store.group_buffer(g.tag, "grad_full") for g in self.groups])
 
     def before_backward(self):
