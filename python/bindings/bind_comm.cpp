@@ -26,6 +26,7 @@
 #include "dlpack_tensor.h"
 #include "python_transport.h"
 #include "zerocore/comm/comm.h"
+#include "zerocore/comm/control_key.h"
 #include "zerocore/error.h"
 
 namespace nb = nanobind;
@@ -117,6 +118,13 @@ void bind_comm(nb::module_& m) {
       .value("REDUCE_SCATTER", CollectiveKind::kReduceScatter)
       .value("ALL_REDUCE", CollectiveKind::kAllReduce)
       .value("BROADCAST", CollectiveKind::kBroadcast);
+  nb::enum_<ControlPurpose>(m, "ControlPurpose", nb::is_arithmetic(),
+                            "What a control-plane collective is for: its key's bucket (control_key.h).")
+      .value("ROUND", ControlPurpose::kRound)
+      .value("NORMS", ControlPurpose::kNorms)
+      .value("AGREEMENT", ControlPurpose::kAgreement)
+      .value("BROADCASTS", ControlPurpose::kBroadcasts);
+  m.attr("CONTROL_GROUP") = kControlGroup;
   nb::class_<CollectiveKey>(m, "CollectiveKey",
                             "What a collective moves: kind (0 all_gather, 1 reduce_scatter, 2 all_reduce, "
                             "3 broadcast), flat group (negative: control plane), bucket, elements.")

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from typing import Optional
 
 import torch
 
@@ -49,14 +48,11 @@ from zerocore.process_group import Failure, ProcessGroupTransport
 CollectiveKind = _native.CollectiveKind
 # The data plane's kinds by name, in native CollectiveKind's order (the queue's stats').
 KINDS = tuple(k.name.lower() for k in CollectiveKind if k is not CollectiveKind.BROADCAST)
-_CONTROL = -1  # the key group of control-plane collectives
-# What a control collective is for, in its key's bucket. The native step's
-# exchange has its own (_NORMS); stage 3's rounds (round_protocol.cpp) use
-# bucket 0 on a group of their own, which that Communicator's
-# `native_control` names.
-_NORMS, _AGREEMENT, _BROADCASTS = 1, 2, 3
-_PURPOSES = {_NORMS: "the step's norm exchange", _AGREEMENT: "the ranks' agreement (at wrap, load or save)",
-             _BROADCASTS: "a broadcast of buffers or params"}
+ControlPurpose = _native.ControlPurpose  # what a control collective is for, in its key's bucket
+_CONTROL = _native.CONTROL_GROUP  # the key group of control-plane collectives
+_PURPOSES = {ControlPurpose.ROUND: "stage 3's round", ControlPurpose.NORMS: "the step's norm exchange",
+             ControlPurpose.AGREEMENT: "the ranks' agreement (at wrap, load or save)",
+             ControlPurpose.BROADCASTS: "a broadcast of buffers or params"}
 
 
 class CollectiveOrderError(RuntimeError):
@@ -75,15 +71,14 @@ class CollectiveNames:
     flat group's params (once `groups` lists their labels, by tag), a
     control one by what it is for."""
 
-    def __init__(self, native_control: Optional[str]):
+    def __init__(self):
         self.groups = []
-        self.native_control = native_control
 
     def __call__(self, key) -> str:
         kind, tag, bucket, numel = key
         name = CollectiveKind(kind).name.lower()
         if tag < 0:
-            purpose = _PURPOSES.get(bucket) or self.native_control or f"unknown purpose {bucket}"
+            purpose = _PURPOSES.get(bucket, f"unknown purpose {bucket}")
             return f"control {name} of {purpose} ({numel:,} elements)"
         group = self.groups[tag] if tag < len(self.groups) else f"flat group {tag}"
         return f"{name} of {group}, bucket {bucket} ({numel:,} elements)"
@@ -92,9 +87,7 @@ class CollectiveNames:
 class Communicator:
     """The collectives of one process group (None: this process alone), on
     a comm stream of `backend` (a zerocore._native.Backend: the engine's).
-    native_control: what the control collectives native code issues on it
-    with bucket 0 are for (stage 3's rounds; None: native code issues none
-    there, as on the data and control groups). fails_with: a Communicator of the same engine; after a failed
+    fails_with: a Communicator of the same engine; after a failed
     collective on either, every collective of both fails at once. control:
     the Communicator whose queue carries this one's agreements and sums (a
     host group beside this data group; None: this one's queue), so that they
@@ -102,12 +95,12 @@ class Communicator:
     tensors. plane: its comm stream's (zerocore._native.StreamPlane),
     CONTROL for a group of the control plane (agreements, rounds)."""
 
-    def __init__(self, group, native_control=None, fails_with=None, control=None, *,
+    def __init__(self, group, fails_with=None, control=None, *,
                  backend, plane=_native.StreamPlane.DEVICE):
         self.group = group
         self.distributed = group is not None
         self.backend = backend
-        self.names = CollectiveNames(native_control)
+        self.names = CollectiveNames()
         self.failure = fails_with.failure if fails_with is not None else Failure()
         if self.distributed:
             transport = ProcessGroupTransport(group, self.names, self.failure)
@@ -183,7 +176,7 @@ class Communicator:
         t.copy_(staged[:nbytes].view(t.dtype).view(t.shape))
 
     def _broadcast_halves(self, halves, src_rank):
-        key = (CollectiveKind.BROADCAST, _CONTROL, _BROADCASTS, halves.numel())
+        key = (CollectiveKind.BROADCAST, _CONTROL, ControlPurpose.BROADCASTS, halves.numel())
         self.queue.broadcast(key, halves, src_rank).compute_waits()
 
     def gather_ints(self, value: int) -> list:
@@ -244,7 +237,7 @@ class Communicator:
         return (f"zerocore: ranks issued different collectives since the last step; collective #{first + 1} was\n"
                 f"{ranks}\nNothing was updated. Every rank must issue the same collectives in the same order.")
 
-    def _gather_rows(self, values, dtype, purpose=_AGREEMENT) -> list:
+    def _gather_rows(self, values, dtype, purpose=ControlPurpose.AGREEMENT) -> list:
         """Every rank's list of numbers (all of one length, 8-byte dtype), in rank order."""
         t = torch.tensor(values, dtype=dtype)
         out = torch.empty(self.world_size * t.numel(), dtype=dtype)

@@ -140,7 +140,7 @@ class Engine(Training, StateIO, Reports):
             # behind the data collectives queued before it, nor the step's
             # agreements behind a round in flight.
             self.rounds_comm = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"),
-                                            "stage 3's round", fails_with=self.comm, backend=self.backend,
+                                            fails_with=self.comm, backend=self.backend,
                                             plane=_native.StreamPlane.CONTROL)
             schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes)
