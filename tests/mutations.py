@@ -8,6 +8,8 @@ and which tests failed. tests/README.md has the last results.
     python tests/mutations.py                    # every mutation, after an unmutated run
     python tests/mutations.py skip-clipping ...  # some of them
     python tests/mutations.py --list
+    python tests/mutations.py --check            # every anchor applies exactly once (seconds; CI)
+    python tests/mutations.py --tests tests/test_engine_equivalence.py swap-buckets  # other tests
 
 Run it from an environment where the tests run (torch, pytest; cmake and
 ninja for the C++ mutations), with the native module built into
@@ -48,7 +50,9 @@ class Mutation:
 TRAINING = "python/zerocore/engine_training.py"
 STEP = "cpp/src/step/zero_step.cpp"
 GRAD_SCALE = "double grad_scale = 1.0 / (parts_.data->world_size() * loss_scale());"
-END_STEP = "  if (parts_.units != nullptr) parts_.units->end_step();"
+# Stage 3's end-of-step round: the next forward's first units, gathered
+# from the updated shards once the exchange's flags say which.
+END_STEP = "  if (parts_.units != nullptr) parts_.units->end_step(agreed.unit_flags);"
 
 MUTATIONS = [
     Mutation("drop-world-average", "grads summed over ranks, not averaged: the 1/world factor is lost",
@@ -75,15 +79,15 @@ MUTATIONS = [
                "  if (p.residency == Residency::kReleased || units_[size_t(unit)].own_slot) return;\n"),)),
     Mutation("prefetch-before-update", "stage 3: the next forward's units are gathered (end_step's prefetch) "
              "before the update, so the units it prefetches are a step stale",
-             ((STEP, END_STEP, "  // moved before the update"),
+             ((STEP, END_STEP + "  // the next forward's first units, updated\n", "  // moved before the update\n"),
               (STEP, "  const Exchanged agreed = exchange(options.changes);\n",
                "  const Exchanged agreed = exchange(options.changes);\n" + END_STEP + "\n"))),
     Mutation("swap-buckets", "stages 2-3: the reduced grads of a group's first two buckets land in each "
              "other's place in the grad partition",
              (("cpp/src/schedule/bucket_reducer.cpp",
-               "group.grad_part.slice(group.plan.partition_offset(b.bucket), shard),",
-               "group.grad_part.slice(group.plan.partition_offset(\n"
-               "      b.bucket < 2 && group.plan.buckets().size() > 2 ? 1 - b.bucket : b.bucket), shard),"),)),
+               "group.buffer.slice(group.plan.partition_offset(b.bucket), shard);",
+               "group.buffer.slice(group.plan.partition_offset(\n"
+               "      b.bucket < 2 && group.plan.buckets().size() > 2 ? 1 - b.bucket : b.bucket), shard);"),)),
     Mutation("skip-clipping", "max_grad_norm is ignored",
              ((STEP, "  if (options.max_norm) grad_scale *=", "  if (false) grad_scale *="),),
              # With the older clipping test (AdamW, every step clipped), which a lost clip coefficient passes.
@@ -112,6 +116,33 @@ def _copy_tree(dest):
             shutil.copy2(src, os.path.join(dest, rel))
 
 
+def applied(mutation, read) -> dict:
+    """{path: source with the mutation's edits made, in order}, the sources
+    from read(path); exits naming the mutation where an anchor does not
+    occur exactly once (the code it targeted moved or changed)."""
+    sources = {}
+    for rel, text, replacement in mutation.edits:
+        source = sources[rel] if rel in sources else read(rel)
+        if source.count(text) != 1:
+            raise SystemExit(f"mutations.py: {mutation.name}: {rel} holds {source.count(text)} copies of "
+                             f"{text!r}; the mutation needs updating")
+        sources[rel] = source.replace(text, replacement)
+    return sources
+
+
+def check(mutations) -> int:
+    """Every mutation's anchors apply to the working tree, exactly once
+    each; no build, no tests."""
+    def read(rel):
+        with open(os.path.join(ROOT, rel)) as f:
+            return f.read()
+
+    for m in mutations:
+        applied(m, read)
+    print(f"mutations.py: the anchors of all {len(mutations)} mutations apply")
+    return 0
+
+
 class Scratch:
     def __init__(self, path):
         self.path = path
@@ -123,16 +154,15 @@ class Scratch:
 
     def apply(self, mutation):
         originals = {}
-        for rel, text, replacement in mutation.edits:
-            path = os.path.join(self.path, rel)
-            with open(path) as f:
-                source = f.read()
-            originals.setdefault(rel, source)
-            if source.count(text) != 1:
-                raise SystemExit(f"mutations.py: {mutation.name}: {rel} holds {source.count(text)} copies of "
-                                 f"{text!r}; the mutation needs updating")
-            with open(path, "w") as f:
-                f.write(source.replace(text, replacement))
+
+        def read(rel):
+            with open(os.path.join(self.path, rel)) as f:
+                originals[rel] = f.read()
+            return originals[rel]
+
+        for rel, source in applied(mutation, read).items():
+            with open(os.path.join(self.path, rel), "w") as f:
+                f.write(source)
         return originals
 
     def revert(self, originals):
@@ -198,6 +228,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="check that every mutation's anchors apply exactly once, and exit (no build, no tests)")
+    parser.add_argument("--tests", action="append", metavar="TEST",
+                        help="run this test (a file or node id; repeatable) for each mutation instead of its own")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
     parser.add_argument("--show", action="store_true", help="print every failing test and its message")
@@ -207,6 +241,8 @@ def main():
         for m in MUTATIONS:
             print(f"{m.name:24} {'C++ ' if m.native else 'Py  '} {m.what}")
         return 0
+    if args.check:
+        return check(MUTATIONS)
     unknown = set(args.names) - {m.name for m in MUTATIONS}
     if unknown:
         parser.error(f"unknown mutation(s): {', '.join(sorted(unknown))}")
@@ -218,7 +254,7 @@ def main():
         _copy_tree(path)
         scratch = Scratch(path)
         if not args.no_baseline:
-            tests = sorted({t for m in chosen for t in m.tests})
+            tests = args.tests or sorted({t for m in chosen for t in m.tests})
             failed, tail = scratch.pytest(tests, args.timeout)
             if failed != []:
                 print(tail)
@@ -230,7 +266,7 @@ def main():
             try:
                 if m.native:
                     scratch.build_native()
-                failed, tail = scratch.pytest(m.tests, args.timeout)
+                failed, tail = scratch.pytest(args.tests or m.tests, args.timeout)
             finally:
                 scratch.revert(originals)
                 if m.native:

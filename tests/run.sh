@@ -6,7 +6,8 @@
 # forgot to declare fails here instead of hiding behind the machine's own
 # packages. Then it runs the C++ tests (ctest), the GPU run's dry run
 # where a CUDA compiler is (bench/gpu_run.sh --dry-run) and the Python tests
-# (pytest); GPU tests skip without a GPU. Extra arguments go to pytest.
+# (pytest); GPU tests skip without a GPU. First of all it checks that every
+# mutation of tests/mutations.py still applies (--check). Extra arguments go to pytest.
 # Last, the checked subset runs again under the checking backend
 # (ZEROCORE_BACKEND=checking, tests/README.md).
 #
@@ -22,6 +23,11 @@ phase_done() {
   echo "tests/run.sh: $1 took $((SECONDS - phase_start)) s (total $SECONDS s)"
   phase_start=$SECONDS
 }
+
+# The mutations' anchors still apply (the script itself runs on demand: it
+# rebuilds and tests per mutation); seconds, plain Python, before any set-up.
+"$PYTHON" tests/mutations.py --check
+phase_done "the mutations' anchors"
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/zerocore-tests.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT

@@ -16,7 +16,7 @@ import zerocore
 from dist_harness import run_ranks
 from zerocore import _native, ops
 from zerocore import comm as zcomm
-from zerocore.comm import Communicator
+from zerocore.comm import KINDS, CollectiveNames, Communicator
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = range(4)
 
@@ -122,6 +122,16 @@ def test_bad_keys_and_tensors_name_the_problem():
     q.close()
     with pytest.raises(RuntimeError, match="closed"):
         q.all_reduce((ALL_REDUCE, 0, 0, 4), t)
+
+
+def test_collectives_are_named_by_their_native_kind_and_purpose():
+    names = CollectiveNames()
+    names.groups = ["fc.weight, fc.bias"]
+    key = (_native.CollectiveKind.ALL_REDUCE, _native.CONTROL_GROUP, _native.ControlPurpose.ROUND, 8)
+    assert names(key) == "control all_reduce of stage 3's round (8 elements)"
+    assert names((2, -1, 1, 8)) == "control all_reduce of the step's norm exchange (8 elements)"  # as a trace holds it
+    assert names((1, 0, 2, 16)) == "reduce_scatter of fc.weight, fc.bias, bucket 2 (16 elements)"
+    assert KINDS == ("all_gather", "reduce_scatter", "all_reduce")  # the queue's stats, in this order
 
 
 def _with_deadline(check):

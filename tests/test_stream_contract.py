@@ -90,21 +90,25 @@ def _record_keys(rank, world, stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_control_traffic_goes_on_the_control_group(stage):
+    Kind, Purpose = zcomm.CollectiveKind, zcomm.ControlPurpose
     for backends, by_group, elsewhere in run_ranks(_record_keys, 2, stage, timeout=120):
         assert backends["control"] == "gloo" and backends.get("rounds", "gloo") == "gloo"
         assert elsewhere == []
         control = by_group["control"]
         assert all(group == zcomm._CONTROL for _, group, _, _ in control)
-        gathers = [bucket for kind, _, bucket, _ in control if kind == zcomm._ALL_GATHER]
-        # Start-up checks and both steps' exchanges (with the order fingerprint
-        # and, at stages 2-3, the late grads: no agreement of their own).
-        assert set(gathers) == {zcomm._NORMS, zcomm._AGREEMENT} and gathers.count(zcomm._NORMS) == 2
-        assert [kind for kind, _, _, _ in control if kind != zcomm._ALL_GATHER] == []
+        gathers = [bucket for kind, _, bucket, _ in control if kind == Kind.ALL_GATHER]
+        # Start-up checks, both steps' exchanges (with the order fingerprint
+        # and, at stages 2-3, the late grads: no agreement of their own) and
+        # the ranks' meetings on their micro-batch counts (Training._meet).
+        assert set(gathers) == {Purpose.NORMS, Purpose.AGREEMENT, Purpose.MICRO_BATCHES}
+        assert gathers.count(Purpose.NORMS) == 2
+        assert [kind for kind, _, _, _ in control if kind != Kind.ALL_GATHER] == []
         # The data group: data collectives and the model's broadcasts only.
         for kind, group, bucket, _ in by_group["data"]:
-            assert group >= 0 or (kind, bucket) == (zcomm._BROADCAST, zcomm._BROADCASTS), (kind, bucket)
+            assert group >= 0 or (kind, bucket) == (Kind.BROADCAST, Purpose.BROADCASTS), (kind, bucket)
         if stage == 3:
-            assert by_group["rounds"] and all(group == zcomm._CONTROL for _, group, _, _ in by_group["rounds"])
+            rounds = by_group["rounds"]
+            assert rounds and all((group, bucket) == (zcomm._CONTROL, Purpose.ROUND) for _, group, bucket, _ in rounds)
 
 
 def _transport_completion(rank, world):

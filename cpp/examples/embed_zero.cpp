@@ -59,7 +59,7 @@ class ZeroMlp {
       place.partitions_grads = true;
       place.state_names = {"exp_avg", "exp_avg_sq"};
       const LayoutPlan plan = LayoutPlan::make({{out, 0}, {int64_t(in) * out, 0}}, {world_, kAlign, kBucketElems});
-      Layer& l = layers_.emplace_back(Layer{in, out, tag, PartitionStore(plan, place), {}, {}});
+      Layer& l = layers_.emplace_back(Layer{in, out, tag, PartitionStore(plan, place, comm.backend()), {}, {}});
       l.store.allocate();
       l.params = l.store.buffer(place.sharded ? "shard" : "full");
       l.grads = Tensor::empty({plan.total_elems()}, DType::kFloat32);
@@ -221,7 +221,9 @@ std::vector<float> train(int stage, int world, std::vector<float>* losses) {
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      CommQueue comm(data_group.transport(r)), rounds(rounds_group.transport(r));
+      // Every rank's buffers and streams on the process's plain CPU backend.
+      Backend& backend = default_cpu_backend();
+      CommQueue comm(data_group.transport(r), backend), rounds(rounds_group.transport(r), backend);
       ZeroMlp mlp(stage, comm, rounds, init);
       for (int s = 1; s <= kSteps; ++s) rank_losses[size_t(r)].push_back(mlp.step(s));
       params[size_t(r)] = mlp.full_params();

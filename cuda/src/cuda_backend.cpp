@@ -311,62 +311,50 @@ void CudaBackend::copy(Stream& stream, const Tensor& dst, const Tensor& src) {
   check(cudaMemcpyAsync(dst.data(), src.data(), dst.nbytes(), cudaMemcpyDefault, h), "cudaMemcpyAsync");
 }
 
-void CudaBackend::fill(Stream& stream, const Tensor& dst, float value) {
+template <typename OnHost, typename OnDevice>
+void CudaBackend::dispatch(Stream& stream, const std::string& op, const KernelOperands& operands, OnHost on_host,
+                           OnDevice on_device) {
   const cudaStream_t h = cuda_stream(stream).handle.load();
-  if (runs_on_host("fill", {{"dst", &dst}})) {
+  if (runs_on_host(op, operands)) {
     DeviceGuard guard(device_);
-    launch_host_work(h, [dst, value] { zerocore::fill(dst, value); }, "cudaLaunchHostFunc(fill on the host)");
+    const std::string what = "cudaLaunchHostFunc(" + op + " on the host)";
+    launch_host_work(h, std::move(on_host), what.c_str());
     return;
   }
-  cuda_fill(dst, value, h);
+  on_device(h);
+}
+
+void CudaBackend::fill(Stream& stream, const Tensor& dst, float value) {
+  dispatch(stream, "fill", {{"dst", &dst}}, [dst, value] { zerocore::fill(dst, value); },
+           [&](cudaStream_t h) { cuda_fill(dst, value, h); });
 }
 
 void CudaBackend::accumulate(Stream& stream, const Tensor& dst, const Tensor& src) {
-  const cudaStream_t h = cuda_stream(stream).handle.load();
-  if (runs_on_host("accumulate", {{"dst", &dst}, {"src", &src}})) {
-    DeviceGuard guard(device_);
-    launch_host_work(h, [dst, src] { zerocore::accumulate(dst, src); }, "cudaLaunchHostFunc(accumulate on the host)");
-    return;
-  }
-  cuda_accumulate(dst, src, h);
+  dispatch(stream, "accumulate", {{"dst", &dst}, {"src", &src}}, [dst, src] { zerocore::accumulate(dst, src); },
+           [&](cudaStream_t h) { cuda_accumulate(dst, src, h); });
 }
 
 void CudaBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
                                  int finite_slot) {
-  const cudaStream_t h = cuda_stream(stream).handle.load();
   double* sum = box.slot(sum_slot);
   double* finite = box.slot(finite_slot);
-  if (runs_on_host("sum_of_squares", sum_operands(xs))) {
-    DeviceGuard guard(device_);
-    launch_host_work(h, [xs, memory = box.buffer(), sum, finite] { sum_of_squares_into(xs, sum, finite); },
-                     "cudaLaunchHostFunc(sum_of_squares on the host)");
-    return;
-  }
-  cuda_sum_of_squares(xs, device_, sum, finite, h);
+  dispatch(stream, "sum_of_squares", sum_operands(xs),
+           [xs, memory = box.buffer(), sum, finite] { sum_of_squares_into(xs, sum, finite); },
+           [&](cudaStream_t h) { cuda_sum_of_squares(xs, device_, sum, finite, h); });
 }
 
 void CudaBackend::adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
                                    double grad_scale, const std::vector<FlatRun>& runs) {
-  const cudaStream_t h = cuda_stream(stream).handle.load();
-  if (runs_on_host("adam_update_runs", update_operands(runs))) {  // the offloaded step
-    DeviceGuard guard(device_);
-    launch_host_work(h, [groups, step, grad_scale, runs] { zerocore::adam_update_runs(groups, step, grad_scale, runs); },
-                     "cudaLaunchHostFunc(adam_update_runs on the host)");
-    return;
-  }
-  cuda_adam_update_runs(groups, step, grad_scale, runs, h);
+  dispatch(stream, "adam_update_runs", update_operands(runs),  // on the host: the offloaded step
+           [groups, step, grad_scale, runs] { zerocore::adam_update_runs(groups, step, grad_scale, runs); },
+           [&](cudaStream_t h) { cuda_adam_update_runs(groups, step, grad_scale, runs, h); });
 }
 
 void CudaBackend::sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,
                                   double grad_scale, const std::vector<FlatRun>& runs) {
-  const cudaStream_t h = cuda_stream(stream).handle.load();
-  if (runs_on_host("sgd_update_runs", update_operands(runs))) {
-    DeviceGuard guard(device_);
-    launch_host_work(h, [groups, step, grad_scale, runs] { zerocore::sgd_update_runs(groups, step, grad_scale, runs); },
-                     "cudaLaunchHostFunc(sgd_update_runs on the host)");
-    return;
-  }
-  cuda_sgd_update_runs(groups, step, grad_scale, runs, h);
+  dispatch(stream, "sgd_update_runs", update_operands(runs),
+           [groups, step, grad_scale, runs] { zerocore::sgd_update_runs(groups, step, grad_scale, runs); },
+           [&](cudaStream_t h) { cuda_sgd_update_runs(groups, step, grad_scale, runs, h); });
 }
 
 void CudaBackend::enqueue(Stream& stream, const std::string&, const std::vector<Access>&, std::function<void()> body) {

@@ -26,6 +26,7 @@
 #include "dlpack_tensor.h"
 #include "python_transport.h"
 #include "zerocore/comm/comm.h"
+#include "zerocore/comm/control_key.h"
 #include "zerocore/error.h"
 
 namespace nb = nanobind;
@@ -109,6 +110,22 @@ std::unique_ptr<Transport> late_if_asked(std::unique_ptr<Transport> transport) {
 
 void bind_comm(nb::module_& m) {
   bind_collective_timeout(m);
+  // An IntEnum: a key's kind as Python holds it in a tuple, in a trace or in
+  // the queue's stats (indexed by it), is the native value.
+  nb::enum_<CollectiveKind>(m, "CollectiveKind", nb::is_arithmetic(),
+                            "What a collective does (comm.h); the first three are the data plane's.")
+      .value("ALL_GATHER", CollectiveKind::kAllGather)
+      .value("REDUCE_SCATTER", CollectiveKind::kReduceScatter)
+      .value("ALL_REDUCE", CollectiveKind::kAllReduce)
+      .value("BROADCAST", CollectiveKind::kBroadcast);
+  nb::enum_<ControlPurpose>(m, "ControlPurpose", nb::is_arithmetic(),
+                            "What a control-plane collective is for: its key's bucket (control_key.h).")
+      .value("ROUND", ControlPurpose::kRound)
+      .value("NORMS", ControlPurpose::kNorms)
+      .value("AGREEMENT", ControlPurpose::kAgreement)
+      .value("BROADCASTS", ControlPurpose::kBroadcasts)
+      .value("MICRO_BATCHES", ControlPurpose::kMicroBatches);
+  m.attr("CONTROL_GROUP") = kControlGroup;
   nb::class_<CollectiveKey>(m, "CollectiveKey",
                             "What a collective moves: kind (0 all_gather, 1 reduce_scatter, 2 all_reduce, "
                             "3 broadcast), flat group (negative: control plane), bucket, elements.")

@@ -204,12 +204,13 @@ void bind_schedule(nb::module_& m) {
                                 "One in-place collective per bucket of whole flat buffers (see bucket_collectives.h).")
       .def(
           "__init__",
-          [](BucketCollectives* self, const BoundQueue& queue, int kind, std::vector<FlatGroupBuffer> buffers) {
-            if (kind < 0 || kind > int(CollectiveKind::kAllReduce)) {
-              throw InvalidArgument("BucketCollectives: kind must be 0 (all_gather), 1 (reduce_scatter) or 2 "
-                                    "(all_reduce)");
+          [](BucketCollectives* self, const BoundQueue& queue, CollectiveKind kind,
+             std::vector<FlatGroupBuffer> buffers) {
+            if (kind == CollectiveKind::kBroadcast) {
+              throw InvalidArgument("BucketCollectives: kind must be CollectiveKind.ALL_GATHER, REDUCE_SCATTER or "
+                                    "ALL_REDUCE, not BROADCAST");
             }
-            new (self) BucketCollectives(queue.get(), CollectiveKind(kind), std::move(buffers));
+            new (self) BucketCollectives(queue.get(), kind, std::move(buffers));
           },
           "queue"_a, "kind"_a, "buffers"_a, nb::keep_alive<1, 2>(),
           "buffers: whole flat buffers (PartitionStore.group_buffer(tag, \"full\") or \"grad_full\") in issue "

@@ -77,7 +77,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from zerocore import devices
-from zerocore.process_group import private_group
+from zerocore.process_group import all_gather_single, private_group
 
 OFFLOADS = (None, "cpu")
 _ALIGN = 16  # bytes: every slice starts at a multiple, so a byte view of it views any dtype in place
@@ -422,7 +422,7 @@ class _Stash:
             return
         backend.declare_access(compute, _floats(local), "read", f"all-gather of {self.name}")
         gathered = torch.empty(part.world * self.nbytes, dtype=torch.uint8, device=self.device)
-        work = dist.all_gather_single(gathered, local, group=part.gather_group, async_op=True)
+        work = all_gather_single(gathered, local, group=part.gather_group, async_op=True)
         self.pending = (work, gathered)
 
     def inputs(self) -> list:

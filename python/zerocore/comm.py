@@ -51,16 +51,16 @@ from zerocore import _native, devices
 from zerocore import nccl as native_nccl
 from zerocore.process_group import Failure, ProcessGroupTransport, group_timeout
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the data plane, by native CollectiveKind
-_ALL_GATHER, _BROADCAST = 0, 3  # native CollectiveKind values
-_CONTROL = -1  # the key group of control-plane collectives
-# What a control collective is for, in its key's bucket. Native code issues
-# its own with bucket 0: the Communicator's `native_control` names them.
-_NORMS, _AGREEMENT, _BROADCASTS = 1, 2, 3
-MICRO_BATCHES = 4  # the engine's, before a micro-batch's collectives and at the step (Training._meet)
-_PURPOSES = {_NORMS: "the step's norm exchange", _AGREEMENT: "the ranks' agreement (at wrap, load or save)",
-             _BROADCASTS: "a broadcast of buffers or params",
-             MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)"}
+CollectiveKind = _native.CollectiveKind
+# The data plane's kinds by name, in native CollectiveKind's order (the queue's stats').
+KINDS = tuple(k.name.lower() for k in CollectiveKind if k is not CollectiveKind.BROADCAST)
+ControlPurpose = _native.ControlPurpose  # what a control collective is for, in its key's bucket
+_CONTROL = _native.CONTROL_GROUP  # the key group of control-plane collectives
+_PURPOSES = {ControlPurpose.ROUND: "stage 3's round", ControlPurpose.NORMS: "the step's norm exchange",
+             ControlPurpose.AGREEMENT: "the ranks' agreement (at wrap, load or save)",
+             ControlPurpose.BROADCASTS: "a broadcast of buffers or params",
+             ControlPurpose.MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)"}
+MICRO_BATCHES = ControlPurpose.MICRO_BATCHES  # the engine's meeting (Training._meet)
 
 
 class CollectiveOrderError(RuntimeError):
@@ -79,15 +79,15 @@ class CollectiveNames:
     flat group's params (once `groups` lists their labels, by tag), a
     control one by what it is for."""
 
-    def __init__(self, native_control: str):
+    def __init__(self):
         self.groups = []
-        self.native_control = native_control
 
     def __call__(self, key) -> str:
         kind, tag, bucket, numel = key
-        name = (KINDS + ("broadcast",))[kind]
+        name = CollectiveKind(kind).name.lower()
         if tag < 0:
-            return f"control {name} of {_PURPOSES.get(bucket, self.native_control)} ({numel:,} elements)"
+            purpose = _PURPOSES.get(bucket, f"unknown purpose {bucket}")
+            return f"control {name} of {purpose} ({numel:,} elements)"
         group = self.groups[tag] if tag < len(self.groups) else f"flat group {tag}"
         return f"{name} of {group}, bucket {bucket} ({numel:,} elements)"
 
@@ -95,8 +95,7 @@ class CollectiveNames:
 class Communicator:
     """The collectives of one process group (None: this process alone), on
     a comm stream of `backend` (a zerocore._native.Backend: the engine's).
-    native_control: what the control collectives native code issues on it
-    are for. fails_with: a Communicator of the same engine; after a failed
+    fails_with: a Communicator of the same engine; after a failed
     collective on either, every collective of both fails at once. control:
     the Communicator whose queue carries this one's agreements and sums (a
     host group beside this data group; None: this one's queue), so that they
@@ -108,12 +107,12 @@ class Communicator:
     ProcessGroupTransport, also for a group of one (else a rank alone's
     queue), the one way to run the engine over it on a single GPU."""
 
-    def __init__(self, group, native_control="backward's agreement on late grads", fails_with=None, control=None, *,
+    def __init__(self, group, fails_with=None, control=None, *,
                  backend, plane=_native.StreamPlane.DEVICE, nccl="torch"):
         self.group = group
         self.distributed = group is not None
         self.backend = backend
-        self.names = CollectiveNames(native_control)
+        self.names = CollectiveNames()
         self.failure = fails_with.failure if fails_with is not None else Failure()
         if nccl == "native" and not devices.is_cuda(backend):
             raise ValueError("zerocore: Config(nccl=\"native\") issues the data plane's collectives with NCCL on "
@@ -174,7 +173,7 @@ class Communicator:
         this rank's block of output, before torch's next work reads it (the
         compute stream waits for it: on CUDA on the device). key: (group
         tag, bucket)."""
-        self.queue.all_gather((_ALL_GATHER, *key, output.numel()), shard, output, count).compute_waits()
+        self.queue.all_gather((CollectiveKind.ALL_GATHER, *key, output.numel()), shard, output, count).compute_waits()
 
     # Control plane (uncounted) ----------------------------------------------
     # Broadcasts move the model's own tensors (params, buffers: on the data
@@ -194,9 +193,10 @@ class Communicator:
         t.copy_(staged[:nbytes].view(t.dtype).view(t.shape))
 
     def _broadcast_halves(self, halves, src_rank):
-        self.queue.broadcast((_BROADCAST, _CONTROL, _BROADCASTS, halves.numel()), halves, src_rank).compute_waits()
+        key = (CollectiveKind.BROADCAST, _CONTROL, ControlPurpose.BROADCASTS, halves.numel())
+        self.queue.broadcast(key, halves, src_rank).compute_waits()
 
-    def gather_ints(self, value: int, purpose=_AGREEMENT, after_compute=True) -> list:
+    def gather_ints(self, value: int, purpose=ControlPurpose.AGREEMENT, after_compute=True) -> list:
         """Every rank's int, in rank order; purpose: what it is for (_PURPOSES), named if it fails;
         after_compute=False: it waits for no device work (a host number), as stage 3's rounds do not."""
         return [row[0] for row in self._gather_rows([value], torch.int64, purpose, after_compute)]
@@ -255,11 +255,11 @@ class Communicator:
         return (f"zerocore: ranks issued different collectives since the last step; collective #{first + 1} was\n"
                 f"{ranks}\nNothing was updated. Every rank must issue the same collectives in the same order.")
 
-    def _gather_rows(self, values, dtype, purpose=_AGREEMENT, after_compute=True) -> list:
+    def _gather_rows(self, values, dtype, purpose=ControlPurpose.AGREEMENT, after_compute=True) -> list:
         """Every rank's list of numbers (all of one length, 8-byte dtype), in rank order."""
         t = torch.tensor(values, dtype=dtype)
         out = torch.empty(self.world_size * t.numel(), dtype=dtype)
         rows = _as_halves(out)
-        self.control_queue.all_gather((_ALL_GATHER, _CONTROL, purpose, rows.numel()), _as_halves(t), rows,
-                                      after_compute=after_compute).wait()
+        key = (CollectiveKind.ALL_GATHER, _CONTROL, purpose, rows.numel())
+        self.control_queue.all_gather(key, _as_halves(t), rows, after_compute=after_compute).wait()
         return out.view(self.world_size, -1).tolist()

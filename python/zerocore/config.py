@@ -225,7 +225,3 @@ class Config:
     def delays_from(self) -> Optional[int]:
         """The first step whose update is delayed (None: none is)."""
         return self.delayed_update_warmup + 1 if self.delayed_update else None
-
-    @property
-    def uses_loss_scaling(self) -> bool:
-        return not isinstance(self.loss_scale, DynamicLossScale) or self.dtype == "fp16"

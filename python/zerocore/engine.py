@@ -34,7 +34,7 @@ from torch import nn
 
 from zerocore import _native, compute_stream, devices, param_guards
 from zerocore._native import BucketCollectives, UnitSchedule, ZeroStep
-from zerocore.comm import KINDS, Communicator
+from zerocore.comm import CollectiveKind, Communicator
 from zerocore.config import Config
 from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_process_group, fill_agreeing,
                                    model_problem, staging_buffers, training_process_group,
@@ -132,7 +132,7 @@ class Engine(Training, StateIO, Reports):
         # Stages 1-2: every rank's updated blocks into every rank's full params, in place.
         gathered = [g for g in self.groups if g.trainable and placement.partitions_optimizer and not g.sharded]
         self.param_gather = BucketCollectives(
-            self.comm.queue, KINDS.index("all_gather"),
+            self.comm.queue, CollectiveKind.ALL_GATHER,
             [g.store.group_buffer(g.tag, "full") for g in gathered]) if gathered else None
         self.scheduler = None
         if not placement.partitions_grads:
@@ -145,7 +145,7 @@ class Engine(Training, StateIO, Reports):
             # behind the data collectives queued before it, nor the step's
             # agreements behind a round in flight.
             self.rounds_comm = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"),
-                                            "stage 3's round", fails_with=self.comm, backend=self.backend,
+                                            fails_with=self.comm, backend=self.backend,
                                             plane=_native.StreamPlane.CONTROL)
             schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes)

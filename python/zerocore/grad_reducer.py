@@ -27,7 +27,7 @@ import weakref
 
 import zerocore
 from zerocore._native import BucketCollectives, BucketReducer
-from zerocore.comm import KINDS, Communicator
+from zerocore.comm import CollectiveKind, Communicator
 from zerocore.flat_group import NATIVE_NAMES
 from zerocore.param_guards import GradPlaceholder
 
@@ -76,8 +76,8 @@ class FullGradReducer:
         self.running = False  # inside engine.backward
         ref = weakref.ref(self)
         self.hooks += _guard_each([p for g in self.groups for p in g.params], lambda: ref() is None or ref().running)
-        kind = "reduce_scatter" if placement.partitions_optimizer else "all_reduce"
-        self.collectives = BucketCollectives(comm.queue, KINDS.index(kind),
+        kind = CollectiveKind.REDUCE_SCATTER if placement.partitions_optimizer else CollectiveKind.ALL_REDUCE
+        self.collectives = BucketCollectives(comm.queue, kind,
                                              [g.store.group_buffer(g.tag, "grad_full") for g in self.groups])
 
     def before_backward(self):

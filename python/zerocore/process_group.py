@@ -66,9 +66,10 @@ import torch.distributed as dist
 
 from zerocore._native import CollectiveTimeoutError
 
-# torch 2.13 renamed the tensor collectives; keep working with older names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the tensor collectives; keep working with older names (every
+# caller in zerocore goes through these two).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_timeout(group) -> Optional[datetime.timedelta]:
@@ -223,7 +224,7 @@ class ProcessGroupTransport:
 
     def _all_gather(self, shard, output):
         if not self.gloo:
-            return [_all_gather_single(output, shard, group=self.group, async_op=True)], None
+            return [all_gather_single(output, shard, group=self.group, async_op=True)], None
         blocks = output.view(self.world_size, -1)
         if blocks[self.rank].data_ptr() != shard.data_ptr():
             blocks[self.rank].copy_(shard)
@@ -232,7 +233,7 @@ class ProcessGroupTransport:
 
     def _reduce_scatter(self, input, shard):
         if not self._rings(input):
-            return [_reduce_scatter_single(shard, input, group=self.group, async_op=True)], None
+            return [reduce_scatter_single(shard, input, group=self.group, async_op=True)], None
         mine = self._ring_reduce_scatter(input)
         keep = None if mine.data_ptr() == shard.data_ptr() else lambda: shard.copy_(mine)
         return [], keep

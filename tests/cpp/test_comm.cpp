@@ -116,7 +116,7 @@ void test_bad_argument_fails_everywhere() {
 }
 
 // A queue of its own (a group of one rank), for the books alone.
-CommQueue solo_queue() { return CommQueue(InProcessGroup(1).transport(0)); }
+CommQueue solo_queue() { return CommQueue(InProcessGroup(1).transport(0), default_cpu_backend()); }
 
 // Issues an all-reduce of `key` (a tensor of key.numel elements) and waits.
 void issue(CommQueue& q, const CollectiveKey& key, bool counted = true) {
@@ -193,7 +193,7 @@ void test_stats_count_counted_data_plane_only() {
 // A forked child (a rank started by fork) inherits its parent's queue but
 // not the queue's thread; dropping the queue there must not wait for it.
 void test_forked_child_drops_an_inherited_queue() {
-  auto q = std::make_unique<CommQueue>(InProcessGroup(1).transport(0));
+  auto q = std::make_unique<CommQueue>(InProcessGroup(1).transport(0), default_cpu_backend());
   issue(*q, key(CollectiveKind::kAllReduce, 0, 4));
   const pid_t child = fork();
   if (child == 0) {
@@ -295,7 +295,7 @@ bool fails_with(CommQueue& q, const std::shared_ptr<StreamEvent>& e, const char*
 void test_events_complete_in_order(bool fail) {
   auto owned = std::make_unique<GatedTransport>();
   GatedTransport& transport = *owned;
-  CommQueue q(std::move(owned));
+  CommQueue q(std::move(owned), default_cpu_backend());
   const Tensor t = filled(4, 0, DType::kFloat32);
   auto late = q.all_reduce(key(CollectiveKind::kAllReduce, 1, 4), t);
   auto on_return = q.all_reduce(key(CollectiveKind::kAllReduce, 2, 4), t);

@@ -90,7 +90,7 @@ AdamOptions adam_options() {
 void test_step_equals_plain_calls() {
   Partition part;
   std::vector<FlatRun> plain = part.runs_copy();
-  OffloadOptimizer offload(part.buckets);
+  OffloadOptimizer offload(part.buckets, default_cpu_backend());
   for (int64_t step = 1; step <= 3; ++step) {
     offload.copy_grads();
     offload.wait();
@@ -113,7 +113,7 @@ void test_step_equals_plain_calls() {
 
 void test_held_copies_wait_for_copy_params() {
   Partition part;
-  OffloadOptimizer offload(part.buckets);
+  OffloadOptimizer offload(part.buckets, default_cpu_backend());
   offload.copy_grads();
   offload.sgd({SgdOptions{}}, 1, 1.0, /*copy_params=*/false);
   offload.wait();
@@ -127,7 +127,7 @@ void test_held_copies_wait_for_copy_params() {
 void test_grads_go_down_after_the_update_reading_them() {
   Partition part;
   std::vector<FlatRun> plain = part.runs_copy();
-  OffloadOptimizer offload(part.buckets);
+  OffloadOptimizer offload(part.buckets, default_cpu_backend());
   offload.copy_grads();
   offload.wait();
   for (size_t i = 0; i < plain.size(); ++i) {
@@ -162,7 +162,7 @@ void test_swapped_grads_feed_the_update_without_a_copy() {
     filling.push_back(b.spare_grads[0]);
   }
   std::vector<FlatRun> plain = part.runs_copy();
-  OffloadOptimizer offload(part.buckets);
+  OffloadOptimizer offload(part.buckets, default_cpu_backend());
   for (int64_t step = 1; step <= 3; ++step) {
     std::vector<Tensor> grads;  // this step's backward
     for (size_t i = 0; i < plain.size(); ++i) {
@@ -185,7 +185,7 @@ void test_swapped_grads_feed_the_update_without_a_copy() {
   try {
     std::vector<OffloadBucket> bad = part.buckets;
     bad[0].spare_grads[0] = zeros(3, DType::kBFloat16);
-    OffloadOptimizer refused(bad);
+    OffloadOptimizer refused(bad, default_cpu_backend());
   } catch (const InvalidArgument&) {
     threw = true;
   }
@@ -198,12 +198,12 @@ void test_bad_input_is_refused_up_front() {
   try {
     std::vector<OffloadBucket> bad = part.buckets;
     bad[1].params_up[0].dst = zeros(5, DType::kBFloat16);
-    OffloadOptimizer offload(bad);
+    OffloadOptimizer offload(bad, default_cpu_backend());
   } catch (const InvalidArgument&) {
     threw = true;
   }
   CHECK(threw);
-  OffloadOptimizer offload(part.buckets);
+  OffloadOptimizer offload(part.buckets, default_cpu_backend());
   const std::vector<FlatRun> before = part.runs_copy();
   AdamOptions negative = adam_options();
   negative.lr = -1;
@@ -235,7 +235,7 @@ void test_device_tensors_are_refused() {
     (which == 0 ? bad[2].runs[0].grad : bad[2].params_up[0].src) = on_gpu;
     std::string message;
     try {
-      OffloadOptimizer offload(bad);
+      OffloadOptimizer offload(bad, default_cpu_backend());
     } catch (const TypeMismatch& e) {
       message = e.what();
     }

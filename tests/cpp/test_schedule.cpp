@@ -563,8 +563,36 @@ void test_unit_state_steps() {
   CHECK(refused(Grads::kComing, Grads::kNone, "from coming to none"));
 }
 
+// A bucket's phase changes only by the steps the reducer takes: a backward
+// with a late grad and one skipped goes through; any other step throws a
+// logic_error naming the bucket and the step, leaving the phase as it was.
+void test_bucket_phase_steps() {
+  using P = BucketPhase;
+  P phase = P::kEmpty;
+  for (P to : {P::kStaging, P::kIssued, P::kLate, P::kStaging, P::kIssued, P::kEmpty, P::kIssued, P::kEmpty}) {
+    advance("bucket 0 of group 1", phase, to);
+  }
+  CHECK(phase == P::kEmpty);
+  auto refused = [](P phase, P to, const std::string& says) {
+    const P before = phase;
+    try {
+      advance("bucket 2 of group 1", phase, to);
+    } catch (const std::logic_error& e) {
+      const std::string what = e.what();
+      return phase == before && what.find("bucket 2 of group 1 went from " + says) != std::string::npos;
+    }
+    return false;
+  };
+  CHECK(refused(P::kEmpty, P::kLate, "empty to late"));
+  CHECK(refused(P::kIssued, P::kStaging, "issued to staging"));
+  CHECK(refused(P::kLate, P::kEmpty, "late to empty"));
+  CHECK(refused(P::kIssued, P::kIssued, "issued to issued"));
+  CHECK(refused(P::kEmpty, P::kEmpty, "empty to empty"));
+}
+
 int main() {
   test_unit_state_steps();
+  test_bucket_phase_steps();
   test_units();
   test_units_on_the_checking_backend(Fault::kNone);
   test_units_on_the_checking_backend(Fault::kReadAfterRelease);

@@ -66,6 +66,9 @@ Tensor filled(const std::vector<float>& values) {
 
 std::vector<float> values(const Tensor& t) { return {t.data_as<float>(), t.data_as<float>() + t.numel()}; }
 
+// The elements of buf at s: how a caller with its own tensors reads a span.
+Tensor at(const Tensor& buf, Span s) { return buf.slice(s.offset, s.numel); }
+
 template <typename F>
 bool throws(F f) {
   try {
@@ -87,7 +90,7 @@ void check_views(const std::vector<ParamSpec>& specs, const LayoutOptions& o) {
   for (int r = 0; r < o.world_size; ++r) {
     StorePlacement place;
     place.rank = r;
-    const PartitionStore store(plan, place);
+    const PartitionStore store(plan, place, default_cpu_backend());
     const std::vector<float> expected = ref.partition(r, o.world_size);
     CHECK(int64_t(expected.size()) == plan.partition_elems());
     const Tensor part = filled(expected);
@@ -105,8 +108,9 @@ void check_views(const std::vector<ParamSpec>& specs, const LayoutOptions& o) {
       }
     }
     for (int b = 0; b < int(plan.buckets().size()); ++b) {
-      CHECK(values(store.bucket_view(part, b)) == values(store.shard_view(whole, b, r)));
-      const Tensor bucket = store.bucket_view(whole, b);
+      const Span shard = store.shard_span(whole.numel(), b, r);
+      CHECK(values(at(part, store.bucket_span(part.numel(), b))) == values(at(whole, shard)));
+      const Tensor bucket = at(whole, store.bucket_span(whole.numel(), b));
       CHECK(bucket.data_as<float>() - whole.data_as<float>() == int64_t(b) * ref.bucket);
       CHECK(bucket.numel() == ref.bucket_size(int64_t(b) * ref.bucket));
     }
@@ -116,8 +120,8 @@ void check_views(const std::vector<ParamSpec>& specs, const LayoutOptions& o) {
     std::vector<float> in_runs;
     for (int k = 0; k < int(store.runs().size()); ++k) {
       const PartitionRun& run = store.runs()[k];
-      const std::vector<float> v = values(store.run_view(part, k));
-      CHECK(v == values(store.run_view(whole, k)));
+      const std::vector<float> v = values(at(part, store.run_span(part.numel(), k)));
+      CHECK(v == values(at(whole, store.run_span(whole.numel(), k))));
       for (float x : v) {
         if (x == 0.f) continue;
         in_runs.push_back(x);
@@ -171,7 +175,7 @@ void placements() {
   p.dtype = DType::kBFloat16;
   p.state_names = {"exp_avg", "exp_avg_sq"};
   {  // stage 1, bf16
-    const PartitionStore s(plan, p);
+    const PartitionStore s(plan, p, default_cpu_backend());
     CHECK((kinds(s) == std::vector<std::string>{"full", "master", "state.exp_avg", "state.exp_avg_sq", "grad_full"}));
     CHECK(s.planned_bytes(Where::kDevice) == size_t(whole * 2 + part * 4 * 3 + whole * 4));
     CHECK(s.planned_bytes(Where::kHost) == 0);
@@ -179,7 +183,7 @@ void placements() {
   p.sharded = p.partitions_grads = p.params_on_host = p.optimizer_on_host = true;
   p.reduce_dtype = DType::kBFloat16;
   {  // stage 3, everything offloaded: host_grad is grad_part
-    PartitionStore s(plan, p);
+    PartitionStore s(plan, p, default_cpu_backend());
     CHECK((kinds(s) ==
            std::vector<std::string>{"shard", "master", "state.exp_avg", "state.exp_avg_sq", "grad_part", "host_param"}));
     CHECK(s.planned_bytes(Where::kDevice) == 0);
@@ -198,7 +202,7 @@ void placements() {
   }
   p.delayed = true;
   {  // delayed: two host grad buffers that trade places
-    PartitionStore s(plan, p);
+    PartitionStore s(plan, p, default_cpu_backend());
     s.allocate();
     CHECK(s.swaps_grads());
     void* const a = s.buffer("grad_part").data();
@@ -210,7 +214,7 @@ void placements() {
   }
   p.trainable = false;
   {
-    const PartitionStore s(plan, p);
+    const PartitionStore s(plan, p, default_cpu_backend());
     CHECK(kinds(s) == std::vector<std::string>{"shard"} && s.runs().empty());
   }
 }
@@ -219,7 +223,7 @@ void placements() {
 // update reads and writes, per placement: kinds = {param, grad, state0,
 // state1, param_copy}, "" where there is none.
 void check_step_runs(const LayoutPlan& plan, const StorePlacement& p, const std::vector<std::string>& kinds) {
-  PartitionStore s(plan, p);
+  PartitionStore s(plan, p, default_cpu_backend());
   s.allocate();
   const std::vector<FlatRun> runs = s.flat_runs();
   CHECK(runs.size() == s.runs().size() && (runs.empty() != p.trainable));
@@ -262,7 +266,7 @@ void step_runs() {
   p.trainable = false;
   check_step_runs(plan, p, {});
   // A buffer handed out with the plan and the tag, for the collectives.
-  PartitionStore s(plan, p);
+  PartitionStore s(plan, p, default_cpu_backend());
   s.allocate();
   const FlatGroupBuffer shard = s.group_buffer(7, "shard");
   CHECK(shard.tag == 7 && shard.buffer.data() == s.buffer("shard").data() &&
@@ -283,7 +287,7 @@ void zeroing() {
     // Stage 1 (grad_full on the device), or stage 2 offloaded with a delayed
     // update (grad_part and a host_grad of its own on the host).
     p.partitions_grads = p.optimizer_on_host = p.delayed = offloaded == 1;
-    PartitionStore s(plan, p);
+    PartitionStore s(plan, p, default_cpu_backend());
     s.allocate();
     for (const BufferSpec& b : s.buffers()) std::memset(s.buffer(b.kind).data(), 1, b.bytes());
     s.zero_grads();
@@ -299,17 +303,17 @@ void zeroing() {
 void errors() {
   const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 0}}, LayoutOptions{2, 1, 8});
   StorePlacement p;
-  CHECK(throws([&] { p.rank = 2; PartitionStore(plan, p); }));
+  CHECK(throws([&] { p.rank = 2; PartitionStore(plan, p, default_cpu_backend()); }));
   p.rank = 0;
-  const PartitionStore s(plan, p);
+  const PartitionStore s(plan, p, default_cpu_backend());
   const Tensor odd = Tensor::zeros({plan.partition_elems() + 1}, DType::kFloat32);
   const Tensor part = Tensor::zeros({plan.partition_elems()}, DType::kFloat32);
   CHECK(throws([&] { s.param_view(odd, 0); }));
   CHECK(throws([&] { s.param_view(part, 0); }));  // a param is in pieces there
   CHECK(throws([&] { s.param_stretches(part, 2); }));
-  CHECK(throws([&] { s.bucket_view(part, int(plan.buckets().size())); }));
-  CHECK(throws([&] { s.run_view(part, int(s.runs().size())); }));
-  CHECK(throws([&] { s.shard_view(part, 0, 0); }));
+  CHECK(throws([&] { s.bucket_span(part.numel(), int(plan.buckets().size())); }));
+  CHECK(throws([&] { s.run_span(part.numel(), int(s.runs().size())); }));
+  CHECK(throws([&] { s.shard_span(part.numel(), 0, 0); }));
 }
 
 // Stage 2 with the optimizer offloaded, on the checking backend: each

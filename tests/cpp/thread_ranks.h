@@ -1,5 +1,6 @@
 // Ranks as threads for the C++ tests: fn(rank, queue) on `world` threads of
-// this process, each with its own comm queue over one in-process group.
+// this process, each with its own comm queue over one in-process group, on
+// the process's plain CPU backend.
 // ZEROCORE_LATE_COMPLETION=<seed> (ctest runs the comm and schedule tests
 // both ways) makes the groups complete late, as NCCL does: the tests' own
 // references then check that every reader waits for its collective.
@@ -8,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "zerocore/backend/cpu_backend.h"
 #include "zerocore/comm/comm.h"
 
 namespace zerocore::test {
@@ -16,7 +18,7 @@ inline void on_ranks(int world, const std::function<void(int, CommQueue&)>& fn) 
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      CommQueue queue(group.transport(r));
+      CommQueue queue(group.transport(r), default_cpu_backend());
       fn(r, queue);
     });
   }
@@ -28,7 +30,7 @@ inline void on_ranks(int world, const std::function<void(int, CommQueue&)>& fn) 
 inline void on_ranks_with_rounds(int world, const std::function<void(int, CommQueue&, CommQueue&)>& fn) {
   InProcessGroup rounds(world, late_completion_from_env());
   on_ranks(world, [&](int r, CommQueue& q) {
-    CommQueue rq(rounds.transport(r));
+    CommQueue rq(rounds.transport(r), q.backend());
     fn(r, q, rq);
   });
 }

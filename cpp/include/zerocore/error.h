@@ -19,4 +19,12 @@ class TypeMismatch : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Two conflicting accesses to a buffer from different streams with no wait
+// ordering them, found by the checking backend (backend/checking_backend.h).
+// Here so that the runtime can catch it without depending on the checker.
+class StreamOrderError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 }  // namespace zerocore

@@ -6,6 +6,7 @@
 #include "zerocore/runtime/arena.h"
 #include "zerocore/kernels/cpu_accumulate.h"
 #include "zerocore/kernels/cpu_fill.h"
+#include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/kernels/cpu_reduce.h"
 #include "zerocore/error.h"
 #include "zerocore/runtime/work_queue.h"

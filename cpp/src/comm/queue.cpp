@@ -15,7 +15,6 @@
 #include <utility>
 
 #include "../fnv1a.h"
-#include "zerocore/backend/checking_backend.h"
 #include "zerocore/comm/comm.h"
 #include "zerocore/error.h"
 #include "zerocore/runtime/work_queue.h"

@@ -88,7 +88,7 @@ void BucketReducer::check_grad_part(const FlatGroupBuffer& group, const Tensor& 
 bool BucketReducer::between_backwards() const {
   if (!in_flight_.empty() || next_ != 0) return false;
   for (const BucketState& b : buckets_) {
-    if (b.staging >= 0 || b.issued || b.waiting != b.params) return false;
+    if (b.phase != BucketPhase::kEmpty || b.waiting != b.params) return false;
   }
   return true;
 }
@@ -121,8 +121,15 @@ const std::vector<BucketReducer::Piece>& BucketReducer::pieces(int group, int pa
   return pieces_[size_t(group)][size_t(param)];
 }
 
-int BucketReducer::take_staging(BucketState& b) {
-  if (b.staging < 0) {
+void BucketReducer::advance_bucket(int index, BucketPhase to) {
+  const BucketState& b = buckets_[size_t(index)];
+  advance("bucket " + std::to_string(b.bucket) + " of group " + std::to_string(groups_[size_t(b.group)].tag),
+          buckets_[size_t(index)].phase, to);
+}
+
+int BucketReducer::take_staging(int index) {
+  BucketState& b = buckets_[size_t(index)];
+  if (!holds_staging(b.phase)) {
     // A slot held by a reduction in flight comes back once it completes:
     // complete the oldest (as the next issue would) before adding a slot,
     // so the pool grows only for buckets open at once.
@@ -133,6 +140,7 @@ int BucketReducer::take_staging(BucketState& b) {
     }
     b.staging = slot >= 0 ? slot : pool_.acquire();
     backend_.fill(backend_.compute_stream(), pool_.slot(b.staging), 0.0f);
+    advance_bucket(index, b.phase == BucketPhase::kIssued ? BucketPhase::kLate : BucketPhase::kStaging);
   }
   return b.staging;
 }
@@ -141,9 +149,8 @@ Tensor BucketReducer::view(int group, int param) {
   const std::vector<Piece>& ps = pieces(group, param);
   const ParamSlot& slot = groups_[size_t(group)].plan.params()[size_t(param)];
   if (ps.size() != 1 || ps[0].numel != slot.numel) return Tensor();
-  BucketState& b = buckets_[size_t(ps[0].bucket)];
-  if (b.issued) return Tensor();
-  return pool_.slot(take_staging(b)).slice(ps[0].staging_offset, ps[0].numel);
+  if (issued(buckets_[size_t(ps[0].bucket)].phase)) return Tensor();
+  return pool_.slot(take_staging(ps[0].bucket)).slice(ps[0].staging_offset, ps[0].numel);
 }
 
 std::vector<Tensor> BucketReducer::grad_views(int group) {
@@ -157,7 +164,7 @@ std::vector<Tensor> BucketReducer::grad_views(int group) {
 
 void BucketReducer::open(int index, std::vector<GradView>& views) {
   BucketState& b = buckets_[size_t(index)];
-  if (b.issued || b.viewed) return;
+  if (issued(b.phase) || b.viewed) return;
   b.viewed = true;
   const Bucket& bucket = groups_[size_t(b.group)].plan.buckets()[size_t(b.bucket)];
   for (int p = bucket.first_param; p <= bucket.last_param; ++p) {
@@ -189,14 +196,14 @@ std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tens
   for (size_t i = 0; i < ps.size(); ++i) {
     const Piece& piece = ps[i];
     BucketState& b = buckets_[size_t(piece.bucket)];
-    const Tensor target = pool_.slot(take_staging(b)).slice(piece.staging_offset, piece.numel);
+    const Tensor target = pool_.slot(take_staging(piece.bucket)).slice(piece.staging_offset, piece.numel);
     const Tensor source = grad.slice(piece.param_offset, piece.numel);
     if (source.data() != target.data()) {
       backend_.accumulate(backend_.compute_stream(), target, source);
     } else {  // autograd accumulated in place
       backend_.declare_access(backend_.compute_stream(), Access::write(target), "autograd accumulates a grad");
     }
-    if (!b.issued && !reported_[size_t(group)][size_t(param)][i]) {
+    if (!issued(b.phase) && !reported_[size_t(group)][size_t(param)][i]) {
       reported_[size_t(group)][size_t(param)][i] = true;
       --b.waiting;
     }
@@ -214,8 +221,8 @@ std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tens
 }
 
 void BucketReducer::issue_ready() {
-  while (next_ < buckets_.size() && (buckets_[next_].issued || buckets_[next_].waiting == 0)) {
-    if (!buckets_[next_].issued) issue(int(next_));
+  while (next_ < buckets_.size() && (issued(buckets_[next_].phase) || buckets_[next_].waiting == 0)) {
+    if (!issued(buckets_[next_].phase)) issue(int(next_));
     ++next_;
   }
 }
@@ -232,7 +239,7 @@ void BucketReducer::reduce_groups(const std::vector<int>& groups) {
   for (int g : groups) {
     const auto [begin, end] = bucket_range(g);
     for (int i = begin; i < end; ++i) {
-      if (!buckets_[size_t(i)].issued) issue(i);
+      if (!issued(buckets_[size_t(i)].phase)) issue(i);
     }
   }
 }
@@ -241,8 +248,9 @@ void BucketReducer::skip_groups(const std::vector<int>& groups) {
   for (int g : groups) {
     const auto [begin, end] = bucket_range(g);
     for (int i = begin; i < end; ++i) {
-      BucketState& b = buckets_[size_t(i)];
-      b.issued = true;  // a grad staged anyway is late: reduced once the ranks agree on it
+      const BucketPhase phase = buckets_[size_t(i)].phase;
+      // A grad staged anyway is late: reduced once the ranks agree on it.
+      if (!issued(phase)) advance_bucket(i, holds_staging(phase) ? BucketPhase::kLate : BucketPhase::kIssued);
     }
   }
 }
@@ -252,14 +260,14 @@ void BucketReducer::issue(int index) {
   const LayoutPlan& plan = groups_[size_t(b.group)].plan;
   const Bucket& bucket = plan.buckets()[size_t(b.bucket)];
   const int64_t shard = plan.shard_elems(b.bucket);
-  const Tensor staging = pool_.slot(take_staging(b));  // no grads here on this rank: zeros
+  const Tensor staging = pool_.slot(take_staging(index));  // no grads here on this rank: zeros
   const CollectiveKey key{CollectiveKind::kReduceScatter, groups_[size_t(b.group)].tag, b.bucket, bucket.numel};
   backend_.wait(comm_.stream(), *backend_.record(backend_.compute_stream()));  // the grads are in
   in_flight_.push_back(InFlight{index, b.staging,
                                 comm_.reduce_scatter(key, staging.slice(0, bucket.numel),
                                                      staging.slice(comm_.rank() * shard, shard))});
   b.staging = -1;  // later grads go to a fresh buffer
-  b.issued = true;
+  advance_bucket(index, BucketPhase::kIssued);
   // Completed only when its staging is needed (take_staging) or backward
   // ends: the compute stream waits for a reduce-scatter as late as it can,
   // so a unit's reductions run behind the next units' backward (as FSDP2's
@@ -299,9 +307,13 @@ void BucketReducer::end_backward() {
   issue_ready();
   while (!in_flight_.empty()) complete_oldest();
   host_partitions_done();
-  for (BucketState& b : buckets_) {
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    BucketState& b = buckets_[i];
     b.waiting = b.params;
-    b.issued = false;  // a late bucket keeps its staging: the next backward's reduction takes it along
+    // A late bucket keeps its staging: the next backward's reduction takes it along.
+    if (issued(b.phase)) {
+      advance_bucket(int(i), b.phase == BucketPhase::kLate ? BucketPhase::kStaging : BucketPhase::kEmpty);
+    }
     b.viewed = false;
   }
   hands_out_views_ = false;
@@ -313,7 +325,7 @@ void BucketReducer::end_backward() {
 
 std::vector<bool> BucketReducer::late() const {
   std::vector<bool> out(buckets_.size());
-  for (size_t i = 0; i < buckets_.size(); ++i) out[i] = buckets_[i].staging >= 0;
+  for (size_t i = 0; i < buckets_.size(); ++i) out[i] = holds_staging(buckets_[i].phase);
   return out;
 }
 
@@ -327,13 +339,18 @@ void BucketReducer::reduce_late(const std::vector<bool>& buckets) {
   }
   while (!in_flight_.empty()) complete_oldest();
   host_partitions_done();
-  for (BucketState& b : buckets_) b.issued = false;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    if (buckets_[i].phase == BucketPhase::kIssued) advance_bucket(int(i), BucketPhase::kEmpty);
+  }
 }
 
 void BucketReducer::drop_late() {
-  for (BucketState& b : buckets_) {
-    if (b.staging >= 0) pool_.release(b.staging, backend_.compute_stream());
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    BucketState& b = buckets_[i];
+    if (!holds_staging(b.phase)) continue;
+    pool_.release(b.staging, backend_.compute_stream());
     b.staging = -1;
+    advance_bucket(int(i), b.phase == BucketPhase::kLate ? BucketPhase::kIssued : BucketPhase::kEmpty);
   }
 }
 

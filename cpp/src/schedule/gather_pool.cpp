@@ -5,7 +5,6 @@
 #include <string>
 #include <utility>
 
-#include "zerocore/backend/checking_backend.h"
 #include "zerocore/error.h"
 #include "zerocore/schedule/unit_schedule.h"
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "zerocore/comm/control_key.h"
+
 namespace zerocore {
 
 RoundProtocol::Sums::Sums(const float* flags, int units, int max_free, int world, bool failed_here)
@@ -61,7 +63,8 @@ void RoundProtocol::post(const RankReport& self, const std::function<UnitReport(
   posted_ = true;
   posted_failed_ = self.failed;
   if (world_ == 1) return;  // one rank: its flags are the sums
-  posted_event_ = queue_.all_reduce(CollectiveKey{CollectiveKind::kAllReduce, -1, 0, buffer_.numel()}, buffer_);
+  posted_event_ =
+      queue_.all_reduce(control_key(CollectiveKind::kAllReduce, ControlPurpose::kRound, buffer_.numel()), buffer_);
   ++rounds_;
   if (self.blocking) ++blocking_rounds_;
 }

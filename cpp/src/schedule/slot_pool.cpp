@@ -1,5 +1,6 @@
 #include "zerocore/schedule/slot_pool.h"
 
+#include <stdexcept>
 #include <string>
 
 #include "zerocore/error.h"
@@ -39,6 +40,7 @@ int SlotPool::try_acquire() {
 int SlotPool::acquire() {
   const int slot = try_acquire();
   if (slot >= 0) return slot;
+  if (backend_ == nullptr) throw std::logic_error("SlotPool: acquire() on a pool made without a backend");
   slots_.push_back(Tensor::empty({slot_elems_}, dtype_, *backend_, kind_, name_ + " (beyond plan)"));
   free_.push_back(false);
   return int(slots_.size()) - 1;

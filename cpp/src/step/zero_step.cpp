@@ -7,6 +7,7 @@
 
 #include "zerocore/error.h"
 #include "zerocore/backend/backend.h"
+#include "zerocore/comm/control_key.h"
 #include "zerocore/step/host_update.h"
 
 namespace zerocore {
@@ -26,9 +27,6 @@ constexpr int kChanges = 2;
 constexpr int kFingerprint = 3;
 constexpr size_t kHead = 4;
 constexpr size_t kLateBits = 52;
-// The exchange's key: a control all-gather whose bucket says what it is
-// for (python/zerocore/comm.py names bucket 1 "the step's norm exchange").
-constexpr int32_t kNormsPurpose = 1;
 // The control queue moves float tensors: float64 rows cross as fp16
 // halves. The gathered rows are host memory of the step's own, outside the
 // arenas, whose bytes memory_report() accounts for model states and
@@ -97,7 +95,7 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
   rows_.resize(size_t(world) * width);
   const Tensor gathered = as_halves(rows_.data(), rows_.size(), nullptr);
   const auto done = parts_.control->all_gather(
-      CollectiveKey{CollectiveKind::kAllGather, -1, kNormsPurpose, gathered.numel()},
+      control_key(CollectiveKind::kAllGather, ControlPurpose::kNorms, gathered.numel()),
       as_halves(box.slot(0), width, box.buffer()), gathered);
   b.host_wait(*done);  // the step's one blocking wait: the host decides on the sums
   Exchanged out;

@@ -50,7 +50,9 @@
 // an event recorded after the work using it has completed, as with any
 // asynchronous CUDA work; the backend keeps no references.
 //
-// Not yet run on a GPU (tests/gpu.sh runs cuda/tests/test_cuda_backend.cpp).
+// Its GPU tests (cuda/tests/test_cuda_backend.cpp, run by tests/gpu.sh) and
+// the engine's (stages 0-3 and offload at world size 1) ran on an H200,
+// twice (bench/RESULTS.md); several ranks on GPUs have not run.
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -151,6 +153,12 @@ class CudaBackend : public Backend {
   // Whether a kernel over `operands` runs on the host (all host memory) or
   // on this device (all its memory); kernel_on_host's error otherwise.
   bool runs_on_host(const std::string& op, const KernelOperands& operands) const;
+  // The kernels' one dispatch: on_host() as a host function in `stream`'s
+  // order where runs_on_host, else on_device(the stream's cudaStream_t).
+  // Used (and defined) in cuda_backend.cpp only.
+  template <typename OnHost, typename OnDevice>
+  void dispatch(Stream& stream, const std::string& op, const KernelOperands& operands, OnHost on_host,
+                OnDevice on_device);
 
   const int device_;
   const CudaBackendOptions options_;

@@ -28,7 +28,8 @@
 #include "zerocore/backend/mailbox.h"
 #include "zerocore/backend/memory.h"
 #include "zerocore/backend/stream.h"
-#include "zerocore/kernels/cpu_optim.h"
+#include "zerocore/kernels/flat_run.h"
+#include "zerocore/kernels/optim.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {
@@ -83,7 +84,8 @@ class Backend {
   // box[finite_slot] = 1 when every element is finite, else 0.
   virtual void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
                               int finite_slot) = 0;
-  // One optimizer step over every run of a partition (cpu_optim.h).
+  // One optimizer step over every run of a partition (cpu_optim.h's
+  // adam_update_runs and sgd_update_runs on the CPU).
   virtual void adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
                                 double grad_scale, const std::vector<FlatRun>& runs) = 0;
   virtual void sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,

@@ -27,16 +27,11 @@
 #include <vector>
 
 #include "zerocore/backend/cpu_backend.h"
+#include "zerocore/error.h"  // StreamOrderError
 
 namespace zerocore {
 
 class OrderChecker;
-
-// Two conflicting accesses from different streams with no wait ordering them.
-class StreamOrderError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 struct CheckingOptions {
   uint64_t seed = 0;  // of the delays

@@ -151,7 +151,7 @@ class CommQueue {
   // Its comm stream is a new stream of `backend`, which must outlive it, of
   // `plane`: kControl for a queue of the control plane (agreements, rounds,
   // the step's exchange: host data the host decides on), kDevice otherwise.
-  explicit CommQueue(std::unique_ptr<Transport> transport, Backend& backend = default_cpu_backend(),
+  explicit CommQueue(std::unique_ptr<Transport> transport, Backend& backend,
                      StreamPlane plane = StreamPlane::kDevice);
   // The queue of a rank alone (a group of one): every collective is the
   // identity on its data, so it is a copy on the comm stream where its

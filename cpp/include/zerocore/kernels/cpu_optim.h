@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "zerocore/kernels/flat_run.h"
 #include "zerocore/kernels/optim.h"
 #include "zerocore/tensor.h"
 
@@ -26,18 +27,6 @@ void adam_update(const AdamOptions& options, int64_t step, double grad_scale, co
 // gradient (as torch does when it creates the buffer).
 void sgd_update(const SgdOptions& options, int64_t step, double grad_scale, const Tensor& param,
                 const Tensor& grad, const Tensor& momentum_buffer, const Tensor& param_copy);
-
-// A stretch of a rank's partition whose elements all belong to one
-// optimizer param group: what a multi-run step updates. Undefined
-// (default-constructed) tensors mean "none".
-struct FlatRun {
-  int param_group = 0;  // index into the step's per-param-group options
-  Tensor param;       // fp32
-  Tensor grad;        // fp32, bf16 or fp16
-  Tensor state0;      // Adam exp_avg, SGD momentum buffer
-  Tensor state1;      // Adam exp_avg_sq
-  Tensor param_copy;  // bf16/fp16 copy of the new params
-};
 
 // One step over every run, in one pass of the thread pool, each run with
 // the options of its group: a whole partition in one call, however many

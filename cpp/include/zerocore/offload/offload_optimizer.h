@@ -36,8 +36,9 @@
 #include <memory>
 #include <vector>
 
-#include "zerocore/backend/cpu_backend.h"
-#include "zerocore/kernels/cpu_optim.h"
+#include "zerocore/backend/backend.h"
+#include "zerocore/kernels/flat_run.h"
+#include "zerocore/kernels/optim.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {
@@ -65,7 +66,7 @@ class OffloadOptimizer {
   // makes the two streams on it ("offload copy", "offload update"); the
   // second runs on the caller's (a backend's streams live as long as it
   // does, so a process making many optimizers passes the same two).
-  explicit OffloadOptimizer(std::vector<OffloadBucket> buckets, Backend& backend = default_cpu_backend());
+  OffloadOptimizer(std::vector<OffloadBucket> buckets, Backend& backend);
   OffloadOptimizer(std::vector<OffloadBucket> buckets, Backend& backend, Stream& copy, Stream& update);
   ~OffloadOptimizer();  // waits for the work in flight
   OffloadOptimizer(const OffloadOptimizer&) = delete;

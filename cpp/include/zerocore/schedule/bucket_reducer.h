@@ -39,10 +39,12 @@
 // and one that an early grad opened; a param whose grad comes before its
 // bucket holds staging is added instead, as is one that spans buckets.
 //
-//   open --all params reported--> ready --its turn--> in flight --event--> open
-//    (staging taken on the first grad,                  (shard added, staging back:
-//     or on its turn when views are handed out)          when a bucket needs staging
-//                                                        and none is free, or at the end)
+//   empty --first grad, or its views--> staging --all params reported, its turn--> issued
+//     (staging taken)                                (reduce-scatter in flight; once a bucket needs
+//                                                     staging and none is free, or at the end, the
+//                                                     shard is added and the staging goes back)
+//   issued --a grad after it--> late: staged again, reduced at the step once the ranks agree
+//   end of backward: issued -> empty, late -> staging (bucket_phase.h has every step)
 //
 // A grad partition in host memory (ZeRO-Offload's, stages 2-3) is filled
 // on a stream of the reducer's own ("grads down"): each reduced shard is
@@ -61,6 +63,7 @@
 #include "zerocore/comm/comm.h"
 #include "zerocore/flat_group_buffer.h"
 #include "zerocore/layout.h"
+#include "zerocore/schedule/bucket_phase.h"
 #include "zerocore/schedule/slot_pool.h"
 #include "zerocore/tensor.h"
 
@@ -147,8 +150,8 @@ class BucketReducer {
     int group, bucket;
     int params = 0;   // params with elements in this bucket
     int waiting = 0;  // of those, not yet reported this backward
-    int staging = -1; // pool slot holding its staged grads, if any: late ones once issued
-    bool issued = false;
+    BucketPhase phase = BucketPhase::kEmpty;
+    int staging = -1;     // the pool slot of its staged grads where holds_staging(phase)
     bool viewed = false;  // its params' views were handed out in this backward
   };
   struct InFlight {
@@ -159,7 +162,9 @@ class BucketReducer {
   void check_grad_part(const FlatGroupBuffer& group, const Tensor& grad_part) const;
   bool on_host(const Tensor& grad_part) const;  // host memory of the backend's (an offloaded partition)
   bool between_backwards() const;
-  int take_staging(BucketState& b);
+  int take_staging(int index);  // bucket index's staging slot, taken (zeroed) if it holds none
+  // Moves bucket `index` to phase `to` (advance, naming the bucket).
+  void advance_bucket(int index, BucketPhase to);
   // The param's grad view, or undefined (see grad_views).
   Tensor view(int group, int param);
   // Hands out the views of the params that lie in the bucket alone and have

@@ -5,9 +5,9 @@
 // plan whatever the system allocator does. A slot beyond the plan (units
 // nested deeper than planned, grads arriving far out of plan order) is an
 // arena of its own, made when first needed and kept, so it too is allocated
-// once; bytes() reports every slot. Slots are allocated through a Backend
-// (the plain CPU one unless given), so under the checking backend every
-// access to them is checked and a released slot can be poisoned.
+// once; bytes() reports every slot. Slots are allocated through the Backend
+// the pool is given, so under the checking backend every access to them is
+// checked and a released slot can be poisoned.
 #pragma once
 #include <algorithm>
 #include <cstddef>
@@ -15,19 +15,19 @@
 #include <string>
 #include <vector>
 
-#include "zerocore/backend/cpu_backend.h"
+#include "zerocore/backend/backend.h"
 #include "zerocore/tensor.h"
 
 namespace zerocore {
 
 class SlotPool {
  public:
-  SlotPool() = default;
+  SlotPool() = default;  // no slots and no backend: a place to assign a pool to
   // `planned` slots of `slot_elems` elements each (rounded up so every slot
   // starts on a cache line), memory of `kind` from `backend` (which must
   // outlive the pool), named `name` in the checker's reports.
-  SlotPool(DType dtype, int64_t slot_elems, int planned, Backend& backend = default_cpu_backend(),
-           MemoryKind kind = MemoryKind::kDevice, std::string name = "slot pool");
+  SlotPool(DType dtype, int64_t slot_elems, int planned, Backend& backend, MemoryKind kind = MemoryKind::kDevice,
+           std::string name = "slot pool");
 
   // A free slot, or -1 when all are taken.
   int try_acquire();
@@ -48,7 +48,7 @@ class SlotPool {
   size_t bytes() const { return slots_.size() * size_t(slot_elems_) * dtype_size(dtype_); }
 
  private:
-  Backend* backend_ = &default_cpu_backend();
+  Backend* backend_ = nullptr;
   MemoryKind kind_ = MemoryKind::kDevice;
   std::string name_;
   DType dtype_ = DType::kFloat32;

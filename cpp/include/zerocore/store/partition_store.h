@@ -36,10 +36,10 @@
 #include <utility>
 #include <vector>
 
-#include "zerocore/backend/cpu_backend.h"
+#include "zerocore/backend/backend.h"
 #include "zerocore/dtype.h"
 #include "zerocore/flat_group_buffer.h"
-#include "zerocore/kernels/cpu_optim.h"
+#include "zerocore/kernels/flat_run.h"
 #include "zerocore/layout.h"
 #include "zerocore/tensor.h"
 
@@ -102,8 +102,7 @@ class PartitionStore {
   // Throws InvalidArgument when rank is outside the plan's world size.
   // The buffers come from `backend` (which must outlive them), named
   // "<kind> of <name>" in the checker's reports.
-  PartitionStore(LayoutPlan plan, StorePlacement placement, Backend& backend = default_cpu_backend(),
-                 std::string name = "a flat group");
+  PartitionStore(LayoutPlan plan, StorePlacement placement, Backend& backend, std::string name = "a flat group");
 
   const LayoutPlan& plan() const { return plan_; }
   const StorePlacement& placement() const { return placement_; }
@@ -166,14 +165,9 @@ class PartitionStore {
   Span run_span(int64_t buffer_elems, int run) const;
   Span segment_span(int64_t buffer_elems, int segment) const;
 
-  // Views into `buf`, a whole or partition-sized buffer of this plan.
+  // Views into `buf`, a whole or partition-sized buffer of this plan: what
+  // an embedder's forward and backward read and write (cpp/examples).
   Tensor param_view(const Tensor& buf, int param) const { return at(buf, param_span(buf.numel(), param)); }
-  Tensor bucket_view(const Tensor& buf, int bucket) const { return at(buf, bucket_span(buf.numel(), bucket)); }
-  Tensor shard_view(const Tensor& whole, int bucket, int rank) const {
-    return at(whole, shard_span(whole.numel(), bucket, rank));
-  }
-  Tensor run_view(const Tensor& buf, int run) const { return at(buf, run_span(buf.numel(), run)); }
-  Tensor segment_view(const Tensor& buf, int segment) const { return at(buf, segment_span(buf.numel(), segment)); }
   // (first element of the param, view) of each piece of param in buf.
   std::vector<std::pair<int64_t, Tensor>> param_stretches(const Tensor& buf, int param) const;
 
@@ -182,8 +176,11 @@ class PartitionStore {
   std::vector<std::pair<int64_t, Tensor>> param_stretches(const std::string& kind, int param) const {
     return param_stretches(buffer(kind), param);
   }
-  Tensor bucket_view(const std::string& kind, int bucket) const { return bucket_view(buffer(kind), bucket); }
-  Tensor run_view(const std::string& kind, int run) const { return run_view(buffer(kind), run); }
+  // Run `run` of this store's buffer of `kind` (flat_runs' views).
+  Tensor run_view(const std::string& kind, int run) const {
+    const Tensor buf = buffer(kind);
+    return at(buf, run_span(buf.numel(), run));
+  }
 
  private:
   bool is_whole(int64_t buffer_elems) const;  // else partition-sized; throws for neither
