@@ -54,26 +54,40 @@ MEASURED = {0: (0, 0, 2), 1: (0, 0, 2), 2: (0, 1, 2), 3: (4, 5, 2)}
 MEASURED_LATE = (0, 1, 3)
 
 
-def _count(rank, world, stage, bucket_bytes, model_class=TinyLM):
-    model = make(model_class)
-    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                           zerocore.Config(stage=stage, **bucket_bytes))
+def _dense_loss(engine, x, y):
+    return lm_loss(engine(x), y)
+
+
+def _per_step(engine, rank, world, take, loss_of=_dense_loss):
+    """take()'s count (host or device waits) in each step's forward,
+    backward and engine.step(), for STEPS steps of this rank's batch."""
     counts = []
     for step in range(STEPS):
-        x, y = lm_batch(step, 0, world)
-        CHECKER.take_host_waits()
-        loss = lm_loss(engine(local(x, rank, world)), local(y, rank, world))
-        forward = CHECKER.take_host_waits()
+        x, y = (local(t, rank, world) for t in lm_batch(step, 0, world))
+        take()
+        loss = loss_of(engine, x, y)
+        forward = take()
         engine.backward(loss)
-        backward = CHECKER.take_host_waits()
+        backward = take()
         engine.step()
-        counts.append((forward, backward, CHECKER.take_host_waits()))
+        counts.append((forward, backward, take()))
         engine.zero_grad()
     engine.close()
     return counts
 
 
+def _count(rank, world, stage, bucket_bytes, model_class=TinyLM):
+    model = make(model_class)
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                           zerocore.Config(stage=stage, **bucket_bytes))
+    return _per_step(engine, rank, world, CHECKER.take_host_waits)
+
+
 MOE = dict(vocab=40, n_layer=2, n_head=2, d_model=16, seq_len=12, n_experts=3)
+
+
+def _moe_loss(engine, x, y):
+    return engine(x % MOE["vocab"], y % MOE["vocab"])["loss"]
 
 
 def _device_waits(rank, world, cases):
@@ -84,21 +98,8 @@ def _device_waits(rank, world, cases):
         model = make(TinyLM) if model_name == "dense" else MoEGPT(MoEConfig(**MOE), seed=0)
         engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                zerocore.Config(stage=stage, dtype=dtype))
-        counts = []
-        for step in range(STEPS):
-            x, y = lm_batch(step, 0, world)
-            x, y = local(x, rank, world) % MOE["vocab"], local(y, rank, world) % MOE["vocab"]
-            CHECKER.take_device_waits()
-            output = engine(x) if model_name == "dense" else engine(x, y)
-            loss = lm_loss(output, y) if model_name == "dense" else output["loss"]
-            forward = CHECKER.take_device_waits()
-            engine.backward(loss)
-            backward = CHECKER.take_device_waits()
-            engine.step()
-            counts.append((forward, backward, CHECKER.take_device_waits()))
-            engine.zero_grad()
-        engine.close()
-        out[(stage, dtype, model_name)] = counts[1:]
+        loss_of = _moe_loss if model_name == "moe" else _dense_loss
+        out[(stage, dtype, model_name)] = _per_step(engine, rank, world, CHECKER.take_device_waits, loss_of)[1:]
     return out
 
 
