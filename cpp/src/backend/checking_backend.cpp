@@ -45,8 +45,12 @@ std::shared_ptr<Buffer> CheckingCpuBackend::allocate(MemoryKind kind, size_t byt
 Stream& CheckingCpuBackend::create_stream(const std::string& name, StreamPlane plane) {
   Stream& stream = CpuBackend::create_stream(name, plane);
   std::lock_guard<std::mutex> lock(mutex_);
-  delays_.emplace_back(options_.seed + uint64_t(index_of(stream)));
-  planes_.push_back(plane);
+  // By index: streams made on two threads at once may arrive here in either order.
+  const size_t index = size_t(index_of(stream));
+  if (delays_.size() <= index) delays_.resize(index + 1);
+  delays_[index].seed(options_.seed + uint64_t(index));
+  if (planes_.size() <= index) planes_.resize(index + 1, StreamPlane::kDevice);
+  planes_[index] = plane;
   return stream;
 }
 
