@@ -90,10 +90,10 @@ void test_args() {
   CHECK(has(message_of<InvalidArgument>([&] { gpu.sum_of_squares(s, {dev, host}, box, 0, 1); }),
             "sum_of_squares: xs[1] is host memory and xs[0] device memory"));
   const FlatRun run{0, dev, host, dev, dev, Tensor()};
-  CHECK(has(message_of<InvalidArgument>([&] { gpu.adam_update_runs(s, {AdamOptions{}}, 1, 1.0, {run}); }),
+  CHECK(has(message_of<InvalidArgument>([&] { gpu.adam_update_runs(s, {AdamOptions{}}, 1, 1.0, {run}, Tensor()); }),
             "adam_update_runs: run 0's grad is host memory and run 0's param device memory"));
   const FlatRun copy_elsewhere{0, dev, dev, dev, Tensor(), other};
-  CHECK(has(message_of<InvalidArgument>([&] { gpu.sgd_update_runs(s, {SgdOptions{}}, 1, 1.0, {copy_elsewhere}); }),
+  CHECK(has(message_of<InvalidArgument>([&] { gpu.sgd_update_runs(s, {SgdOptions{}}, 1, 1.0, {copy_elsewhere}, Tensor()); }),
             "sgd_update_runs: run 0's param_copy is on cuda:1"));
 
   if (cuda_device_count() == 0) {
@@ -289,15 +289,15 @@ void test_updates(CudaBackend& g, CpuBackend& cpu, std::mt19937& rng, bool sgd) 
       a.weight_decay = 0.1;
       b.momentum = 0.8;
       b.nesterov = true;
-      cpu.sgd_update_runs(cpu.compute_stream(), {a, b}, step, 0.5, host_runs);
-      g.sgd_update_runs(g.compute_stream(), {a, b}, step, 0.5, dev_runs);
+      cpu.sgd_update_runs(cpu.compute_stream(), {a, b}, step, 0.5, host_runs, Tensor());
+      g.sgd_update_runs(g.compute_stream(), {a, b}, step, 0.5, dev_runs, Tensor());
     } else {
       AdamOptions a, b;
       a.weight_decay = 0.1;
       b.adamw = false;
       b.lr = 3e-3;
-      cpu.adam_update_runs(cpu.compute_stream(), {a, b}, step, 0.5, host_runs);
-      g.adam_update_runs(g.compute_stream(), {a, b}, step, 0.5, dev_runs);
+      cpu.adam_update_runs(cpu.compute_stream(), {a, b}, step, 0.5, host_runs, Tensor());
+      g.adam_update_runs(g.compute_stream(), {a, b}, step, 0.5, dev_runs, Tensor());
     }
   }
   for (size_t k = 0; k < host_runs.size(); ++k) {

@@ -156,11 +156,15 @@ void bind_backend(nb::module_& m) {
                                           "poison, host waits counted.")
       .def(
           "__init__",
-          [](BoundChecking* self, uint64_t seed, int64_t min_delay_us, int64_t max_delay_us, bool throw_on_violation) {
+          [](BoundChecking* self, uint64_t seed, int64_t min_delay_us, int64_t max_delay_us, bool throw_on_violation,
+             bool compute_inline) {
             new (self) BoundChecking(std::make_unique<CheckingCpuBackend>(
-                CheckingOptions{seed, min_delay_us, max_delay_us, throw_on_violation}));
+                CheckingOptions{seed, min_delay_us, max_delay_us, throw_on_violation, compute_inline}));
           },
-          "seed"_a = 0, "min_delay_us"_a = 0, "max_delay_us"_a = 200, "throw_on_violation"_a = true)
+          "seed"_a = 0, "min_delay_us"_a = 0, "max_delay_us"_a = 200, "throw_on_violation"_a = true,
+          "compute_inline"_a = true,
+          "compute_inline=False: the engine treats the compute stream as a GPU's (a step's device verdict is "
+          "read at a later exchange), though it runs on the calling thread.")
       .def("violations", [](BoundChecking& b) { return b.get().violations(); },
            "The violations found so far, each naming both accesses and the buffer.")
       .def("check", [](BoundChecking& b) { b.get().check(); }, "Raises StreamOrderError if any violation was found.")

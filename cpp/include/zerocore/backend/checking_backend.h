@@ -41,6 +41,10 @@ struct CheckingOptions {
   int64_t max_delay_us = 200;
   // Raise at the violating call; otherwise only count it (see check()).
   bool throw_on_violation = true;
+  // What compute_runs_inline() says: false makes the engine treat the
+  // compute stream as a GPU's (the step reads its device verdicts when a
+  // later exchange comes), though it still runs on the calling thread.
+  bool compute_inline = true;
 };
 
 class CheckingCpuBackend : public CpuBackend {
@@ -56,6 +60,7 @@ class CheckingCpuBackend : public CpuBackend {
   std::shared_ptr<StreamEvent> record(Stream& stream) override;
   void wait(Stream& stream, const StreamEvent& event) override;
   void host_wait(const StreamEvent& event) override;
+  bool compute_runs_inline() const override { return options_.compute_inline; }
   bool query(const StreamEvent& event) override;
   std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) override;
 
