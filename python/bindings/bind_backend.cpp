@@ -6,6 +6,7 @@
 // backend. Waits and closing release the GIL: work on a backend's streams
 // may drop the last reference to a torch tensor, which takes it.
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -172,6 +173,11 @@ void bind_backend(nb::module_& m) {
       .def("take_host_waits", [](BoundChecking& b) { return b.get().take_host_waits(); },
            "The host waits since the last call, resetting the count (once a step).")
       .def("device_waits", [](BoundChecking& b) { return b.get().device_waits(); })
+      .def("device_allocations", [](BoundChecking& b) { return b.get().device_allocations(); },
+           "allocate() calls for device memory so far.")
+      .def("device_work", [](BoundChecking& b) { return b.get().device_work(); },
+           "(operations enqueued on device-plane streams, those of them the host is ordered after): the host's "
+           "lead over the device, by the checker's clocks.")
       .def("take_device_waits", [](BoundChecking& b) { return b.get().take_device_waits(); },
            "Of the host waits since the last call, those that waited for device work (a device-plane stream's, "
            "checking_backend.h), resetting the count.");
