@@ -133,16 +133,19 @@ def _collectives_a_step(rank, world, coalesce_bytes):
         x, _ = lm_batch(step, 0, world)
         rounds = engine.scheduler.native.rounds
         engine.backward(engine(x.chunk(world)[rank]).square().mean())
-        data = len(engine.comm.trace)  # restarted at the step's order check: this step's gathers and reductions
+        # Restarted at the step's order check: this step's gathers and reductions (on a queue of their own).
+        data = len(engine.comm.trace) + len(engine.reduce_comm.trace)
         engine.step()
         engine.zero_grad()
         counts.append((data, engine.scheduler.native.rounds - rounds))
     # The plan: each unit gathered for its forward and again for its
     # backward, one all-gather a bucket of each group, except the root,
-    # gathered once; one reduce-scatter a bucket of each trainable group.
+    # gathered once; one reduce-scatter a bucket of each trainable group;
+    # and the step's verdict on finite grads, summed over ranks (fp32: the
+    # step decides on the device).
     buckets = [sum(len(g.buckets) for g in u.groups) for u in engine.units]
     planned = buckets[0] + 2 * sum(buckets[1:]) + sum(len(g.buckets) for u in engine.units for g in u.groups
-                                                      if g.trainable)
+                                                      if g.trainable) + 1
     return counts[1:], planned, len(engine.units)
 
 
@@ -150,7 +153,7 @@ def test_collectives_a_step_are_the_plans():
     (coalesced, plan, units), _ = run_ranks(_collectives_a_step, 2, None)
     (single, single_plan, single_units), _ = run_ranks(_collectives_a_step, 2, 0)
     assert (units, single_units) == (2, 7)
-    assert plan == 2 + 2 + 1  # the root: a gather and a reduction; the run: two gathers and a reduction
+    assert plan == 2 + 2 + 1 + 1  # the root: a gather and a reduction; the run: two gathers and a reduction; the verdict
     assert all(data == plan for data, _ in coalesced), coalesced
     assert all(data == single_plan for data, _ in single), single
     # A round per unit hook that needs params, and the passes' ends: fewer units, fewer rounds.

@@ -65,10 +65,12 @@ def test_injected_bucket_mismatch_raises_on_every_rank(stage, tamper):
 
 
 def _diverge_late(rank, world):
-    """Rank 1 swaps two equal buckets after more collectives than the trace keeps."""
+    """Rank 1 swaps two equal buckets after more collectives than the
+    traces keep (the data queue's 3, the reductions' queue's none)."""
     model = make()
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3, "bucket_bytes": 1024})
     engine.comm.TRACE_LIMIT = 3
+    engine.reduce_comm.TRACE_LIMIT = 0
     _swap_equal_buckets_on_rank_1(engine, rank)
     x, y = lm_batch(0, 0, world)
     with torch.no_grad():

@@ -80,6 +80,7 @@ def _record_keys(rank, world, stage):
                            zerocore.Config(stage=stage, bucket_bytes=256))
     engine_train(engine, rank, world, 2, 1)
     groups = {"data": engine.comm.group, "control": engine.control.group,
+              "reductions": engine.reduce_comm.group if engine.reduce_comm else None,
               "rounds": engine.rounds_comm.group if stage == 3 else None}
     backends = {name: dist.get_backend(g) for name, g in groups.items() if g is not None}
     engine.close()
@@ -103,9 +104,13 @@ def test_control_traffic_goes_on_the_control_group(stage):
         assert set(gathers) == {Purpose.NORMS, Purpose.AGREEMENT, Purpose.MICRO_BATCHES}
         assert gathers.count(Purpose.NORMS) == 2
         assert [kind for kind, _, _, _ in control if kind != Kind.ALL_GATHER] == []
-        # The data group: data collectives and the model's broadcasts only.
+        # The data group: data collectives and the model's broadcasts only;
+        # stages 2-3's reductions on a group of their own, reduce-scatters only.
         for kind, group, bucket, _ in by_group["data"]:
             assert group >= 0 or (kind, bucket) == (Kind.BROADCAST, Purpose.BROADCASTS), (kind, bucket)
+        reductions = by_group["reductions"]
+        assert (stage >= 2) == bool(reductions)
+        assert all(kind == Kind.REDUCE_SCATTER and group >= 0 for kind, group, _, _ in reductions), reductions
         if stage == 3:
             rounds = by_group["rounds"]
             assert rounds and all((group, bucket) == (zcomm._CONTROL, Purpose.ROUND) for _, group, bucket, _ in rounds)

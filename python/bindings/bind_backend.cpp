@@ -175,6 +175,10 @@ void bind_backend(nb::module_& m) {
       .def("device_waits", [](BoundChecking& b) { return b.get().device_waits(); })
       .def("device_allocations", [](BoundChecking& b) { return b.get().device_allocations(); },
            "allocate() calls for device memory so far.")
+      .def("ordered_after", [](BoundChecking& b, const Stream& stream, const Stream& of) {
+             return b.get().ordered_after(stream, of);
+           }, "stream"_a, "of"_a,
+           "(operations enqueued on `of`, of them those `stream` is ordered after), by the checker's clocks.")
       .def("device_work", [](BoundChecking& b) { return b.get().device_work(); },
            "(operations enqueued on device-plane streams, those of them the host is ordered after): the host's "
            "lead over the device, by the checker's clocks.")

@@ -141,9 +141,10 @@ void bind_step(nb::module_& m) {
           "__init__",
           [](ZeroStep* self, const BoundQueue& data, const BoundQueue& control, const FlatRuns* runs,
              bool partitioned, BucketCollectives* grad_reduce, BucketCollectives* param_gather, UnitSchedule* units,
-             LossScaler* loss_scaler, HostUpdate* host_update) {
+             LossScaler* loss_scaler, HostUpdate* host_update, const BoundQueue* reductions) {
             ZeroStep::Parts parts{&data.get(), &control.get(), runs ? runs->runs : std::vector<FlatRun>{},
                                   partitioned, grad_reduce, param_gather};
+            parts.reductions = reductions ? &reductions->get() : nullptr;
             parts.units = units;
             parts.loss_scaler = loss_scaler;
             parts.host_update = host_update;
@@ -151,13 +152,14 @@ void bind_step(nb::module_& m) {
           },
           "data"_a, "control"_a, "runs"_a.none(), nb::kw_only(), "partitioned"_a, "grad_reduce"_a.none() = nb::none(),
           "param_gather"_a.none() = nb::none(), "units"_a.none() = nb::none(), "loss_scaler"_a.none() = nb::none(),
-          "host_update"_a.none() = nb::none(), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(),
-          nb::keep_alive<1, 4>(), nb::keep_alive<1, 6>(), nb::keep_alive<1, 7>(), nb::keep_alive<1, 8>(),
-          nb::keep_alive<1, 9>(), nb::keep_alive<1, 10>(),
+          "host_update"_a.none() = nb::none(), "reductions"_a.none() = nb::none(), nb::keep_alive<1, 2>(),
+          nb::keep_alive<1, 3>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 6>(), nb::keep_alive<1, 7>(),
+          nb::keep_alive<1, 8>(), nb::keep_alive<1, 9>(), nb::keep_alive<1, 10>(), nb::keep_alive<1, 11>(),
           "runs: this rank's partition, updated in place (None with a host_update: offload's HostUpdate, which "
           "the step drives itself); partitioned: ranks hold disjoint parts of the grads; grad_reduce: stages "
           "0-1's reduction; param_gather: stages 1-2's gather; units: stage 3's UnitSchedule (its end-of-step "
-          "round); loss_scaler: the LossScaler.")
+          "round); loss_scaler: the LossScaler; reductions: stages 2-3's reducer's queue, where it is not the data "
+          "queue (its order is checked too).")
       .def("set_grad_reducer", &ZeroStep::set_grad_reducer, "reducer"_a, nb::keep_alive<1, 2>(),
            "Stages 2-3: the BucketReducer whose late grads the exchange agrees on and reduces.")
       .def(

@@ -107,14 +107,16 @@ class Communicator:
     Config.nccl, for the data plane on CUDA: "native" makes the queue over
     zerocore's own NCCL transport (zerocore/nccl.py) instead of a
     ProcessGroupTransport, also for a group of one (else a rank alone's
-    queue), the one way to run the engine over it on a single GPU."""
+    queue), the one way to run the engine over it on a single GPU. names:
+    the CollectiveNames of the Communicator of the same flat groups (the
+    reductions' beside the data's); None: its own."""
 
     def __init__(self, group, fails_with=None, control=None, *,
-                 backend, plane=_native.StreamPlane.DEVICE, nccl="torch"):
+                 backend, plane=_native.StreamPlane.DEVICE, nccl="torch", names=None):
         self.group = group
         self.distributed = group is not None
         self.backend = backend
-        self.names = CollectiveNames()
+        self.names = names if names is not None else CollectiveNames()
         self.failure = fails_with.failure if fails_with is not None else Failure()
         if nccl == "native" and not devices.is_cuda(backend):
             raise ValueError("zerocore: Config(nccl=\"native\") issues the data plane's collectives with NCCL on "

@@ -135,10 +135,17 @@ class Engine(Training, StateIO, Reports):
             self.comm.queue, CollectiveKind.ALL_GATHER,
             [g.store.group_buffer(g.tag, "full") for g in gathered]) if gathered else None
         self.scheduler = None
+        # Stages 2-3 reduce during backward on a queue of their own (its own
+        # stream and process group, as FSDP2's reduce-scatter stream), so no
+        # gather waits behind a reduction queued before it.
+        self.reduce_comm = None
         if not placement.partitions_grads:
             self.reducer = FullGradReducer(self.groups, self.comm, placement)
         else:
-            self.reducer = StagedReducer(self.groups, self.comm, staging_buffers(self.groups, self.units),
+            self.reduce_comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.comm,
+                                            control=self.control, backend=self.backend, nccl=cfg.nccl,
+                                            names=self.comm.names)
+            self.reducer = StagedReducer(self.groups, self.reduce_comm, staging_buffers(self.groups, self.units),
                                          on_request=placement.partitions_params)
         if placement.partitions_params:
             # The rounds run on a host process group of their own, so that none waits
@@ -164,7 +171,8 @@ class Engine(Training, StateIO, Reports):
             partitioned=placement.partitions_optimizer,
             grad_reduce=None if placement.partitions_grads else self.reducer.collectives,
             param_gather=self.param_gather, units=self.scheduler.native if self.scheduler else None,
-            loss_scaler=self.scaler.native, host_update=self.update.host if offload else None)
+            loss_scaler=self.scaler.native, host_update=self.update.host if offload else None,
+            reductions=self.reduce_comm.queue if self.reduce_comm else None)
         if placement.partitions_grads:
             self.reducer.late_grads_to(self.zero_step)
         # Stage 3: module.state_dict() and load_state_dict() refuse while params are released.
@@ -207,7 +215,7 @@ class Engine(Training, StateIO, Reports):
         self._cast_buffers(lambda name, _: self._buffer_dtypes[name])  # rank 0's values since full_state_dict
         del module._zerocore_engine
         release_optimizer(self.optimizer)
-        comms = [self.comm, self.rounds_comm if self.scheduler else None, self.control]
+        comms = [self.comm, self.reduce_comm, self.rounds_comm if self.scheduler else None, self.control]
         for comm in filter(None, comms):  # what is in flight (stage 3's prefetch for the next forward) lands first
             comm.close()
         self.__dict__.clear()  # the native objects and buffers go

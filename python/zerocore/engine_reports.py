@@ -60,9 +60,13 @@ class Reports:
         step's norm exchange, buffer broadcasts) is not counted. With
         offload_optimizer, "offload" adds the bytes copied between the device
         and the host: {"grad_bytes_to_host", "param_bytes_to_device"}."""
-        return {**self.comm.stats, **self.update.stats()}
+        moved = self.comm.stats
+        if self.reduce_comm:
+            moved.update(self.reduce_comm.stats)  # Counter.update adds
+        return {**moved, **self.update.stats()}
 
     def reset_comm_stats(self):
         """Starts a new comm_stats() window at zero."""
-        self.comm.reset_stats()
+        for comm in filter(None, (self.comm, self.reduce_comm)):
+            comm.reset_stats()
         self.update.reset_stats()

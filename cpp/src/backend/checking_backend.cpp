@@ -110,6 +110,12 @@ std::pair<uint64_t, uint64_t> CheckingCpuBackend::device_work() {
   return {enqueued, seen};
 }
 
+std::pair<uint64_t, uint64_t> CheckingCpuBackend::ordered_after(const Stream& stream, const Stream& of) {
+  const size_t theirs = size_t(clock_index(of));
+  const std::vector<uint64_t> own = checker_->clock(int(theirs)), mine = checker_->clock(clock_index(stream));
+  return {theirs < own.size() ? own[theirs] : 0, theirs < mine.size() ? mine[theirs] : 0};
+}
+
 bool CheckingCpuBackend::query(const StreamEvent& event) {
   if (!CpuBackend::query(event)) return false;
   // Seeing the event complete orders the host after it, as a host wait does.

@@ -71,8 +71,21 @@ ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)), verdict_(backend_of(
     throw InvalidArgument("ZeroStep: the data and control queues run on different backends; make both on the "
                           "engine's (the exchange reads a row the data queue's backend writes)");
   }
+  const CommQueue* reductions = parts_.reductions;
+  if (reductions != nullptr && (reductions->world_size() != parts_.data->world_size() ||
+                                &reductions->backend() != &parts_.data->backend())) {
+    throw InvalidArgument("ZeroStep: the reductions' queue must span the data queue's ranks on its backend");
+  }
   for (const FlatRun& run : parts_.runs) grads_.push_back(run.grad);
   size_row();
+}
+
+uint64_t ZeroStep::fingerprint_of_queues() const {
+  const uint64_t data = parts_.data->fingerprint();
+  if (parts_.reductions == nullptr) return data;
+  // Which queue issued what matters too: the reductions' rotated in.
+  const uint64_t reductions = parts_.reductions->fingerprint();
+  return data ^ ((reductions << 17) | (reductions >> 47)) ^ 0x9e3779b97f4a7c15ull;
 }
 
 void ZeroStep::set_grad_reducer(BucketReducer* reducer) {
@@ -100,7 +113,7 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late, bool
     if (late[i]) bits[i / kLateBits] |= uint64_t(1) << (i % kLateBits);
   }
   box.write(kChanges, double(changes));
-  const double fingerprint = double(parts_.data->fingerprint() >> 12);
+  const double fingerprint = double(fingerprint_of_queues() >> 12);
   box.write(kFingerprint, fingerprint);
   box.write(kWithSum, with_sum ? 1.0 : 0.0);
   box.write(kRefused, double(verdict_read_));
@@ -138,8 +151,15 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late, bool
     for (size_t w = 0; w < any.size(); ++w) any[w] |= uint64_t(theirs[kHead + w]);
     for (size_t i = 0; i < out.unit_flags.size(); ++i) out.unit_flags[i] += float(theirs[flags_at + i]);
   }
-  std::vector<CollectiveKey> trace = diverged ? parts_.data->trace() : std::vector<CollectiveKey>{};
-  parts_.data->restart_trace();
+  std::vector<CollectiveKey> trace;
+  for (CommQueue* queue : {parts_.data, parts_.reductions}) {
+    if (queue == nullptr) continue;
+    if (diverged) {  // the data queue's keys, then the reductions'
+      const std::vector<CollectiveKey> keys = queue->trace();
+      trace.insert(trace.end(), keys.begin(), keys.end());
+    }
+    queue->restart_trace();
+  }
   if (diverged) {
     throw CollectiveOrderDiverged(
         "zerocore: ranks issued different collectives since the last step (their order fingerprints differ). "

@@ -94,6 +94,9 @@ class CheckingCpuBackend : public CpuBackend {
   // while the second number stays put ran ahead of the host's knowledge: on
   // a GPU the host got that far before the device finished any of it.
   std::pair<uint64_t, uint64_t> device_work();
+  // (operations enqueued on `of`, of them the ones `stream` is ordered
+  // after): whether work on `stream` could have waited behind `of`'s.
+  std::pair<uint64_t, uint64_t> ordered_after(const Stream& stream, const Stream& of);
   // allocate() calls for device memory so far: steady-state training makes
   // none (on CUDA each would be a cudaMalloc, a host synchronisation).
   int64_t device_allocations() const { return device_allocations_.load(); }

@@ -125,6 +125,10 @@ class ZeroStep {
     // step lets a pending (delayed) update's params go up instead, since
     // the next forward must read them.
     HostUpdate* host_update = nullptr;
+    // Stages 2-3: the reducer's queue, where it is not `data` (reductions on
+    // a stream and group of their own, so no gather waits behind one): its
+    // order fingerprint is checked with the data queue's.
+    CommQueue* reductions = nullptr;
   };
 
   explicit ZeroStep(Parts parts);
@@ -184,6 +188,8 @@ class ZeroStep {
   Exchanged exchange_rows(int64_t changes, std::vector<bool>& late, bool with_sum);
   // exchange(), the sum taken and exchanged only `with_sum`.
   const Exchanged& take_grads(int64_t changes, bool with_sum);
+  // The data queue's order fingerprint, folded with the reductions' queue's.
+  uint64_t fingerprint_of_queues() const;
   // Whether this step decides on the device: the host reads nothing.
   bool decides_on_device(const StepOptions& options) const;
   // Step `first` was refused (agreed on every rank), and every step after
