@@ -38,7 +38,7 @@ with MALLOC_MMAP_THRESHOLD_=1048576): zero3 step time <= 0.85x FSDP2's, zero3
 "train" memory (peak RSS growth) <= 0.8x FSDP2's, zero3 peak RSS below DDP's,
 zero1 and zero2 step time within 5% of DDP's. Each prints PASS or MISS.
 
-Stage 3's ranks agree on every gather in rounds (docs/design.md, section 6);
+Stage 3's ranks agree on every gather in rounds (docs/runtime.md);
 zero3 also reports the rounds per step and the time spent in their
 all-reduces as a share of the step (information: it includes waiting for
 the slower rank, which without rounds is spent waiting elsewhere). To

@@ -22,7 +22,7 @@
 // queue's), on its compute stream: the sum lands in this rank's row of the
 // exchange, a mailbox the control queue's all-gather reads once its stream
 // waited for the compute stream. So the host blocks once an exchange, for
-// the all-gather, whose rows it decides on (docs/design.md, the step).
+// the all-gather, whose rows it decides on (docs/runtime.md, "The step").
 #pragma once
 #include <cstdint>
 #include <memory>
