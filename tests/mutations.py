@@ -3,7 +3,7 @@ collect this file). Each mutation plants one bug that a rebuild of the
 runtime could bring into a scratch copy of the repository (the working tree
 as it is now, with the native module built here; a C++ mutation rebuilds
 it), runs the fast tests meant to catch it, and reports whether they did
-and which tests failed. tests/README.md has the last results.
+and which tests failed. docs/status.md has the last results.
 
     python tests/mutations.py                    # every mutation, after an unmutated run
     python tests/mutations.py skip-clipping ...  # some of them
