@@ -17,10 +17,12 @@ zerocore's rate over the copy's. The best of --repeats runs is reported
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -32,8 +34,6 @@ import torch.multiprocessing as mp
 
 import zerocore
 from zerocore.examples.gpt import GPT, GPTConfig
-
-import _harness as harness
 
 
 def _copy(src_files, dst_dir):
@@ -93,7 +93,7 @@ def _measure(rank, args, port, root, results):
 
 
 def main():
-    parser = harness.parser(__doc__, worker=False)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--layers", type=int, default=8)
@@ -102,7 +102,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = parser.parse_args()
-    port = harness.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     root = tempfile.mkdtemp(dir=args.dir, prefix="zerocore-ckpt-bench-")
     results = mp.get_context("fork").SimpleQueue()
     try:
