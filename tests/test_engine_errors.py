@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import zerocore
+from zerocore import _native
 from dist_harness import RankError, run_ranks
 from models import TinyLM, lm_batch, lm_loss, local, make
 
@@ -184,6 +185,54 @@ def test_nan_loss_raises_on_every_rank_and_changes_nothing(stage, dtype):
         assert "bad data" in r["error"] and "engine.zero_grad() on every rank" in r["error"], r["error"]
         _assert_same_snapshot(r["unchanged"], r["after"])
         assert r["applied_next"] is True
+
+
+def _refused_later(rank, world, stage):
+    """As on a GPU (the checking backend's compute_inline=False), a NaN loss
+    on rank 1 at step 2 is refused on the device and named at step 3's
+    exchange; then a NaN at step 5 (the last) is named by full_state_dict.
+    Returns each error, the step counts, and the params against a twin that
+    trained only the batches that applied (1 and 4), on the plain backend."""
+    backend = _native.CheckingBackend(seed=rank, compute_inline=False)
+    model, twin_model = make(), make()
+    engine = zerocore.wrap(model, adamw(model), {"stage": stage, "bucket_bytes": 512}, backend=backend)
+    twin = zerocore.wrap(twin_model, adamw(twin_model), {"stage": stage, "bucket_bytes": 512})
+    out = {}
+
+    def train_step(e, step, factor=1.0):
+        x, y = lm_batch(step, 0, world)
+        loss = lm_loss(e(local(x, rank, world)), local(y, rank, world))
+        e.backward(loss * factor if rank == 1 else loss)
+        try:
+            e.step()
+        except zerocore.NonFiniteGradientError as error:
+            out[f"error at {step}"] = str(error)
+            out[f"count after {step}"] = e.step_count
+        e.zero_grad()
+
+    for step, factor in [(1, 1.0), (2, math.nan), (3, 1.0), (4, 1.0), (5, math.nan)]:
+        train_step(engine, step, factor)
+    try:
+        engine.full_state_dict()
+    except zerocore.NonFiniteGradientError as error:
+        out["error at full_state_dict"] = str(error)
+    out["final count"] = engine.step_count
+    for step in (1, 4):
+        train_step(twin, step)
+    out["same"] = all(torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(),
+                                                        twin.full_state_dict().values()))
+    backend.check()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_step_refused_on_the_device_is_named_later_on_every_rank(stage):
+    for r in run_ranks(_refused_later, 2, stage):
+        assert set(r) == {"error at 3", "count after 3", "error at full_state_dict", "final count", "same"}, r
+        assert "gradients of step 2 held inf/NaN" in r["error at 3"] and "back to 1" in r["error at 3"], r
+        assert r["count after 3"] == 1
+        assert "gradients of step 3 held inf/NaN" in r["error at full_state_dict"], r  # the 5th batch: step 3
+        assert r["final count"] == 2 and r["same"], r
 
 
 def _fail(grad):

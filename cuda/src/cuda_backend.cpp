@@ -343,18 +343,29 @@ void CudaBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, 
            [&](cudaStream_t h) { cuda_sum_of_squares(xs, device_, sum, finite, h); });
 }
 
+void CudaBackend::count_nonfinite(Stream& stream, const std::vector<Tensor>& xs, const Tensor& counter) {
+  KernelOperands operands = sum_operands(xs);
+  operands.emplace_back("counter", &counter);
+  dispatch(stream, "count_nonfinite", operands, [xs, counter] { count_nonfinite_into(xs, counter); },
+           [&](cudaStream_t h) { cuda_count_nonfinite(xs, device_, counter, h); });
+}
+
 void CudaBackend::adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
-                                   double grad_scale, const std::vector<FlatRun>& runs) {
-  dispatch(stream, "adam_update_runs", update_operands(runs),  // on the host: the offloaded step
-           [groups, step, grad_scale, runs] { zerocore::adam_update_runs(groups, step, grad_scale, runs); },
-           [&](cudaStream_t h) { cuda_adam_update_runs(groups, step, grad_scale, runs, h); });
+                                   double grad_scale, const std::vector<FlatRun>& runs, const Tensor& skip_if) {
+  dispatch(stream, "adam_update_runs", update_operands(runs, skip_if),  // on the host: the offloaded step
+           [groups, step, grad_scale, runs, skip_if] {
+             if (!skipped(skip_if)) zerocore::adam_update_runs(groups, step, grad_scale, runs);
+           },
+           [&](cudaStream_t h) { cuda_adam_update_runs(groups, step, grad_scale, runs, h, skip_if.data_as<float>()); });
 }
 
 void CudaBackend::sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,
-                                  double grad_scale, const std::vector<FlatRun>& runs) {
-  dispatch(stream, "sgd_update_runs", update_operands(runs),
-           [groups, step, grad_scale, runs] { zerocore::sgd_update_runs(groups, step, grad_scale, runs); },
-           [&](cudaStream_t h) { cuda_sgd_update_runs(groups, step, grad_scale, runs, h); });
+                                  double grad_scale, const std::vector<FlatRun>& runs, const Tensor& skip_if) {
+  dispatch(stream, "sgd_update_runs", update_operands(runs, skip_if),
+           [groups, step, grad_scale, runs, skip_if] {
+             if (!skipped(skip_if)) zerocore::sgd_update_runs(groups, step, grad_scale, runs);
+           },
+           [&](cudaStream_t h) { cuda_sgd_update_runs(groups, step, grad_scale, runs, h, skip_if.data_as<float>()); });
 }
 
 void CudaBackend::enqueue(Stream& stream, const std::string&, const std::vector<Access>&, std::function<void()> body) {

@@ -80,8 +80,9 @@ struct SgdAt {
 template <class Update, class G, class C, class Coefs>
 __global__ void __launch_bounds__(kThreads)
     update_runs_kernel(const DeviceRun* runs, int num_runs, int64_t chunks,
-                       const __grid_constant__ CoefTable<Coefs> coefs) {
+                       const __grid_constant__ CoefTable<Coefs> coefs, const float* skip_if) {
   constexpr int kPack = CudaPack4Ops::width;
+  if (skip_if != nullptr && *skip_if != 0.0f) return;  // refused on the device (Backend::adam_update_runs)
   for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
     const DeviceRun r = runs[cuda_detail::entry_of(runs, num_runs, chunk)];
     const Coefs& c = coefs.param_group[r.param_group];
@@ -102,7 +103,8 @@ __global__ void __launch_bounds__(kThreads)
 // One launch over `runs`, whose grads all have element type G and copies
 // type C.
 template <class Update, class G, class C, class Coefs>
-void launch(const CoefTable<Coefs>& coefs, std::vector<DeviceRun> runs, int device, cudaStream_t stream) {
+void launch(const CoefTable<Coefs>& coefs, std::vector<DeviceRun> runs, const float* skip_if, int device,
+            cudaStream_t stream) {
   int64_t chunks = 0;
   for (DeviceRun& r : runs) {
     r.first_chunk = chunks;
@@ -111,7 +113,8 @@ void launch(const CoefTable<Coefs>& coefs, std::vector<DeviceRun> runs, int devi
   const auto* table =
       static_cast<const DeviceRun*>(cuda_detail::device_table(device, runs.data(), runs.size() * sizeof(DeviceRun)));
   update_runs_kernel<Update, G, C, Coefs>
-      <<<cuda_detail::grid_size(device, chunks), kThreads, 0, stream>>>(table, int(runs.size()), chunks, coefs);
+      <<<cuda_detail::grid_size(device, chunks), kThreads, 0, stream>>>(table, int(runs.size()), chunks, coefs,
+                                                                        skip_if);
   cuda_detail::check(cudaGetLastError(), "optimizer kernel launch");
 }
 
@@ -131,7 +134,8 @@ DeviceRun device_run(const FlatRun& r) {
 // Launches once per grad/copy dtype combination present in `runs`, which
 // the caller has checked.
 template <class Update, class Coefs>
-void update_runs(const std::vector<Coefs>& coef_list, const std::vector<FlatRun>& runs, int device, void* stream) {
+void update_runs(const std::vector<Coefs>& coef_list, const std::vector<FlatRun>& runs, const float* skip_if,
+                 int device, void* stream) {
   CoefTable<Coefs> coefs{};
   std::copy(coef_list.begin(), coef_list.end(), coefs.param_group);
 
@@ -151,10 +155,10 @@ void update_runs(const std::vector<Coefs>& coef_list, const std::vector<FlatRun>
     kernels::with_element_type(DType(entry.first.first), [&](auto g_type) {
       using G = decltype(g_type);
       if (copy_dtype < 0) {
-        launch<Update, G, kernels::NoCopy>(coefs, std::move(table), device, cu_stream);
+        launch<Update, G, kernels::NoCopy>(coefs, std::move(table), skip_if, device, cu_stream);
       } else {
         kernels::with_element_type(DType(copy_dtype), [&](auto c_type) {
-          launch<Update, G, decltype(c_type)>(coefs, std::move(table), device, cu_stream);
+          launch<Update, G, decltype(c_type)>(coefs, std::move(table), skip_if, device, cu_stream);
         });
       }
     });
@@ -177,23 +181,23 @@ void check_group_count(const char* op, size_t groups) {
 }  // namespace
 
 void cuda_adam_update_runs(const std::vector<AdamOptions>& groups, int64_t step, double grad_scale,
-                           const std::vector<FlatRun>& runs, void* stream) {
+                           const std::vector<FlatRun>& runs, void* stream, const float* skip_if) {
   check_group_count("adam_", groups.size());
   const Device device = device_of(runs);
   check_adam_runs(device, groups.size(), runs);
   std::vector<AdamCoefs> coefs;
   for (const AdamOptions& o : groups) coefs.push_back(adam_coefs(o, step, grad_scale));
-  update_runs<AdamAt>(coefs, runs, device.index, stream);
+  update_runs<AdamAt>(coefs, runs, skip_if, device.index, stream);
 }
 
 void cuda_sgd_update_runs(const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
-                          const std::vector<FlatRun>& runs, void* stream) {
+                          const std::vector<FlatRun>& runs, void* stream, const float* skip_if) {
   check_group_count("sgd_", groups.size());
   const Device device = device_of(runs);
   check_sgd_runs(device, groups, runs);
   std::vector<SgdCoefs> coefs;
   for (const SgdOptions& o : groups) coefs.push_back(sgd_coefs(o, step, grad_scale));
-  update_runs<SgdAt>(coefs, runs, device.index, stream);
+  update_runs<SgdAt>(coefs, runs, skip_if, device.index, stream);
 }
 
 void cuda_adam_update(const AdamOptions& options, int64_t step, double grad_scale, const Tensor& param,

@@ -5,7 +5,9 @@
 // add_square, then a fixed tree over the block's threads. Each block writes
 // its partial sum to the stream's scratch; the last block to finish (an
 // atomic count, after a memory fence) adds the partials in block order and
-// writes the result and the finiteness flag. The grid depends only on the
+// writes the result and the finiteness flag (or, counting non-finite
+// tensors for the step's verdict, adds 1 to a counter when the sum is not
+// finite). The grid depends only on the
 // device, so the bits are the same on every call on one device.
 #include <cuda_runtime.h>
 
@@ -69,7 +71,7 @@ __device__ double block_sum(double x, double* shared) {
 
 __global__ void __launch_bounds__(kThreads)
     sum_of_squares_kernel(const Segment* segs, int num_segs, int64_t chunks, Scratch scratch, double* sum,
-                          double* finite) {
+                          double* finite, float* nonfinite) {
   __shared__ double shared[kThreads];
   __shared__ bool last;
   double acc = 0.0;
@@ -101,6 +103,7 @@ __global__ void __launch_bounds__(kThreads)
     // Squares of finite floats cannot overflow float64 here, so the sum is
     // finite exactly when every element is (as cpu_reduce.h).
     *finite = isfinite(total) ? 1.0 : 0.0;
+    if (nonfinite != nullptr && !isfinite(total)) *nonfinite += 1.0f;
     *scratch.arrived = 0;
   }
 }
@@ -135,9 +138,9 @@ double* kernel_pointer(double* p) {
   return attributes.devicePointer ? static_cast<double*>(attributes.devicePointer) : p;
 }
 
-}  // namespace
-
-void cuda_sum_of_squares(const std::vector<Tensor>& xs, int device, double* sum, double* finite, void* stream) {
+// The sum kernel's launch over xs; `nonfinite`: a device counter, or null.
+void launch_sum_of_squares(const std::vector<Tensor>& xs, int device, double* sum, double* finite, float* nonfinite,
+                           void* stream) {
   const Device cuda{DeviceType::kCUDA, device};
   std::vector<Segment> segs;
   int64_t chunks = 0;
@@ -162,7 +165,8 @@ void cuda_sum_of_squares(const std::vector<Tensor>& xs, int device, double* sum,
   double* const finite_at = kernel_pointer(finite);
   const bool direct = sum_at && finite_at;
   sum_of_squares_kernel<<<cuda_detail::grid_size(device, chunks), kThreads, 0, cu_stream>>>(
-      table, int(segs.size()), chunks, scratch, direct ? sum_at : scratch.result, direct ? finite_at : scratch.result + 1);
+      table, int(segs.size()), chunks, scratch, direct ? sum_at : scratch.result, direct ? finite_at : scratch.result + 1,
+      nonfinite);
   cuda_detail::check(cudaGetLastError(), "sum of squares kernel launch");
   if (!direct) {
     cuda_detail::check(cudaMemcpyAsync(sum, scratch.result, sizeof(double), cudaMemcpyDeviceToHost, cu_stream),
@@ -170,6 +174,22 @@ void cuda_sum_of_squares(const std::vector<Tensor>& xs, int device, double* sum,
     cuda_detail::check(cudaMemcpyAsync(finite, scratch.result + 1, sizeof(double), cudaMemcpyDeviceToHost, cu_stream),
                        "cudaMemcpyAsync(finiteness flag to pageable memory)");
   }
+}
+
+}  // namespace
+
+void cuda_sum_of_squares(const std::vector<Tensor>& xs, int device, double* sum, double* finite, void* stream) {
+  launch_sum_of_squares(xs, device, sum, finite, nullptr, stream);
+}
+
+void cuda_count_nonfinite(const std::vector<Tensor>& xs, int device, const Tensor& counter, void* stream) {
+  if (counter.dtype() != DType::kFloat32 || counter.numel() != 1 ||
+      counter.device() != Device{DeviceType::kCUDA, device}) {
+    throw TypeMismatch("cuda_count_nonfinite: the counter must be one fp32 element on cuda:" + std::to_string(device));
+  }
+  // The sum and flag go to the stream's scratch (device memory); the counter is what the caller reads.
+  const Scratch scratch = scratch_for(device, static_cast<cudaStream_t>(stream), cuda_detail::grid_size(device, INT64_MAX));
+  launch_sum_of_squares(xs, device, scratch.result, scratch.result + 1, counter.data_as<float>(), stream);
 }
 
 }  // namespace zerocore

@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -90,10 +91,10 @@ void test_args() {
   CHECK(has(message_of<InvalidArgument>([&] { gpu.sum_of_squares(s, {dev, host}, box, 0, 1); }),
             "sum_of_squares: xs[1] is host memory and xs[0] device memory"));
   const FlatRun run{0, dev, host, dev, dev, Tensor()};
-  CHECK(has(message_of<InvalidArgument>([&] { gpu.adam_update_runs(s, {AdamOptions{}}, 1, 1.0, {run}); }),
+  CHECK(has(message_of<InvalidArgument>([&] { gpu.adam_update_runs(s, {AdamOptions{}}, 1, 1.0, {run}, Tensor()); }),
             "adam_update_runs: run 0's grad is host memory and run 0's param device memory"));
   const FlatRun copy_elsewhere{0, dev, dev, dev, Tensor(), other};
-  CHECK(has(message_of<InvalidArgument>([&] { gpu.sgd_update_runs(s, {SgdOptions{}}, 1, 1.0, {copy_elsewhere}); }),
+  CHECK(has(message_of<InvalidArgument>([&] { gpu.sgd_update_runs(s, {SgdOptions{}}, 1, 1.0, {copy_elsewhere}, Tensor()); }),
             "sgd_update_runs: run 0's param_copy is on cuda:1"));
 
   if (cuda_device_count() == 0) {
@@ -289,15 +290,15 @@ void test_updates(CudaBackend& g, CpuBackend& cpu, std::mt19937& rng, bool sgd) 
       a.weight_decay = 0.1;
       b.momentum = 0.8;
       b.nesterov = true;
-      cpu.sgd_update_runs(cpu.compute_stream(), {a, b}, step, 0.5, host_runs);
-      g.sgd_update_runs(g.compute_stream(), {a, b}, step, 0.5, dev_runs);
+      cpu.sgd_update_runs(cpu.compute_stream(), {a, b}, step, 0.5, host_runs, Tensor());
+      g.sgd_update_runs(g.compute_stream(), {a, b}, step, 0.5, dev_runs, Tensor());
     } else {
       AdamOptions a, b;
       a.weight_decay = 0.1;
       b.adamw = false;
       b.lr = 3e-3;
-      cpu.adam_update_runs(cpu.compute_stream(), {a, b}, step, 0.5, host_runs);
-      g.adam_update_runs(g.compute_stream(), {a, b}, step, 0.5, dev_runs);
+      cpu.adam_update_runs(cpu.compute_stream(), {a, b}, step, 0.5, host_runs, Tensor());
+      g.adam_update_runs(g.compute_stream(), {a, b}, step, 0.5, dev_runs, Tensor());
     }
   }
   for (size_t k = 0; k < host_runs.size(); ++k) {
@@ -482,6 +483,46 @@ void test_pageable_fallback(std::mt19937& rng) {
   CHECK(box.read(1) == 1.0);
 }
 
+// The step's device verdict: count_nonfinite adds 1 to a device counter
+// only for tensors holding an inf or NaN (any dtype), and an update given
+// skip_if leaves everything alone while it is not zero and updates as the
+// CPU kernel does once it is zero again.
+void test_device_verdict(CudaBackend& g, CpuBackend& cpu, std::mt19937& rng) {
+  Stream& s = g.compute_stream();
+  const Tensor zero = make(cpu, MemoryKind::kHostPageable, 1, DType::kFloat32, 0, true);
+  const Tensor counter = on_device(g, zero);
+  std::vector<Tensor> finite;
+  for (DType dtype : kDtypes) {
+    Tensor h = make(cpu, MemoryKind::kHostPageable, 5000, dtype);
+    randomize(h, rng);
+    finite.push_back(on_device(g, h));
+  }
+  g.count_nonfinite(s, finite, counter);
+  CHECK(same_bits(g, zero, counter));
+  Tensor bad = make(cpu, MemoryKind::kHostPageable, 5000, DType::kBFloat16);
+  randomize(bad, rng);
+  bad.data_as<uint16_t>()[4321] = float_to_bf16(std::numeric_limits<float>::quiet_NaN());
+  g.count_nonfinite(s, {finite[0], on_device(g, bad)}, counter);
+  const Tensor one = make(cpu, MemoryKind::kHostPageable, 1, DType::kFloat32, 0, true);
+  one.data_as<float>()[0] = 1.0f;
+  CHECK(same_bits(g, one, counter));
+
+  Tensor param = make(cpu, MemoryKind::kHostPageable, 3000, DType::kFloat32);
+  Tensor grad = make(cpu, MemoryKind::kHostPageable, 3000, DType::kFloat32);
+  randomize(param, rng);
+  randomize(grad, rng);
+  Tensor m = make(cpu, MemoryKind::kHostPageable, 3000, DType::kFloat32, 0, true);
+  Tensor v = make(cpu, MemoryKind::kHostPageable, 3000, DType::kFloat32, 0, true);
+  const FlatRun dev{0, on_device(g, param), on_device(g, grad), on_device(g, m), on_device(g, v), Tensor()};
+  g.adam_update_runs(s, {AdamOptions{}}, 1, 1.0, {dev}, counter);  // refused: nothing moves
+  CHECK(same_bits(g, param, dev.param) && same_bits(g, m, dev.state0));
+  g.copy(s, counter, zero);
+  g.adam_update_runs(s, {AdamOptions{}}, 1, 1.0, {dev}, counter);
+  cpu.adam_update_runs(cpu.compute_stream(), {AdamOptions{}}, 1, 1.0, {FlatRun{0, param, grad, m, v, Tensor()}},
+                       Tensor());
+  CHECK(same_bits(g, param, dev.param) && same_bits(g, v, dev.state1));
+}
+
 // allocated_bytes counts cudaMalloc'd and pinned buffers by kind until
 // they are freed.
 void test_allocated_bytes() {
@@ -503,6 +544,7 @@ void test_gpu() {
   test_copies(g, rng);
   test_fill_accumulate(g, cpu, rng);
   test_sum_of_squares(g, cpu, rng);
+  test_device_verdict(g, cpu, rng);
   test_updates(g, cpu, rng, false);
   test_updates(g, cpu, rng, true);
   test_event_ordering(g);

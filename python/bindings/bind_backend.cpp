@@ -6,6 +6,7 @@
 // backend. Waits and closing release the GIL: work on a backend's streams
 // may drop the last reference to a torch tensor, which takes it.
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -156,11 +157,15 @@ void bind_backend(nb::module_& m) {
                                           "poison, host waits counted.")
       .def(
           "__init__",
-          [](BoundChecking* self, uint64_t seed, int64_t min_delay_us, int64_t max_delay_us, bool throw_on_violation) {
+          [](BoundChecking* self, uint64_t seed, int64_t min_delay_us, int64_t max_delay_us, bool throw_on_violation,
+             bool compute_inline) {
             new (self) BoundChecking(std::make_unique<CheckingCpuBackend>(
-                CheckingOptions{seed, min_delay_us, max_delay_us, throw_on_violation}));
+                CheckingOptions{seed, min_delay_us, max_delay_us, throw_on_violation, compute_inline}));
           },
-          "seed"_a = 0, "min_delay_us"_a = 0, "max_delay_us"_a = 200, "throw_on_violation"_a = true)
+          "seed"_a = 0, "min_delay_us"_a = 0, "max_delay_us"_a = 200, "throw_on_violation"_a = true,
+          "compute_inline"_a = true,
+          "compute_inline=False: the engine treats the compute stream as a GPU's (a step's device verdict is "
+          "read at a later exchange), though it runs on the calling thread.")
       .def("violations", [](BoundChecking& b) { return b.get().violations(); },
            "The violations found so far, each naming both accesses and the buffer.")
       .def("check", [](BoundChecking& b) { b.get().check(); }, "Raises StreamOrderError if any violation was found.")
@@ -168,6 +173,11 @@ void bind_backend(nb::module_& m) {
       .def("take_host_waits", [](BoundChecking& b) { return b.get().take_host_waits(); },
            "The host waits since the last call, resetting the count (once a step).")
       .def("device_waits", [](BoundChecking& b) { return b.get().device_waits(); })
+      .def("device_allocations", [](BoundChecking& b) { return b.get().device_allocations(); },
+           "allocate() calls for device memory so far.")
+      .def("device_work", [](BoundChecking& b) { return b.get().device_work(); },
+           "(operations enqueued on device-plane streams, those of them the host is ordered after): the host's "
+           "lead over the device, by the checker's clocks.")
       .def("take_device_waits", [](BoundChecking& b) { return b.get().take_device_waits(); },
            "Of the host waits since the last call, those that waited for device work (a device-plane stream's, "
            "checking_backend.h), resetting the count.");

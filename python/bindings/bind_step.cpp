@@ -84,6 +84,7 @@ void bind_step_errors(nb::module_& m) {
 
 void bind_step(nb::module_& m) {
   bind_step_errors(m);
+  m.attr("STEP_VERDICT_GROUP") = kStepVerdictGroup;
 
   nb::class_<LossScaler>(m, "LossScaler", "fp16 loss scaling, fixed or dynamic (step/loss_scaler.h).")
       .def(nb::init<double>(), "fixed"_a = 1.0, "A fixed scale (1: none).")
@@ -181,9 +182,25 @@ void bind_step(nb::module_& m) {
           "kind"_a, "groups"_a, nb::kw_only(), "step"_a, "max_norm"_a.none(), "changes"_a,
           "(applied, norm, grad_scale): the update when the grads are finite, a skipped step (applied False) "
           "with dynamic loss scaling otherwise; raises NonFiniteGradientError, CollectiveOrderDiverged or "
-          "TrainabilityChanged with nothing changed.")
+          "TrainabilityChanged with nothing changed. Decided on the device (no dynamic scaling, clipping or "
+          "offload), norm is NaN and a refused step raises NonFiniteGradientError at a later step (see "
+          "refused_step).")
+      .def(
+          "settle",
+          [](ZeroStep& self) {
+            nb::gil_scoped_release release;
+            self.settle();
+          },
+          "Reads every verdict of the device, waiting; raises NonFiniteGradientError if a step was refused. "
+          "On every rank, before params or states are read.")
+      .def_prop_ro("refused_step", &ZeroStep::refused_step,
+                   "The first step refused by the last NonFiniteGradientError (0: none): step_count goes back to "
+                   "one less.")
       .def_prop_ro("buffer_bytes", &ZeroStep::buffer_bytes,
-                   "Bytes of the step's own buffer (its exchange row, pinned host memory of its backend).")
+                   "Bytes of the step's own host buffers (its exchange row, its verdict's readbacks: pinned host "
+                   "memory of its backend).")
+      .def_prop_ro("device_buffer_bytes", &ZeroStep::device_buffer_bytes,
+                   "Bytes of the step's own device buffer (its verdict's flag).")
       .def("forget", &ZeroStep::forget, "The grads were dropped: the next step exchanges afresh.")
       .def_prop_ro("exchanged", &ZeroStep::exchanged, "This step's exchange ran (its result is kept).")
       .def_prop_ro("loss_scale", &ZeroStep::loss_scale);

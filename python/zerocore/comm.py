@@ -88,6 +88,8 @@ class CollectiveNames:
         if tag < 0:
             purpose = _PURPOSES.get(bucket, f"unknown purpose {bucket}")
             return f"control {name} of {purpose} ({numel:,} elements)"
+        if tag == _native.STEP_VERDICT_GROUP:
+            return f"{name} of the step's finite-grads verdict ({numel:,} elements)"
         group = self.groups[tag] if tag < len(self.groups) else f"flat group {tag}"
         return f"{name} of {group}, bucket {bucket} ({numel:,} elements)"
 

@@ -44,8 +44,8 @@ class Reports:
         by["device"]["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
         by["host"]["buffers"] = 0
         by["device"]["comm_buffers"] = getattr(self.reducer, "pool_bytes", 0) + \
-            (self.scheduler.native.buffer_bytes if self.scheduler else 0)
-        # The step's exchange row; the landing buffer of reduced grads bound for the host.
+            (self.scheduler.native.buffer_bytes if self.scheduler else 0) + self.zero_step.device_buffer_bytes
+        # The step's exchange row and verdict readbacks; the landing buffer of reduced grads bound for the host.
         by["host"]["comm_buffers"] = self.zero_step.buffer_bytes + getattr(self.reducer, "landing_bytes", 0)
         by["device"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=False)
         by["host"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=True)

@@ -291,6 +291,7 @@ class Training:
                     self.kind, self.optimizer.param_groups, step=self.step_count + 1,
                     max_norm=min(bounds) if bounds else None, changes=len(self._trainability_changed)))
             except NonFiniteGradientError:  # nothing was updated; a pending offload update lands
+                self._count_refused()
                 self.finish_update()
                 raise
             self.step_count += applied
@@ -305,6 +306,11 @@ class Training:
         it on every rank. Before it, writes the user made to params held
         whole reach the fp32 masters (FlatGroup.carry_param_writes)."""
         self._carry_param_writes()
+        try:  # a step the device refused and no exchange has named yet (ZeroStep.settle)
+            self.zero_step.settle()
+        except NonFiniteGradientError:
+            self._count_refused()
+            raise
         if self.scheduler and self.placement.optimizer_on_host and self.update.pending:
             # Stage 3's end of step gathered the next forward's first units
             # from the shards the params up replace: they go (their gathers
@@ -312,6 +318,12 @@ class Training:
             self.scheduler.free_all()
         if self.update.params_up() and self.param_gather:
             self.param_gather.run()
+
+    def _count_refused(self):
+        """The native step refused a step and every one after it (decided
+        on the device, a refusal is found a step or more later): the step
+        count goes back to the last step applied."""
+        self.step_count = self.zero_step.refused_step - 1
 
     def _carry_param_writes(self):
         for g in self.groups:

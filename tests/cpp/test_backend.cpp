@@ -128,7 +128,7 @@ Tensor update_then_upload(Rig<B>& r, const Waits& waits, const FlatRun& start) {
   r.order(r.copy, r.compute);
   r.backend.copy(r.copy, host.grad, device_grads);
   r.order(r.update, r.copy);
-  r.backend.adam_update_runs(r.update, {AdamOptions{}}, 3, 0.5, {host});
+  r.backend.adam_update_runs(r.update, {AdamOptions{}}, 3, 0.5, {host}, Tensor());
   if (waits("update before params go up")) r.order(r.copy, r.update);
   r.backend.copy(r.copy, device_params, host.param_copy);
   r.order(r.compute, r.copy);

@@ -144,7 +144,9 @@ void test_step(Stage stage, double loss_scale, std::optional<double> clip_fracti
     parts.loss_scaler = &scaler;
     ZeroStep step(std::move(parts));
     const StepResult result = step.step(sgd(max_norm));
-    if (!result.applied || !close(result.norm, norm) || !close(result.grad_scale, scale)) ++bad;
+    // Without clipping the step decides on the device and reads no norm.
+    const bool norm_read = max_norm ? close(result.norm, norm) : std::isnan(result.norm);
+    if (!result.applied || !norm_read || !close(result.grad_scale, scale)) ++bad;
     for (int64_t i = 0; i < total; ++i) {
       const bool mine = stage != Stage::kThree || owner[size_t(i)] == r;
       const double want = mine ? param_value(i) - kLr * scale * summed[size_t(i)] : param_value(i);
@@ -174,9 +176,9 @@ void test_exchange_then_step() {
       if (param.data_as<float>()[0] != 1.0f) ++bad;
     }
     step.forget();
-    const StepResult result = step.step(sgd());  // exchanges afresh, with no changes
-    if (!result.applied || !close(result.norm, std::sqrt(40.0) / kWorld)) ++bad;
-    if (step.exchanged()) ++bad;
+    const StepResult result = step.step(sgd());  // exchanges afresh, with no changes, decided on the device
+    if (!result.applied || !std::isnan(result.norm)) ++bad;
+    if (step.exchanged() || !close(param.data_as<float>()[0], 1.0 - kLr * (r + 1.0) / kWorld)) ++bad;
   });
   CHECK(bad == 0);
 }
@@ -222,6 +224,70 @@ void test_overflow_on_every_rank(bool dynamic) {
   });
   CHECK(bad == 0);
   CHECK(threw == (dynamic ? 0 : 2 * kWorld));
+}
+
+// A checking backend whose queries never find an event done: a rank whose
+// device is further behind than its peers'.
+class BlindBackend : public CheckingCpuBackend {
+ public:
+  BlindBackend(CheckingOptions options, bool blind) : CheckingCpuBackend(options), blind_(blind) {}
+  bool query(const StreamEvent& event) override { return !blind_ && CheckingCpuBackend::query(event); }
+
+ private:
+  bool blind_;
+};
+
+// Decided on the device (no clipping, a fixed scale), four SGD steps; rank
+// 1's grads hold an inf at step 2. Inline (the CPU backends): every rank
+// throws NonFiniteGradients at step 2 itself, refused_step 2, nothing
+// updated; steps 3 and 4 apply. Lagging (the compute stream treated as a
+// GPU's, CheckingOptions::compute_inline), rank 0 blind: step 2 returns (the
+// device skipped its update), and step 3's exchange carries rank 1's
+// reading: every rank throws there, before updating, refused_step 2; after
+// forget(), step 4 applies. The params against the steps that applied, and
+// settle() at the end reads every verdict left, finding none refused.
+void test_refused_on_the_device(bool lagging) {
+  std::atomic<int> bad{0}, threw{0};
+  InProcessGroup data_group(kWorld, late_completion_from_env()), control_group(kWorld, late_completion_from_env());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      BlindBackend backend(CheckingOptions{uint64_t(11 + r), 0, 300, true, !lagging}, lagging && r == 0);
+      CommQueue data(data_group.transport(r), backend), control(control_group.transport(r), backend);
+      const Tensor param = Tensor::empty({8}, DType::kFloat32, backend, MemoryKind::kDevice, "param");
+      const Tensor grad = Tensor::empty({8}, DType::kFloat32, backend, MemoryKind::kDevice, "grad");
+      std::fill(param.data_as<float>(), param.data_as<float>() + 8, 1.0f);
+      ZeroStep step(ZeroStep::Parts{&data, &control, {FlatRun{0, param, grad, Tensor(), Tensor(), Tensor()}}, true});
+      const int throws_at = lagging ? 3 : 2;
+      int64_t step_count = 0;
+      double want = 1.0;
+      for (int s = 1; s <= 4; ++s) {
+        const float g = s == 2 && r == 1 ? std::numeric_limits<float>::infinity() : float(r + 1);
+        backend.declare_access(backend.compute_stream(), Access::write(grad), "the test writes the grads");
+        std::fill(grad.data_as<float>(), grad.data_as<float>() + 8, g);
+        StepOptions options = sgd();
+        options.step = step_count + 1;
+        try {
+          if (!step.step(options).applied) ++bad;
+          ++step_count;
+          if (s != 2) want -= kLr * (r + 1.0) / kWorld;
+          if (s == throws_at) ++bad;
+        } catch (const NonFiniteGradients&) {
+          ++threw;
+          if (s != throws_at || step.refused_step() != 2) ++bad;
+          step_count = step.refused_step() - 1;
+          step.forget();
+        }
+        backend.declare_access(backend.compute_stream(), Access::read(param), "the test reads the params");
+        if (!close(param.data_as<float>()[0], want)) ++bad;
+      }
+      step.settle();
+      if (step_count != 2 + (lagging ? 0 : 1) || !backend.violations().empty()) ++bad;
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(threw == kWorld);
+  CHECK(bad == 0);
 }
 
 // Dynamic loss scaling over eight steps (initial 8, window 2, hysteresis 2,
@@ -356,10 +422,11 @@ void test_order_mismatch_throws_on_every_rank() {
 
 // The step's kernels are its backend's, on the compute stream: a checking
 // backend (delays on its other streams, raising at any unordered access)
-// counts them. Stages 1-2 on 2 ranks, two SGD steps: each exchange one sum
-// of squares, each step one update, both on the compute stream, ordered
-// against the reduction's and the gather's collectives; the norm and every
-// param against the double reference.
+// counts them. Stages 1-2 on 2 ranks, SGD steps, clipped (a sum of squares
+// the host reads) and not (a non-finite count decided on the device) in
+// turn: each step one of those and one update, all on the compute stream,
+// ordered against the reduction's, the verdict's and the gather's
+// collectives; the norm read and every param against the double reference.
 class KernelCountingBackend : public CheckingCpuBackend {
  public:
   using CheckingCpuBackend::CheckingCpuBackend;
@@ -368,18 +435,22 @@ class KernelCountingBackend : public CheckingCpuBackend {
     ++(&stream == &compute_stream() ? sums : elsewhere);
     CheckingCpuBackend::sum_of_squares(stream, xs, box, sum_slot, finite_slot);
   }
-  void sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
-                       const std::vector<FlatRun>& runs) override {
-    ++(&stream == &compute_stream() ? updates : elsewhere);
-    CheckingCpuBackend::sgd_update_runs(stream, groups, step, grad_scale, runs);
+  void count_nonfinite(Stream& stream, const std::vector<Tensor>& xs, const Tensor& counter) override {
+    ++(&stream == &compute_stream() ? counts : elsewhere);
+    CheckingCpuBackend::count_nonfinite(stream, xs, counter);
   }
-  int sums = 0, updates = 0, elsewhere = 0;
+  void sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
+                       const std::vector<FlatRun>& runs, const Tensor& skip_if) override {
+    ++(&stream == &compute_stream() ? updates : elsewhere);
+    CheckingCpuBackend::sgd_update_runs(stream, groups, step, grad_scale, runs, skip_if);
+  }
+  int sums = 0, counts = 0, updates = 0, elsewhere = 0;
 };
 
 void test_kernels_run_on_the_backend() {
   const LayoutPlan plan = plan_of();
   const int64_t total = plan.total_elems(), part = plan.partition_elems();
-  constexpr int kSteps = 2;
+  constexpr int kSteps = 4;
   std::atomic<int> bad{0};
   InProcessGroup data_group(kWorld, late_completion_from_env()), control_group(kWorld, late_completion_from_env());
   std::vector<std::thread> threads;
@@ -415,11 +486,12 @@ void test_kernels_run_on_the_backend() {
         const std::vector<float> mine = grads_of(10 * s + r, part);
         backend.declare_access(backend.compute_stream(), Access::write(grad), "the test writes the grads");
         std::memcpy(grad.data(), mine.data(), grad.nbytes());
-        StepOptions options = sgd();
+        const bool clipped = s % 2 == 1;  // by a bound above the norm: the grads unchanged
+        StepOptions options = sgd(clipped ? std::optional<double>(1e9) : std::nullopt);
         options.step = s + 1;
         const StepResult result = step.step(options);
         const double scale = 1.0 / kWorld;
-        if (!result.applied || !close(result.norm, std::sqrt(sum_sq) * scale)) ++bad;
+        if (!result.applied || (clipped && !close(result.norm, std::sqrt(sum_sq) * scale))) ++bad;
         for (int64_t i = 0; i < total; ++i) want[size_t(i)] -= kLr * scale * summed[size_t(i)];
         // The gather's output is read once the compute stream waited for it.
         backend.declare_access(backend.compute_stream(), Access::read(full), "the test reads the params");
@@ -427,7 +499,10 @@ void test_kernels_run_on_the_backend() {
           if (!close(full.data_as<float>()[i], want[size_t(i)])) ++bad;
         }
       }
-      if (backend.sums != kSteps || backend.updates != kSteps || backend.elsewhere != 0) ++bad;
+      if (backend.sums != kSteps / 2 || backend.counts != kSteps / 2 || backend.updates != kSteps ||
+          backend.elsewhere != 0) {
+        ++bad;
+      }
       if (!backend.violations().empty()) ++bad;
     });
   }
@@ -524,6 +599,8 @@ int main() {
   zerocore::test_exchange_then_step();
   zerocore::test_overflow_on_every_rank(/*dynamic=*/true);
   zerocore::test_overflow_on_every_rank(/*dynamic=*/false);
+  zerocore::test_refused_on_the_device(/*lagging=*/false);
+  zerocore::test_refused_on_the_device(/*lagging=*/true);
   zerocore::test_dynamic_scale_over_steps();
   zerocore::test_late_grads_in_the_exchange();
   zerocore::test_order_mismatch_throws_on_every_rank();

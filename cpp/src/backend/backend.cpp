@@ -67,8 +67,9 @@ bool kernel_on_host(const std::string& op, const std::vector<std::pair<std::stri
   return device == operands.end() && !operands.empty();
 }
 
-KernelOperands update_operands(const std::vector<FlatRun>& runs) {
+KernelOperands update_operands(const std::vector<FlatRun>& runs, const Tensor& skip_if) {
   KernelOperands out;
+  if (skip_if.data()) out.emplace_back("skip_if", &skip_if);
   for (size_t i = 0; i < runs.size(); ++i) {
     const FlatRun& r = runs[i];
     const std::pair<const char*, const Tensor*> arrays[] = {
@@ -88,8 +89,9 @@ KernelOperands sum_operands(const std::vector<Tensor>& xs) {
 
 const char* access_mode_name(AccessMode mode) { return mode == AccessMode::kRead ? "read" : "write"; }
 
-std::vector<Access> update_accesses(const std::vector<FlatRun>& runs) {
+std::vector<Access> update_accesses(const std::vector<FlatRun>& runs, const Tensor& skip_if) {
   std::vector<Access> out;
+  if (skip_if.data()) out.push_back(Access::read(skip_if));
   for (const FlatRun& r : runs) {
     out.push_back(Access::write(r.param));
     out.push_back(Access::read(r.grad));

@@ -39,6 +39,7 @@ std::shared_ptr<Buffer> CheckingCpuBackend::allocate(MemoryKind kind, size_t byt
                                 [arena, checker = checker_](void* data) { checker->remove_buffer(data); });
   auto buffer = counted_buffer(kind, Device{}, name, arena->data(), bytes, std::move(storage));
   checker_->add_buffer(*buffer);
+  if (kind == MemoryKind::kDevice) ++device_allocations_;
   return buffer;
 }
 
@@ -89,6 +90,24 @@ void CheckingCpuBackend::host_wait(const StreamEvent& event) {
       return;
     }
   }
+}
+
+std::pair<uint64_t, uint64_t> CheckingCpuBackend::device_work() {
+  std::vector<StreamPlane> planes;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    planes = planes_;
+  }
+  const std::vector<uint64_t> host = checker_->clock(OrderChecker::kHostStream);
+  uint64_t enqueued = 0, seen = 0;
+  for (size_t i = 0; i < planes.size(); ++i) {
+    if (planes[i] != StreamPlane::kDevice) continue;
+    const size_t clock = i + 1;
+    const std::vector<uint64_t> own = checker_->clock(int(clock));
+    enqueued += clock < own.size() ? own[clock] : 0;
+    seen += clock < host.size() ? host[clock] : 0;
+  }
+  return {enqueued, seen};
 }
 
 bool CheckingCpuBackend::query(const StreamEvent& event) {

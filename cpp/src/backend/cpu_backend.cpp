@@ -130,18 +130,29 @@ void CpuBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, M
           [xs, memory = box.buffer(), sum, finite] { sum_of_squares_into(xs, sum, finite); });
 }
 
+void CpuBackend::count_nonfinite(Stream& stream, const std::vector<Tensor>& xs, const Tensor& counter) {
+  KernelOperands operands = sum_operands(xs);
+  operands.emplace_back("counter", &counter);
+  check_kernel_memory("count_nonfinite", operands);
+  std::vector<Access> accesses{Access::write(counter)};
+  for (const Tensor& x : xs) accesses.push_back(Access::read(x));
+  enqueue(stream, "count_nonfinite", accesses, [xs, counter] { count_nonfinite_into(xs, counter); });
+}
+
 void CpuBackend::adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
-                                  double grad_scale, const std::vector<FlatRun>& runs) {
-  check_kernel_memory("adam_update_runs", update_operands(runs));
-  enqueue(stream, "adam_update", update_accesses(runs),
-          [groups, step, grad_scale, runs] { zerocore::adam_update_runs(groups, step, grad_scale, runs); });
+                                  double grad_scale, const std::vector<FlatRun>& runs, const Tensor& skip_if) {
+  check_kernel_memory("adam_update_runs", update_operands(runs, skip_if));
+  enqueue(stream, "adam_update", update_accesses(runs, skip_if), [groups, step, grad_scale, runs, skip_if] {
+    if (!skipped(skip_if)) zerocore::adam_update_runs(groups, step, grad_scale, runs);
+  });
 }
 
 void CpuBackend::sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,
-                                 double grad_scale, const std::vector<FlatRun>& runs) {
-  check_kernel_memory("sgd_update_runs", update_operands(runs));
-  enqueue(stream, "sgd_update", update_accesses(runs),
-          [groups, step, grad_scale, runs] { zerocore::sgd_update_runs(groups, step, grad_scale, runs); });
+                                 double grad_scale, const std::vector<FlatRun>& runs, const Tensor& skip_if) {
+  check_kernel_memory("sgd_update_runs", update_operands(runs, skip_if));
+  enqueue(stream, "sgd_update", update_accesses(runs, skip_if), [groups, step, grad_scale, runs, skip_if] {
+    if (!skipped(skip_if)) zerocore::sgd_update_runs(groups, step, grad_scale, runs);
+  });
 }
 
 CpuBackend& default_cpu_backend() {

@@ -69,4 +69,24 @@ void sum_of_squares_into(const std::vector<Tensor>& xs, double* sum, double* fin
   *finite = std::isfinite(*sum) ? 1.0 : 0.0;
 }
 
+namespace {
+
+float* one_fp32(const Tensor& t, const char* op, const char* what) {
+  if (t.dtype() != DType::kFloat32 || t.numel() != 1 || t.device().type != DeviceType::kCPU) {
+    throw TypeMismatch(std::string(op) + ": " + what + " must be one fp32 element on the host");
+  }
+  return t.data_as<float>();
+}
+
+}  // namespace
+
+void count_nonfinite_into(const std::vector<Tensor>& xs, const Tensor& counter) {
+  float* count = one_fp32(counter, "count_nonfinite", "the counter");
+  if (!std::isfinite(sum_of_squares(xs))) *count += 1.0f;
+}
+
+bool skipped(const Tensor& skip_if) {
+  return skip_if.data() != nullptr && *one_fp32(skip_if, "an update", "skip_if") != 0.0f;
+}
+
 }  // namespace zerocore

@@ -169,7 +169,7 @@ void OffloadOptimizer::adam(const std::vector<AdamOptions>& groups, int64_t step
                             bool copy_params) {
   for (const AdamOptions& g : groups) adam_coefs(g, step, grad_scale);  // throws on a bad value, before queueing
   update(groups, copy_params, [&](const std::vector<FlatRun>& runs) {
-    backend_.adam_update_runs(update_, groups, step, grad_scale, runs);
+    backend_.adam_update_runs(update_, groups, step, grad_scale, runs, Tensor());
   });
 }
 
@@ -177,7 +177,7 @@ void OffloadOptimizer::sgd(const std::vector<SgdOptions>& groups, int64_t step, 
                            bool copy_params) {
   for (const SgdOptions& g : groups) sgd_coefs(g, step, grad_scale);
   update(groups, copy_params, [&](const std::vector<FlatRun>& runs) {
-    backend_.sgd_update_runs(update_, groups, step, grad_scale, runs);
+    backend_.sgd_update_runs(update_, groups, step, grad_scale, runs, Tensor());
   });
 }
 

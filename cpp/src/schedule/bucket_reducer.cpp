@@ -354,10 +354,14 @@ void BucketReducer::drop_late() {
   }
 }
 
-void BucketReducer::grad_sum_of_squares(Mailbox& box, int sum_slot, int finite_slot) const {
+std::vector<Tensor> BucketReducer::partitions() const {
   std::vector<Tensor> parts;
   for (const FlatGroupBuffer& g : groups_) parts.push_back(g.buffer);
-  backend_.sum_of_squares(backend_.compute_stream(), parts, box, sum_slot, finite_slot);
+  return parts;
+}
+
+void BucketReducer::grad_sum_of_squares(Mailbox& box, int sum_slot, int finite_slot) const {
+  backend_.sum_of_squares(backend_.compute_stream(), partitions(), box, sum_slot, finite_slot);
 }
 
 }  // namespace zerocore

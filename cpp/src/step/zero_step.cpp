@@ -16,8 +16,10 @@ namespace {
 
 // A row of the exchange: this rank's sum of squares (and the kernel's
 // finite flag beside it, which the sum already carries), its trainability
-// changes, its data queue's fingerprint, its late buckets and, at stage 3,
-// the flags of the unit schedule's end-of-step round, as float64.
+// changes, its data queue's fingerprint, whether the row carries the sum
+// (ranks must agree), the first step the device refused that this rank
+// read of, its late buckets and, at stage 3, the flags of the unit
+// schedule's end-of-step round, as float64.
 // The fingerprint keeps 52 bits, exact in a double; the late buckets are
 // bit flags, kLateBits to a double (exact integers: the row crosses as raw
 // bytes, but every value in it stays a plain finite number).
@@ -25,7 +27,9 @@ constexpr int kSum = 0;
 constexpr int kFinite = 1;
 constexpr int kChanges = 2;
 constexpr int kFingerprint = 3;
-constexpr size_t kHead = 4;
+constexpr int kWithSum = 4;
+constexpr int kRefused = 5;
+constexpr size_t kHead = 6;
 constexpr size_t kLateBits = 52;
 // The control queue moves float tensors: float64 rows cross as fp16
 // halves. The gathered rows are host memory of the step's own, outside the
@@ -35,12 +39,25 @@ Tensor as_halves(double* values, size_t count, std::shared_ptr<void> owner) {
   return Tensor(values, DType::kFloat16, Device{}, {int64_t(count * sizeof(double) / 2)}, std::move(owner));
 }
 
-}  // namespace
-
-ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)) {
-  if (parts_.data == nullptr || parts_.control == nullptr) {
+Backend& backend_of(const ZeroStep::Parts& parts) {
+  if (parts.data == nullptr || parts.control == nullptr) {
     throw InvalidArgument("ZeroStep: give the data queue (its order is checked) and the control queue (the exchange)");
   }
+  return parts.data->backend();
+}
+
+// The ranks' sum of their verdict flags, on the data queue (folded into
+// the order fingerprint as any data collective; not training traffic).
+const CollectiveKey kVerdictKey{CollectiveKind::kAllReduce, kStepVerdictGroup, 0, 1};
+
+const char* const kNonFiniteAdvice =
+    "Most often the loss was NaN or inf: check this step's batches (bad data, an empty or all-padding batch, a log "
+    "of 0) and the loss; engine.zero_grad() on every rank gives the step up, and training can go on with the next "
+    "batch. If 16-bit grads overflowed, fp16 with dynamic loss scaling (dtype='fp16') skips such steps instead.";
+
+}  // namespace
+
+ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)), verdict_(backend_of(parts_)) {
   if (parts_.data->world_size() != parts_.control->world_size()) {
     throw InvalidArgument("ZeroStep: the data and control queues span different world sizes (" +
                           std::to_string(parts_.data->world_size()) + " and " +
@@ -74,7 +91,7 @@ void ZeroStep::size_row() {
   if (!row_ || row_->slots() != width) row_ = std::make_unique<Mailbox>(backend(), width, "the step's exchange row");
 }
 
-Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
+Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late, bool with_sum) {
   Mailbox& box = *row_;
   const size_t width = size_t(box.slots());
   std::vector<uint64_t> bits(late_words(), 0);
@@ -85,12 +102,15 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
   box.write(kChanges, double(changes));
   const double fingerprint = double(parts_.data->fingerprint() >> 12);
   box.write(kFingerprint, fingerprint);
+  box.write(kWithSum, with_sum ? 1.0 : 0.0);
+  box.write(kRefused, double(verdict_read_));
   for (size_t w = 0; w < bits.size(); ++w) box.write(int(kHead + w), double(bits[w]));
   for (size_t i = 0; i < unit_flags_.size(); ++i) box.write(int(flags_at + i), double(unit_flags_[i]));
-  // The all-gather reads the row once the compute stream's work before it
-  // (the sum of squares) is done: on the device, not the host.
   Backend& b = backend();
-  b.wait(parts_.control->stream(), *b.record(b.compute_stream()));
+  // With the sum, the all-gather reads the row once the compute stream's
+  // work before it (the sum of squares) is done: on the device, not the
+  // host; the host's wait below is then a wait for the device.
+  if (with_sum) b.wait(parts_.control->stream(), *b.record(b.compute_stream()));
   const int world = parts_.control->world_size();
   rows_.resize(size_t(world) * width);
   const Tensor gathered = as_halves(rows_.data(), rows_.size(), nullptr);
@@ -100,6 +120,8 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
   b.host_wait(*done);  // the step's one blocking wait: the host decides on the sums
   Exchanged out;
   bool diverged = false;
+  std::string with_sum_on;  // ranks whose row carries the sum
+  int with_sum_ranks = 0;
   std::vector<uint64_t> any(bits.size(), 0);
   out.unit_flags.assign(unit_flags_.size(), 0.0f);
   for (int r = 0; r < world; ++r) {  // in rank order, so every rank gets the same bits
@@ -107,6 +129,12 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
     out.sum_of_squares += theirs[kSum];
     out.changes += int64_t(theirs[kChanges]);
     diverged |= theirs[kFingerprint] != fingerprint;
+    if (theirs[kWithSum] != 0.0) {
+      with_sum_on += (with_sum_on.empty() ? "" : ", ") + std::to_string(r);
+      ++with_sum_ranks;
+    }
+    const int64_t refused = int64_t(theirs[kRefused]);
+    if (refused != 0 && (out.refused == 0 || refused < out.refused)) out.refused = refused;
     for (size_t w = 0; w < any.size(); ++w) any[w] |= uint64_t(theirs[kHead + w]);
     for (size_t i = 0; i < out.unit_flags.size(); ++i) out.unit_flags[i] += float(theirs[flags_at + i]);
   }
@@ -118,6 +146,12 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
         "Nothing was updated. Every rank must issue the same collectives in the same order.",
         std::move(trace));
   }
+  if (with_sum_ranks != 0 && with_sum_ranks != world) {
+    throw InvalidArgument(
+        "zerocore: ranks took this step's grads differently: ranks " + with_sum_on +
+        " read their norm (engine.clip_grad_norm_, or Config(max_grad_norm)) and the others did not. Nothing was "
+        "updated. Call engine.clip_grad_norm_ on every rank, with the same max_norm, or on none.");
+  }
   for (size_t i = 0; i < late.size(); ++i) late[i] = (any[i / kLateBits] >> (i % kLateBits)) & 1u;
   if (!parts_.partitioned) {  // every rank holds all the grads: its own row's sum, as it crossed
     out.sum_of_squares = rows_[size_t(parts_.control->rank()) * width + kSum];
@@ -125,7 +159,9 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late) {
   return out;
 }
 
-const Exchanged& ZeroStep::exchange(int64_t changes) {
+const Exchanged& ZeroStep::exchange(int64_t changes) { return take_grads(changes, true); }
+
+const Exchanged& ZeroStep::take_grads(int64_t changes, bool with_sum) {
   if (exchanged_) return *exchanged_;
   if (parts_.grad_reduce != nullptr) parts_.grad_reduce->run();
   BucketReducer* reducer = parts_.grad_reducer;
@@ -133,31 +169,67 @@ const Exchanged& ZeroStep::exchange(int64_t changes) {
   // Stage 3's end-of-step round rides on the exchange: its flags do not
   // change before the round settles, after the update.
   unit_flags_ = parts_.units ? parts_.units->step_round_flags() : std::vector<float>{};
+  const int64_t seen = verdict_.read(false);
+  if (seen != 0 && (verdict_read_ == 0 || seen < verdict_read_)) verdict_read_ = seen;
   Mailbox& box = *row_;
-  if (parts_.host_update != nullptr) {  // offload: the host's own sum of its host grads
+  if (with_sum && parts_.host_update != nullptr) {  // offload: the host's own sum of its host grads
     const double mine = parts_.host_update->grad_sum_of_squares();
     box.write(kSum, mine);
     box.write(kFinite, std::isfinite(mine) ? 1.0 : 0.0);
-  } else {
+  } else if (with_sum) {
     backend().sum_of_squares(backend().compute_stream(), grads_, box, kSum, kFinite);
   }
-  Exchanged agreed = exchange_rows(changes, late);
-  if (std::find(late.begin(), late.end(), true) != late.end()) {
+  Exchanged agreed = exchange_rows(changes, late, with_sum);
+  reduced_late_ = std::find(late.begin(), late.end(), true) != late.end();
+  if (reduced_late_) {
     // Grads came after their bucket was reduced (reentrant checkpointing),
     // on some rank: every rank reduces those buckets, so all issue the same
     // collectives, and the sums are exchanged again, since they changed.
     // The reducer's partitions are the grads this rank's sum is over.
     reducer->reduce_late(late);
-    reducer->grad_sum_of_squares(box, kSum, kFinite);
-    late.assign(late.size(), false);
-    agreed = exchange_rows(changes, late);
+    if (with_sum) {
+      reducer->grad_sum_of_squares(box, kSum, kFinite);
+      late.assign(late.size(), false);
+      agreed = exchange_rows(changes, late, true);
+    }
   }
   exchanged_ = agreed;
   return *exchanged_;
 }
 
+bool ZeroStep::decides_on_device(const StepOptions& options) const {
+  const bool dynamic = parts_.loss_scaler != nullptr && parts_.loss_scaler->dynamic();
+  return parts_.host_update == nullptr && !options.max_norm && !dynamic;
+}
+
+void ZeroStep::refuse(int64_t first, int64_t last, bool found_now) {
+  verdict_.clear();
+  verdict_read_ = 0;
+  refused_step_ = first;
+  // options.step counts this step too (Adam's bias correction); the user's engine.step_count does not.
+  if (found_now) {
+    throw NonFiniteGradients("zerocore: gradients hold inf/NaN, so this step was not applied (engine.step_count stays " +
+                             std::to_string(first - 1) + "): params and optimizer state are unchanged. " +
+                             kNonFiniteAdvice);
+  }
+  throw NonFiniteGradients(
+      "zerocore: the gradients of step " + std::to_string(first) +
+      " held inf/NaN (found on the device, read since), so no update was applied from that step to step " +
+      std::to_string(last) + " (engine.step_count is back to " + std::to_string(first - 1) +
+      "): params and optimizer state are as that step found them. " + kNonFiniteAdvice);
+}
+
+void ZeroStep::settle() {
+  const int64_t seen = verdict_.read(true);
+  if (seen != 0 && (verdict_read_ == 0 || seen < verdict_read_)) verdict_read_ = seen;
+  // Every rank has read every verdict now: they agree without an exchange.
+  if (verdict_read_ != 0) refuse(verdict_read_, last_step_, false);
+}
+
 StepResult ZeroStep::step(const StepOptions& options) {
-  const Exchanged agreed = exchange(options.changes);
+  const bool on_device = !exchanged_ && decides_on_device(options);
+  const Exchanged agreed = take_grads(options.changes, !on_device);
+  if (agreed.refused != 0) refuse(agreed.refused, last_step_, false);  // nothing of this step is done yet
   if (agreed.changes != 0) {
     throw TrainabilityChanged("zerocore: " + std::to_string(agreed.changes) +
                               " trainability change(s) since the layout was planned; nothing was updated");
@@ -165,19 +237,18 @@ StepResult ZeroStep::step(const StepOptions& options) {
   StepResult out;
   LossScaler* scaler = parts_.loss_scaler;
   double grad_scale = 1.0 / (parts_.data->world_size() * loss_scale());
-  out.norm = std::sqrt(agreed.sum_of_squares) * grad_scale;
-  out.applied = std::isfinite(agreed.sum_of_squares);
-  if (!out.applied) {
-    if (scaler == nullptr || !scaler->dynamic()) {
-      // options.step counts this step too (Adam's bias correction); the user's engine.step_count does not.
-      throw NonFiniteGradients(
-          "zerocore: gradients hold inf/NaN, so this step was not applied (engine.step_count stays " +
-          std::to_string(options.step - 1) +
-          "): params and optimizer state are unchanged. Most often the loss was NaN or inf: "
-          "check this step's batches (bad data, an empty or all-padding batch, a log of 0) and the loss; "
-          "engine.zero_grad() on every rank gives the step up, and training can go on with the next batch. If "
-          "16-bit grads overflowed, fp16 with dynamic loss scaling (dtype='fp16') skips such steps instead.");
+  out.norm = on_device ? std::nan("") : std::sqrt(agreed.sum_of_squares) * grad_scale;
+  out.applied = on_device || std::isfinite(agreed.sum_of_squares);
+  Backend& b = backend();
+  if (on_device) {
+    verdict_.count(reduced_late_ ? parts_.grad_reducer->partitions() : grads_);
+    if (parts_.partitioned && parts_.data->world_size() > 1) {  // every rank's count, summed
+      b.wait(parts_.data->stream(), *b.record(b.compute_stream()));
+      b.wait(b.compute_stream(), *parts_.data->all_reduce(kVerdictKey, verdict_.flag(), false));
     }
+  }
+  if (!out.applied) {
+    if (scaler == nullptr || !scaler->dynamic()) refuse(options.step, options.step, true);
     scaler->update(true);  // backs off; throws at the minimum scale
     // The next forward reads a pending update's params (and, in stages 1-2,
     // every rank's); stage 3's end-of-step round below releases any unit
@@ -187,16 +258,22 @@ StepResult ZeroStep::step(const StepOptions& options) {
     }
   } else {
     if (options.max_norm) grad_scale *= std::min(1.0, *options.max_norm / (out.norm + 1e-6));
+    const Tensor skip_if = on_device ? verdict_.flag() : Tensor();
     if (!parts_.runs.empty()) {  // (offload's partition is the host update's, below)
-      Backend& b = backend();
       if (options.kind == OptimizerKind::kSgd) {
-        b.sgd_update_runs(b.compute_stream(), options.sgd, options.step, grad_scale, parts_.runs);
+        b.sgd_update_runs(b.compute_stream(), options.sgd, options.step, grad_scale, parts_.runs, skip_if);
       } else {
-        b.adam_update_runs(b.compute_stream(), options.adam, options.step, grad_scale, parts_.runs);
+        b.adam_update_runs(b.compute_stream(), options.adam, options.step, grad_scale, parts_.runs, skip_if);
       }
     }
     if (parts_.host_update != nullptr) parts_.host_update->apply(options, grad_scale);
     if (parts_.param_gather != nullptr) parts_.param_gather->run();
+    if (on_device) {
+      verdict_.note(options.step);
+      last_step_ = options.step;
+      // On the CPU backends the verdict is there at once, on every rank alike.
+      if (b.compute_runs_inline() && verdict_.read(false) != 0) refuse(options.step, options.step, true);
+    }
     if (scaler != nullptr) scaler->update(false);
     out.grad_scale = grad_scale;
   }

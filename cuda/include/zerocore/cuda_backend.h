@@ -129,10 +129,12 @@ class CudaBackend : public Backend {
   // xs on this device; the kernel writes the box (cuda_reduce.h).
   void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
                       int finite_slot) override;
+  void count_nonfinite(Stream& stream, const std::vector<Tensor>& xs, const Tensor& counter) override;
   void adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step, double grad_scale,
-                        const std::vector<FlatRun>& runs) override;
+                        const std::vector<FlatRun>& runs, const Tensor& skip_if) override;
   void sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
-                       const std::vector<FlatRun>& runs) override;
+                       const std::vector<FlatRun>& runs, const Tensor& skip_if) override;
+  bool compute_runs_inline() const override { return false; }
   void enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
                std::function<void()> body) override;
 

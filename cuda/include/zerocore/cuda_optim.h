@@ -34,11 +34,13 @@ std::string cuda_unavailable_reason();
 // anything, and InvalidArgument or std::runtime_error (with CUDA's message)
 // when a CUDA call fails. A call with a set of runs not seen before uploads
 // their table to the device once (a synchronous copy); later calls with the
-// same runs allocate, copy and synchronise nothing.
+// same runs allocate, copy and synchronise nothing. skip_if: null, or one
+// fp32 element of device memory the kernel reads: not zero, it updates
+// nothing (the step's device verdict).
 void cuda_adam_update_runs(const std::vector<AdamOptions>& groups, int64_t step, double grad_scale,
-                           const std::vector<FlatRun>& runs, void* stream);
+                           const std::vector<FlatRun>& runs, void* stream, const float* skip_if = nullptr);
 void cuda_sgd_update_runs(const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
-                          const std::vector<FlatRun>& runs, void* stream);
+                          const std::vector<FlatRun>& runs, void* stream, const float* skip_if = nullptr);
 
 // One run: `param_copy` (and, without momentum, `momentum_buffer`) may be
 // undefined (default-constructed) tensors.

@@ -23,5 +23,8 @@ namespace zerocore {
 // scratch of a few KiB, allocated on the first call and kept for the
 // process, so calls on one stream never share it with another's.
 void cuda_sum_of_squares(const std::vector<Tensor>& xs, int device, double* sum, double* finite, void* stream);
+// counter (one fp32 element on `device`) += 1 when some element of xs is
+// not finite, in the same pass: the step's verdict on the device.
+void cuda_count_nonfinite(const std::vector<Tensor>& xs, int device, const Tensor& counter, void* stream);
 
 }  // namespace zerocore

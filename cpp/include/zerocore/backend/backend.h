@@ -84,12 +84,23 @@ class Backend {
   // box[finite_slot] = 1 when every element is finite, else 0.
   virtual void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
                               int finite_slot) = 0;
+  // counter (one fp32 element, on the side of xs) += 1 when some element
+  // of xs is not finite: the step's verdict, decided on the device
+  // (step/device_verdict.h).
+  virtual void count_nonfinite(Stream& stream, const std::vector<Tensor>& xs, const Tensor& counter) = 0;
   // One optimizer step over every run of a partition (cpu_optim.h's
-  // adam_update_runs and sgd_update_runs on the CPU).
+  // adam_update_runs and sgd_update_runs on the CPU). skip_if: none (an
+  // empty Tensor), or one fp32 element the kernel reads when it runs: not
+  // zero, it updates nothing (a step refused on the device, without the
+  // host reading the verdict first).
   virtual void adam_update_runs(Stream& stream, const std::vector<AdamOptions>& groups, int64_t step,
-                                double grad_scale, const std::vector<FlatRun>& runs) = 0;
+                                double grad_scale, const std::vector<FlatRun>& runs, const Tensor& skip_if) = 0;
   virtual void sgd_update_runs(Stream& stream, const std::vector<SgdOptions>& groups, int64_t step,
-                               double grad_scale, const std::vector<FlatRun>& runs) = 0;
+                               double grad_scale, const std::vector<FlatRun>& runs, const Tensor& skip_if) = 0;
+  // Whether work on the compute stream has happened when its call returns
+  // (the CPU backends: the caller's thread runs it), so a query of an event
+  // behind it is true on every rank alike.
+  virtual bool compute_runs_inline() const = 0;
   // `body` in stream order, touching exactly `accesses` (a collective),
   // reported as `op`.
   virtual void enqueue(Stream& stream, const std::string& op, const std::vector<Access>& accesses,
@@ -123,8 +134,9 @@ class Backend {
 };
 
 // The accesses of one optimizer step over `runs` (params, state and copies
-// written, grads read): what every backend's update declares.
-std::vector<Access> update_accesses(const std::vector<FlatRun>& runs);
+// written, grads and skip_if, if given, read): what every backend's update
+// declares.
+std::vector<Access> update_accesses(const std::vector<FlatRun>& runs, const Tensor& skip_if);
 
 // Kernels run where their memory is: with every tensor in host memory, on
 // the host in the stream's order (the offload optimizer's update, the add
@@ -140,7 +152,7 @@ bool kernel_on_host(const std::string& op, const std::vector<std::pair<std::stri
 // A kernel's tensors, each with what it is ("dst", "run 0's grad").
 using KernelOperands = std::vector<std::pair<std::string, const Tensor*>>;
 // The operands of an update over `runs`, and of a sum of squares of `xs`.
-KernelOperands update_operands(const std::vector<FlatRun>& runs);
+KernelOperands update_operands(const std::vector<FlatRun>& runs, const Tensor& skip_if);
 KernelOperands sum_operands(const std::vector<Tensor>& xs);
 
 }  // namespace zerocore

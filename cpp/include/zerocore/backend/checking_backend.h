@@ -24,6 +24,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zerocore/backend/cpu_backend.h"
@@ -41,6 +42,10 @@ struct CheckingOptions {
   int64_t max_delay_us = 200;
   // Raise at the violating call; otherwise only count it (see check()).
   bool throw_on_violation = true;
+  // What compute_runs_inline() says: false makes the engine treat the
+  // compute stream as a GPU's (the step reads its device verdicts when a
+  // later exchange comes), though it still runs on the calling thread.
+  bool compute_inline = true;
 };
 
 class CheckingCpuBackend : public CpuBackend {
@@ -56,6 +61,7 @@ class CheckingCpuBackend : public CpuBackend {
   std::shared_ptr<StreamEvent> record(Stream& stream) override;
   void wait(Stream& stream, const StreamEvent& event) override;
   void host_wait(const StreamEvent& event) override;
+  bool compute_runs_inline() const override { return options_.compute_inline; }
   bool query(const StreamEvent& event) override;
   std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) override;
 
@@ -82,6 +88,15 @@ class CheckingCpuBackend : public CpuBackend {
   // (a round's flags) is not one. Since the last take_device_waits().
   int64_t device_waits() const { return device_waits_.load(); }
   int64_t take_device_waits() { return device_waits_.exchange(0); }
+  // The host's lead over the device, by the clocks: (operations enqueued on
+  // device-plane streams, of those the ones the host is ordered after: it
+  // saw them done, by a wait or a query). Between two calls, work enqueued
+  // while the second number stays put ran ahead of the host's knowledge: on
+  // a GPU the host got that far before the device finished any of it.
+  std::pair<uint64_t, uint64_t> device_work();
+  // allocate() calls for device memory so far: steady-state training makes
+  // none (on CUDA each would be a cudaMalloc, a host synchronisation).
+  int64_t device_allocations() const { return device_allocations_.load(); }
 
  private:
   void checked(Stream& stream, const std::string& op, const std::vector<Access>& accesses);
@@ -101,6 +116,7 @@ class CheckingCpuBackend : public CpuBackend {
   std::vector<StreamPlane> planes_;  // by stream index
   std::atomic<int64_t> host_waits_{0};
   std::atomic<int64_t> device_waits_{0};
+  std::atomic<int64_t> device_allocations_{0};
 };
 
 }  // namespace zerocore

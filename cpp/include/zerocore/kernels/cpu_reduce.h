@@ -17,5 +17,11 @@ double sum_of_squares(const std::vector<Tensor>& xs);
 // The same into a mailbox's two slots: *sum, and *finite = 1 when it is
 // finite (every element is), else 0: what a backend's host kernel writes.
 void sum_of_squares_into(const std::vector<Tensor>& xs, double* sum, double* finite);
+// counter (one fp32 element on the host) += 1 when some element of xs is
+// not finite: a backend's host kernel of the step's device verdict.
+void count_nonfinite_into(const std::vector<Tensor>& xs, const Tensor& counter);
+// Whether an update given `skip_if` (one fp32 element on the host, or an
+// empty Tensor: never) skips: the element is not zero.
+bool skipped(const Tensor& skip_if);
 
 }  // namespace zerocore

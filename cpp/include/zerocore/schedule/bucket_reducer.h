@@ -129,6 +129,8 @@ class BucketReducer {
   // The sum of squares of the grad partitions (the step's, after
   // reduce_late) into `box`, on the compute stream (Backend::sum_of_squares).
   void grad_sum_of_squares(Mailbox& box, int sum_slot, int finite_slot) const;
+  // The reduced partitions themselves (what grad_sum_of_squares is over).
+  std::vector<Tensor> partitions() const;
   // Where each group's reduced grads are added from now on (the same
   // dtype and size as before): a delayed offload update reads one buffer
   // while the next backward fills the other. Between backwards only

@@ -18,11 +18,15 @@
 // clip_grad_norm_ needs the norm before the step: exchange() runs the
 // reduction and the exchange once a step, and step() does not repeat it.
 //
-// The sum of squares and the update are the backend's kernels (the data
-// queue's), on its compute stream: the sum lands in this rank's row of the
-// exchange, a mailbox the control queue's all-gather reads once its stream
-// waited for the compute stream. So the host blocks once an exchange, for
-// the all-gather, whose rows it decides on (docs/runtime.md, "The step").
+// Where the host must read the norm (dynamic loss scaling, clipping, a
+// host update), the sum of squares is a kernel on the compute stream into
+// this rank's row of the exchange, a mailbox the control queue's
+// all-gather reads once its stream waited for the compute stream: the
+// host waits for the device once a step. Elsewhere the step decides on the
+// device (DeviceVerdict): the exchange carries host facts only, the grads'
+// finiteness is a flag the update kernels read, and a refused step is
+// answered at a later exchange, on every rank together (docs/runtime.md,
+// "The step").
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -38,6 +42,7 @@
 #include "zerocore/schedule/bucket_collectives.h"
 #include "zerocore/schedule/bucket_reducer.h"
 #include "zerocore/schedule/unit_schedule.h"
+#include "zerocore/step/device_verdict.h"
 #include "zerocore/step/loss_scaler.h"
 
 namespace zerocore {
@@ -62,7 +67,11 @@ class TrainabilityChanged : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class OptimizerKind { kAdam, kSgd };  // Adam or AdamW: AdamOptions::adamw
+enum class OptimizerKind { kAdam, kSgd };
+
+// The data-plane group id of the ranks' sum of the step's verdict flags
+// (DeviceVerdict): beyond every flat group's.
+constexpr int32_t kStepVerdictGroup = INT32_MAX;  // Adam or AdamW: AdamOptions::adamw
 
 // This step's hyperparameters, one entry per optimizer param group (read
 // from the optimizer each step: schedulers change them).
@@ -77,14 +86,18 @@ struct StepOptions {
 
 // What the exchange agreed, the same on every rank.
 struct Exchanged {
-  double sum_of_squares = 0.0;  // of the reduced, loss-scaled grads; non-finite when any grad is
+  double sum_of_squares = 0.0;  // of the reduced, loss-scaled grads (when read); non-finite when any grad is
   int64_t changes = 0;          // trainability changes, summed over ranks
   std::vector<float> unit_flags;  // stage 3's end-of-step round, summed over ranks
+  int64_t refused = 0;  // the first step the device refused that some rank has read of (0: none)
 };
 
 struct StepResult {
-  bool applied = false;  // false: the grads were not finite; the step was skipped (dynamic loss scaling)
-  double norm = 0.0;     // the global L2 norm of the unscaled grads (before clipping)
+  // false: the grads were not finite; the step was skipped (dynamic loss
+  // scaling). Decided on the device: true, unless a later exchange finds
+  // the device refused it (NonFiniteGradients then, naming the step).
+  bool applied = false;
+  double norm = 0.0;     // the global L2 norm of the unscaled grads (before clipping); NaN: not read
   double grad_scale = 0.0;  // what the update multiplied the grads by (applied steps)
 };
 
@@ -124,14 +137,25 @@ class ZeroStep {
   // CollectiveOrderDiverged on every rank when the fingerprints differ.
   const Exchanged& exchange(int64_t changes = 0);
 
-  // exchange() first if not yet this step; TrainabilityChanged when any
-  // rank noted changes; then the decision. Finite grads: the update, the
-  // param gather, the loss scaler's clean step. Non-finite: with dynamic
-  // loss scaling the step is skipped (applied = false) and the scale backs
-  // off; otherwise, or at the minimum scale, NonFiniteGradients, with
-  // nothing changed. Either way (but the throw) stage 3's end-of-step round
+  // exchange() first if not yet this step (without the sum where the step
+  // decides on the device); TrainabilityChanged when any rank noted
+  // changes; then the decision. Finite grads: the update, the param
+  // gather, the loss scaler's clean step. Non-finite: with dynamic loss
+  // scaling the step is skipped (applied = false) and the scale backs off;
+  // otherwise, or at the minimum scale, NonFiniteGradients, with nothing
+  // changed. Decided on the device, the update is skipped there and the
+  // error comes at the first exchange after some rank read the verdict
+  // (at once on the CPU backends), naming the step; every step since was
+  // skipped too. Either way (but the throw) stage 3's end-of-step round
   // follows and the next step exchanges afresh.
   StepResult step(const StepOptions& options);
+  // Every verdict of the device not read yet, waiting for it (before the
+  // params or states are read: a checkpoint, the final params); throws
+  // NonFiniteGradients as step() would. Call it on every rank.
+  void settle();
+  // The first step refused by the last NonFiniteGradients (0: none yet):
+  // the step count to go back to is one less.
+  int64_t refused_step() const { return refused_step_; }
 
   // The reducer was rebuilt (a test reorders the reduction on one rank).
   void set_grad_reducer(BucketReducer* reducer);
@@ -139,9 +163,11 @@ class ZeroStep {
   void forget() { exchanged_.reset(); }
   bool exchanged() const { return exchanged_.has_value(); }
   double loss_scale() const { return parts_.loss_scaler ? parts_.loss_scaler->scale() : 1.0; }
-  // The step's own buffer, this rank's row of the exchange (pinned host
-  // memory of the backend, allocated with the step, not in it).
-  size_t buffer_bytes() const { return row_->buffer()->bytes(); }
+  // The step's own buffers, allocated with the step, not in it: in host
+  // memory (pinned) this rank's row of the exchange and the verdict's
+  // readbacks, in device memory the verdict's flag.
+  size_t buffer_bytes() const { return row_->buffer()->bytes() + verdict_.host_bytes(); }
+  size_t device_buffer_bytes() const { return verdict_.device_bytes(); }
 
  private:
   Backend& backend() const { return parts_.data->backend(); }
@@ -150,10 +176,20 @@ class ZeroStep {
   // stream's order) before exchange_rows.
   void size_row();
   size_t late_words() const;  // the row's doubles of late-bucket bits
-  // One exchange of (sum of squares, changes, fingerprint, late buckets,
-  // unit flags) rows; returns the agreed sums and sets `late` to the buckets late on
-  // any rank. Throws CollectiveOrderDiverged.
-  Exchanged exchange_rows(int64_t changes, std::vector<bool>& late);
+  // One exchange of (sum of squares if with_sum, changes, fingerprint,
+  // verdicts read, late buckets, unit flags) rows; returns the agreed sums
+  // and sets `late` to the buckets late on any rank. Throws
+  // CollectiveOrderDiverged, and InvalidArgument where ranks differ on
+  // with_sum.
+  Exchanged exchange_rows(int64_t changes, std::vector<bool>& late, bool with_sum);
+  // exchange(), the sum taken and exchanged only `with_sum`.
+  const Exchanged& take_grads(int64_t changes, bool with_sum);
+  // Whether this step decides on the device: the host reads nothing.
+  bool decides_on_device(const StepOptions& options) const;
+  // Step `first` was refused (agreed on every rank), and every step after
+  // it to `last`: the flag is cleared and NonFiniteGradients thrown, naming
+  // them (found_now: found by this step itself, first == last).
+  [[noreturn]] void refuse(int64_t first, int64_t last, bool found_now);
 
   Parts parts_;
   std::vector<Tensor> grads_;    // the runs' grads, for the sum of squares
@@ -161,6 +197,11 @@ class ZeroStep {
   std::vector<double> rows_;     // the exchange's gathered rows
   std::vector<float> unit_flags_;  // this rank's flags of stage 3's end-of-step round, this step
   std::optional<Exchanged> exchanged_;
+  DeviceVerdict verdict_;
+  int64_t verdict_read_ = 0;  // the first refused step this rank read of, not yet answered
+  int64_t last_step_ = 0;     // the newest step decided on the device
+  int64_t refused_step_ = 0;
+  bool reduced_late_ = false;  // this step's exchange reduced late grads: the reducer's partitions hold them
 };
 
 }  // namespace zerocore
