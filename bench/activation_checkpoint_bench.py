@@ -27,18 +27,17 @@ PASS or MISS.
 
 from __future__ import annotations
 
-import argparse
 import os
-import socket
 import statistics
 import time
+
+import _harness as harness
 
 CONFIGS = ("none", "torch", "pa", "pa+cpu")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser(__doc__, worker=False)
     p.add_argument("--ranks", type=int, default=2, help="ranks, all one tensor-parallel group (MP)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per repeat")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -146,10 +145,7 @@ def main(argv=None):
 
     args = parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(run_rank, args=(args, port), nprocs=args.ranks, start_method="fork")
+    mp.start_processes(run_rank, args=(args, harness.free_port()), nprocs=args.ranks, start_method="fork")
 
 
 if __name__ == "__main__":

@@ -147,9 +147,9 @@ def deepspeed_contestant():
 
 # Pause before each timed step. torch's OpenMP (libgomp) workers spin for a
 # few ms after each parallel region; a step that starts inside that window
-# shares its CPUs with them (measured on 2 cores: zerocore 15-20% slower right
-# after a torch step, unaffected 10 ms later, or at once with
-# OMP_WAIT_POLICY=PASSIVE).
+# shares its CPUs with them (bench/RESULTS.md: a step right after a torch
+# step runs slower, one 10 ms later, or at once with OMP_WAIT_POLICY=PASSIVE,
+# does not).
 SETTLE_S = 0.02
 
 

@@ -20,8 +20,9 @@ torch's time. Each prints PASS or MISS.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
+
+import _harness as harness
 
 
 def _median_ms(fn, iters, warmup):
@@ -41,7 +42,7 @@ def _median_ms(fn, iters, warmup):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, worker=False)
     p.add_argument("--numel", type=int, default=1 << 28, help="params updated")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)

@@ -47,7 +47,6 @@ syncs); the gzip chrome trace goes to DIR when small.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -59,15 +58,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_phases import DevicePhases, phase_table  # noqa: E402
 from gpu_profile import format_summary, profile_steps  # noqa: E402
 from step_breakdown import StepBreakdown, stage3_lines, stage3_schedule  # noqa: E402
-from train_step_bench import RESULT_TAG, _free_port, _rss_kb, config_names, run_ranks  # noqa: E402
+import _harness as harness  # noqa: E402
+from _memory import rss_kb  # noqa: E402
 
 THROUGHPUT_CONFIGS = ("torch", "fsdp2", "zero1", "zero2", "zero3")
 OFFLOAD_CONFIGS = ("zero3-offload", "fsdp2-offload")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--mode", default="throughput", choices=("throughput", "offload"))
     p.add_argument("--configs", default=None, help="comma-separated subset of the mode's configs (default: all)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -88,9 +87,6 @@ def parse_args(argv=None):
                    help="profile two more steps: print a summary, keep the gzip trace in DIR when small")
     p.add_argument("--json", default=None, help="also write all results to this file")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the model's size; run nothing")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one run of one config
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not isinstance(args.zero_config, dict):
         p.error("--zero-config must be a JSON object")
@@ -134,7 +130,7 @@ class DeviceMemory:
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             return total - free
-        return _rss_kb() * 1024
+        return rss_kb() * 1024
 
     def sample(self):
         self.peak = max(self.peak, self._used())
@@ -167,20 +163,6 @@ def build(name: str, cfg, device, mark=lambda phase: None, zero_config=None):
 
     from zerocore.examples.gpt import GPT
 
-    def torch_step(model, opt, autocast):
-        def step(x, y):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = model(x, y)["loss"]
-            mark("fwd")
-            loss.backward()
-            mark("bwd")
-            opt.step()
-            mark("opt")
-            opt.zero_grad(set_to_none=True)
-            mark("zero_grad")
-            return loss
-        return step
-
     if name.startswith("zero"):
         import zerocore
 
@@ -212,7 +194,8 @@ def build(name: str, cfg, device, mark=lambda phase: None, zero_config=None):
     if name == "torch":
         with torch.device(device):
             model = GPT(cfg)
-        return torch_step(model, _adamw(model.parameters(), device), autocast=True), model.num_params(), None
+        return (harness.torch_step(model, _adamw(model.parameters(), device), mark, device.type, torch.bfloat16),
+                model.num_params(), None)
     if name.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -230,8 +213,8 @@ def build(name: str, cfg, device, mark=lambda phase: None, zero_config=None):
         fully_shard(model, **kw)
         model.to_empty(device="cpu" if offload else device)  # CPUOffloadPolicy keeps the shards on the host
         _reset_modules(model)
-        return torch_step(model, _adamw(model.parameters(), torch.device("cpu") if offload else device),
-                          autocast=False), params, None
+        opt = _adamw(model.parameters(), torch.device("cpu") if offload else device)
+        return harness.torch_step(model, opt, mark), params, None  # its policy casts
     raise SystemExit(f"unknown config {name!r}")
 
 
@@ -257,7 +240,6 @@ def worker(args) -> None:
     from datetime import timedelta
 
     import torch
-    import torch.distributed as dist
 
     from zerocore.examples.gpt import TextData
 
@@ -266,11 +248,10 @@ def worker(args) -> None:
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
     if args.worker == "matmul":
-        print(RESULT_TAG + json.dumps({"tflops": matmul_tflops(device)}), flush=True)
+        harness.send_result({"tflops": matmul_tflops(device)})
         return
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{args.port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=args.timeout))
+    dist = harness.init_group(args, 1, "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                              timeout=timedelta(seconds=args.timeout))
     memory = DeviceMemory(device)
     cfg = gpt_config(args, args.layers)
     host, gpu = (StepBreakdown(), DevicePhases(device)) if args.breakdown else (None, None)
@@ -324,20 +305,20 @@ def worker(args) -> None:
         except Exception as e:  # the profile is an extra: the throughput figures above stand without it
             result["profile"] = {"error": repr(e)}
     dist.destroy_process_group()
-    print(RESULT_TAG + json.dumps(result), flush=True)
+    harness.send_result(result)
 
 
 # ------------------------------------------------------------------ driver
 
 
 def run(args, name: str, layers: int) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--port", str(_free_port()),
-               "--device", args.device, "--layers", str(layers), "--d-model", str(args.d_model),
-               "--heads", str(args.heads), "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--timeout", str(args.timeout),
-               "--zero-config", json.dumps(args.zero_config)] + (["--breakdown"] if args.breakdown else []) + \
+    command = harness.worker_command(__file__, name) + [
+        "--device", args.device, "--layers", str(layers), "--d-model", str(args.d_model),
+        "--heads", str(args.heads), "--seq-len", str(args.seq_len), "--batch", str(args.batch),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--timeout", str(args.timeout),
+        "--zero-config", json.dumps(args.zero_config)] + (["--breakdown"] if args.breakdown else []) + \
         (["--profile", os.path.abspath(args.profile)] if args.profile else [])
-    (result,) = run_ranks(f"{name} ({layers} layers)", command, 1, args.timeout)
+    (result,) = harness.run_ranks(f"{name} ({layers} layers)", command, 1, args.timeout)
     result["tflops"] = flops_per_token(result["params"], gpt_config(args, layers)) * args.batch * args.seq_len / \
         result["median_s"] / 1e12
     return result
@@ -382,13 +363,9 @@ def largest(args, name: str) -> tuple:
     return best, True
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
+def drive(args) -> int:
     known = THROUGHPUT_CONFIGS if args.mode == "throughput" else OFFLOAD_CONFIGS
-    names = config_names(args.configs or ",".join(known), known)
+    names = harness.config_names(args.configs or ",".join(known), known)
     cfg = gpt_config(args, args.layers)
     print(f"gpu_gpt_bench: {args.mode} on {args.device}, GPT {cfg.n_layer} x {cfg.d_model} "
           f"({count_params(cfg) / 1e9:.2f}B params), heads {cfg.n_head}, seq {cfg.seq_len}, batch {args.batch}, "
@@ -400,8 +377,8 @@ def main(argv=None) -> int:
         print(f"dry run: nothing ran (breakdown {'on' if args.breakdown else 'off'}, profile to {args.profile}, "
               f"zero config {json.dumps(args.zero_config)})")
         return 0
-    (peak,) = run_ranks("matmul", [sys.executable, os.path.abspath(__file__), "--worker", "matmul",
-                                   "--device", args.device], 1, args.timeout)
+    (peak,) = harness.run_ranks("matmul", harness.worker_command(__file__, "matmul") + ["--device", args.device], 1,
+                                args.timeout)
     print(f"  matmul rate: {peak['tflops']:.1f} TFLOPS ({'bf16' if args.device == 'cuda' else 'fp32'})")
     results, failed, cut = {}, {}, {}
     for name in names:
@@ -452,14 +429,11 @@ def main(argv=None) -> int:
         if z:
             check(f"zero3-offload at {z['tflops'] / peak['tflops']:.0%} of the matmul rate (>= 40%)",
                   z["tflops"] >= 0.4 * peak["tflops"])
-    if args.json:
-        with open(args.json, "w") as fp:
-            json.dump({"args": vars(args), "matmul_tflops": peak["tflops"], "results": results,
-                       "failed": failed}, fp, indent=1)
-    if failed:
-        print(f"\n{len(failed)} configuration(s) failed: {', '.join(failed)}")
-        return 1
-    return 0
+    return harness.finish(args, failed, {"matmul_tflops": peak["tflops"], "results": results})
+
+
+def main(argv=None) -> int:
+    return harness.dispatch(parse_args(argv), worker, drive)
 
 
 if __name__ == "__main__":

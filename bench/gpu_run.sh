@@ -28,10 +28,8 @@
 # The limits add up to more than 9 minutes; each is cut to what is left of
 # GPU_RUN_SECONDS (default 520: 9 minutes less the 10 s a killed phase may
 # take to die and a margin), so the run ends in time even when something
-# hangs, and the offload search gets the rest. Measured on an H200
-# (2026-11-27, tests/gpu.sh and the benchmarks run apart): the two CUDA
-# builds, ctest and the GPU tests 130 s (this builds once), gpu_adam_bench
-# 10 s, the five throughput configs and a 60 s offload search 280 s.
+# hangs, and the offload search gets the rest (docs/status.md has the
+# phases' times on a GPU).
 #
 # --dry-run runs everything up to the GPU: the build, tests/gpu.sh
 # --dry-run and each benchmark's --dry-run with the real run's flags, with

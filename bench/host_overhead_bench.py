@@ -30,16 +30,13 @@ time; zero2 at most 1.1x ddp's. Each prints PASS or MISS.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
 
-from train_step_bench import RESULT_TAG, _free_port
+import _harness as harness
 
 CONFIGS = ("zero2", "zero3", "ddp", "fsdp2", "ds2", "ds3")
 TORCH_CALLS = Counter()  # DeepSpeed's configs: torch.distributed's collective calls (count_collectives)
@@ -47,9 +44,7 @@ TARGETS = (("zero3", "ds3", 1.0), ("zero2", "ddp", 1.1))
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    p = harness.parser(__doc__, CONFIGS)
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=16, help="rows a rank")
@@ -57,10 +52,6 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration run")
-    # internal: one rank of one configuration
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -196,8 +187,7 @@ def worker(args) -> None:
 
     name, rank, world = args.worker, args.rank, 2
     if name.startswith("ds"):
-        os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+        os.environ.update(DS_ACCELERATOR="cpu", **harness.launcher_env(args, world))
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -209,8 +199,7 @@ def worker(args) -> None:
 
         deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.timeout))
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.timeout))
+        harness.init_group(args, world, timeout=timedelta(seconds=args.timeout))
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(args.width, args.width), nn.GELU())
                             for _ in range(args.blocks)])
@@ -227,7 +216,7 @@ def worker(args) -> None:
     result = {"median_s": statistics.median(times), "collectives": collectives()}
     close()
     dist.barrier()
-    print(RESULT_TAG + json.dumps(result), flush=True)
+    harness.send_result(result)
     if name.startswith("ds"):
         os._exit(0)  # DeepSpeed 0.19's threads abort the interpreter's teardown (terminate, no active exception)
     dist.destroy_process_group()
@@ -239,26 +228,10 @@ def worker(args) -> None:
 def run_config(args, name) -> dict:
     """One run of `name` on 2 fresh processes: the slower rank's median step
     and rank 0's collective counts."""
-    port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--port", str(port),
-           "--blocks", str(args.blocks), "--width", str(args.width), "--batch", str(args.batch),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--timeout", str(args.timeout)]
-    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=args.timeout + 60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    ranks = []
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-        lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
-        if p.returncode != 0 or not lines:
-            raise RuntimeError(f"{name}: rank {r} exited with {p.returncode}\n" +
-                               "\n".join((err or out).strip().splitlines()[-20:]))
-        ranks.append(json.loads(lines[-1][len(RESULT_TAG):]))
+    cmd = harness.worker_command(__file__, name) + [
+        "--blocks", str(args.blocks), "--width", str(args.width), "--batch", str(args.batch),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--timeout", str(args.timeout)]
+    ranks = harness.run_ranks(name, cmd, 2, args.timeout, env={"OMP_NUM_THREADS": "1"})
     return {"median_s": max(r["median_s"] for r in ranks), "collectives": ranks[0]["collectives"]}
 
 
@@ -271,42 +244,34 @@ def describe_collectives(c: dict) -> str:
     return f"{c['total']} torch.distributed calls ({calls})"
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in names if c not in CONFIGS]
-    if bad:
-        print(f"error: unknown config(s) {bad}; use {', '.join(CONFIGS)}", file=sys.stderr)
-        return 2
+def drive(args) -> int:
+    names = harness.config_names(args.configs, CONFIGS)
     print(f"host_overhead_bench: 2 CPU ranks (gloo), torch threads 1, {args.blocks} x (Linear({args.width}, "
           f"{args.width}) + GELU), batch {args.batch} a rank, fp32 AdamW, {args.steps} timed steps after "
           f"{args.warmup}, {os.cpu_count()} cores", flush=True)
-    runs = {}
-    for rep in range(args.repeats):
-        for name in names:
-            res = run_config(args, name)
-            runs.setdefault(name, []).append(res)
-            counts = f"   collectives a step: {describe_collectives(res['collectives'])}" if res["collectives"] else ""
-            print(f"  [{rep + 1}/{args.repeats}] {name:<6} median step {res['median_s'] * 1e3:7.1f} ms{counts}",
-                  flush=True)
+
+    def show(rep, name, res):
+        counts = f"   collectives a step: {describe_collectives(res['collectives'])}" if res["collectives"] else ""
+        print(f"  [{rep + 1}/{args.repeats}] {name:<6} median step {res['median_s'] * 1e3:7.1f} ms{counts}", flush=True)
+
+    runs, failed = harness.run_interleaved(names, args.repeats, lambda name: run_config(args, name), show)
     best = {n: min(r["median_s"] for r in rs) for n, rs in runs.items()}
     print("\nstep time, ms (lowest median over repeats)")
     for name in names:
-        print(f"  {name:<6} {best[name] * 1e3:7.1f}")
+        if name in best:
+            print(f"  {name:<6} {best[name] * 1e3:7.1f}")
     print("\nratios")
-    missed = False
+    ratios = harness.Ratios(best)
     for a, b, limit in TARGETS:
-        if a in best and b in best:
-            ratio = best[a] / best[b]
-            missed |= ratio > limit
-            print(f"  {a} / {b} step time {ratio:6.3f}  (target <= {limit:g})  {'PASS' if ratio <= limit else 'MISS'}")
+        ratios.target(f"{a} / {b} step time", a, b, limit)
     for a, b in (("zero3", "fsdp2"), ("zero2", "ds2")):
-        if a in best and b in best:
-            print(f"  {a} / {b} step time {best[a] / best[b]:6.3f}  (info)")
-    return 1 if missed else 0
+        ratios.info(f"{a} / {b} step time", a, b)
+    status = harness.finish(args, failed, {"runs": runs})
+    return status or int(ratios.missed)
+
+
+def main(argv=None) -> int:
+    return harness.dispatch(parse_args(argv), worker, drive)
 
 
 if __name__ == "__main__":

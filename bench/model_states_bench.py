@@ -34,24 +34,21 @@ each step; zero3 also prints its memory_report().
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import os
 import sys
 import time
 
-from train_step_bench import (RESULT_TAG, _free_port, _rss_kb, config_names, mark_phase, print_phases,
-                              run_interleaved, run_ranks)
+import _harness as harness
+from _memory import mark_phase, print_phases, rss_kb
 
 CONFIGS = ("zero3", "fsdp2", "ddp", "deepspeed")
 TARGET = 1.15  # zero3's growth / 16 Psi / N
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    p = harness.parser(__doc__, CONFIGS)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=2048)
@@ -63,10 +60,6 @@ def parse_args(argv=None):
                    help="zero3: Config.prefetch_bytes (default: the engine's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration before it is killed")
     p.add_argument("--phases", action="store_true", help="print rank 0's memory after each phase")
-    # internal: one rank of one configuration
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -198,17 +191,14 @@ def _join(args):
     system = importlib.import_module(IMPORTS[args.worker])
     if args.worker == "deepspeed":  # DS_ACCELERATOR=cpu, set by the driver
         # DeepSpeed reads the launcher's variables (without them it looks for MPI).
-        os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE=str(args.ranks),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+        os.environ.update(harness.launcher_env(args, args.ranks))
         system.init_distributed(dist_backend="gloo", verbose=False)
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
-                                world_size=args.ranks)
+        harness.init_group(args, args.ranks)
     return dist
 
 
 def worker(args) -> None:
-    import json
     import resource
     import statistics
 
@@ -217,7 +207,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     dist = _join(args)
     dist.barrier()
-    base_kb = _rss_kb()
+    base_kb = rss_kb()
     phases = {}
     mark = functools.partial(mark_phase, phases)
     torch.manual_seed(0)  # the same initial values on every rank
@@ -244,7 +234,7 @@ def worker(args) -> None:
     if close:
         close()
     dist.destroy_process_group()
-    print(RESULT_TAG + json.dumps(result), flush=True)
+    harness.send_result(result)
 
 
 # ------------------------------------------------------------------ driver
@@ -262,28 +252,24 @@ def model_states_bytes(args) -> tuple:
 
 
 def run_config(args, name) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--port", str(_free_port()),
-               "--ranks", str(args.ranks), "--layers", str(args.layers), "--width", str(args.width),
-               "--batch", str(args.batch), "--steps", str(args.steps)]
+    command = harness.worker_command(__file__, name) + [
+        "--ranks", str(args.ranks), "--layers", str(args.layers), "--width", str(args.width),
+        "--batch", str(args.batch), "--steps", str(args.steps)]
     for flag, value in (("--bucket-bytes", args.bucket_bytes), ("--prefetch-bytes", args.prefetch_bytes)):
         if value is not None:
             command += [flag, str(value)]
     if args.phases:
         command.append("--phases")
-    ranks = run_ranks(name, command, args.ranks, args.timeout,
-                      env={"DS_ACCELERATOR": "cpu"} if name == "deepspeed" else None)
+    ranks = harness.run_ranks(name, command, args.ranks, args.timeout,
+                              env={"DS_ACCELERATOR": "cpu"} if name == "deepspeed" else None)
     return {"growth": max(r["peak_kb"] - r["base_kb"] for r in ranks) * 1024, "ranks": ranks,
             "step_s": max(r["step_s"] for r in ranks)}
 
 
-def main(argv=None) -> int:
+def drive(args) -> int:
     import statistics
 
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    names = config_names(args.configs, CONFIGS)
+    names = harness.config_names(args.configs, CONFIGS)
     psi, states = model_states_bytes(args)
     print(f"model_states_bench: {args.ranks} CPU ranks (gloo), 1 thread each, {args.layers} x Linear({args.width}, "
           f"{args.width}) + GELU = {psi:,} params, batch {args.batch} a rank, fp32 AdamW, {args.steps} steps; "
@@ -299,17 +285,18 @@ def main(argv=None) -> int:
                 print("         rank 0 memory_report, MiB: " + ", ".join(
                     f"{k} {v / 2**20:.1f}" for k, v in report.items() if k != "by_device"), flush=True)
 
-    runs, failed = run_interleaved(names, args.repeats, lambda name: run_config(args, name), show)
+    runs, failed = harness.run_interleaved(names, args.repeats, lambda name: run_config(args, name), show)
     print("\nresults (peak RSS growth over the post-start-up baseline, max over ranks, median over runs)")
     for name in names:
         if name in runs:
             g = statistics.median(r["growth"] for r in runs[name])
             verdict = f"  (target <= {TARGET}: {'PASS' if g / states <= TARGET else 'MISS'})" if name == "zero3" else ""
             print(f"  {name:<9} {g / 2**20:8.1f} MiB  {g / states:5.2f} x 16 Psi / N{verdict}")
-    if failed:
-        print(f"\n{len(failed)} configuration(s) failed: {', '.join(failed)}")
-        return 1
-    return 0
+    return harness.finish(args, failed, {"runs": runs})
+
+
+def main(argv=None) -> int:
+    return harness.dispatch(parse_args(argv), worker, drive)
 
 
 if __name__ == "__main__":

@@ -27,18 +27,17 @@ delayed step phase / overlapped step phase).
 """
 from __future__ import annotations
 
-import argparse
 import os
-import socket
 import statistics
 import time
+
+import _harness as harness
 
 CONFIGS = ("on device", "serial", "overlapped", "delayed")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = harness.parser(__doc__, worker=False)
     for flag, default in (("--layers", 6), ("--d-model", 512), ("--heads", 8), ("--seq-len", 64), ("--batch", 4)):
         p.add_argument(flag, type=int, default=default, help="the model's and batch's shape")
     p.add_argument("--steps", type=int, default=6, help="timed steps per run")
@@ -90,10 +89,7 @@ def main(argv=None):
 
     import zerocore
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{harness.free_port()}", rank=0, world_size=1)
     torch.set_num_threads(1)
     zerocore.set_num_threads(args.host_threads)
     g = torch.Generator().manual_seed(0)

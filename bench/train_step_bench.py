@@ -38,7 +38,7 @@ with MALLOC_MMAP_THRESHOLD_=1048576): zero3 step time <= 0.85x FSDP2's, zero3
 "train" memory (peak RSS growth) <= 0.8x FSDP2's, zero3 peak RSS below DDP's,
 zero1 and zero2 step time within 5% of DDP's. Each prints PASS or MISS.
 
-Stage 3's ranks agree on every gather in rounds (docs/design.md, section 6);
+Stage 3's ranks agree on every gather in rounds (docs/runtime.md);
 zero3 also reports the rounds per step and the time spent in their
 all-reduces as a share of the step (information: it includes waiting for
 the slower rank, which without rounds is spent waiting elsewhere). To
@@ -52,27 +52,22 @@ dense model.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
+import _harness as harness
+from _memory import mark_phase, print_phases, rss_kb
 from step_breakdown import StepBreakdown, collectives_alone, print_breakdown, stage3_schedule
 
 CONFIGS = ("zero0", "zero1", "zero2", "zero3", "ddp", "fsdp2")
-RESULT_TAG = "BENCH_RESULT "
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    p = harness.parser(__doc__, CONFIGS)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--steps", type=int, default=8, help="timed steps")
@@ -99,58 +94,10 @@ def parse_args(argv=None):
                         "step's collectives alone against DDP's (step_breakdown.py)")
     p.add_argument("--phases", action="store_true",
                    help="print rank 0's RSS, peak RSS and glibc heap after each phase (and within the first 3 steps)")
-    # internal: one rank of one configuration
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 # ------------------------------------------------------------------ one rank
-
-
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _heap_mb() -> tuple:
-    """glibc's heap over all arenas: bytes in use and bytes free but kept
-    (mallinfo2), MB; () where there is no glibc. Model states in native
-    arenas or large tensors (mmap'd) are outside it."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(f, ctypes.c_size_t) for f in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                     "keepcost")]
-
-    try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return ()
-    fn.restype = MallInfo2
-    info = fn()
-    return round(info.uordblks / 2**20), round(info.fordblks / 2**20)
-
-
-def mark_phase(phases: dict, phase: str) -> None:
-    """phases[phase] = this process's RSS, peak RSS so far and glibc heap
-    (in use, free but kept), MB."""
-    import resource
-
-    phases[phase] = (round(_rss_kb() / 1024, 1),
-                     round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), *_heap_mb())
-
-
-def print_phases(phases: dict) -> None:
-    print("         rank 0, MB: RSS / peak RSS / glibc heap in use + free but kept", flush=True)
-    for k, v in phases.items():
-        heap = f" / {v[2]:4d} + {v[3]:3d}" if len(v) > 2 else ""
-        print(f"           {k:<10} {v[0]:6.0f} / {v[1]:4.0f}{heap}", flush=True)
 
 
 def worker(args) -> None:
@@ -158,17 +105,15 @@ def worker(args) -> None:
     from datetime import timedelta
 
     import torch
-    import torch.distributed as dist
 
     from zerocore.examples.gpt import GPT, GPTConfig, TextData
 
     name, rank, world = args.worker, args.rank, args.ranks
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=args.timeout))
+    dist = harness.init_group(args, world, timeout=timedelta(seconds=args.timeout))
     dist.barrier()
-    base_kb = _rss_kb()
+    base_kb = rss_kb()
     # RSS, peak so far and glibc heap (in use, free but kept) after each
     # phase, MB: where the memory goes. Within the first steps, after each of
     # forward, backward and optimizer step too.
@@ -234,19 +179,7 @@ def worker(args) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model, find_unused_parameters=args.model == "moe")
-        opt = torch_opt(model.parameters())
-
-        def step(x, y):
-            with torch.autocast("cpu", dtype=lowp, enabled=lowp is not None):
-                loss = ddp(x, y)["loss"]
-            probe("fwd")
-            loss.backward()
-            probe("bwd")
-            opt.step()
-            probe("opt")
-            opt.zero_grad(set_to_none=True)
-            probe("zero_grad")
-            return loss
+        step = harness.torch_step(ddp, torch_opt(model.parameters()), probe, dtype=lowp)
     elif name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -258,18 +191,7 @@ def worker(args) -> None:
         for block in model.blocks:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
-        opt = torch_opt(model.parameters())
-
-        def step(x, y):
-            loss = model(x, y)["loss"]
-            probe("fwd")
-            loss.backward()
-            probe("bwd")
-            opt.step()
-            probe("opt")
-            opt.zero_grad(set_to_none=True)
-            probe("zero_grad")
-            return loss
+        step = harness.torch_step(model, torch_opt(model.parameters()), probe)  # its policy casts
     else:
         raise SystemExit(f"unknown config {name!r}; use one of {', '.join(CONFIGS)}")
 
@@ -304,79 +226,10 @@ def worker(args) -> None:
         result["round_share"] = statistics.median(s / t for (_, s), t in zip(timed, times))
     dist.barrier()
     dist.destroy_process_group()
-    print(RESULT_TAG + json.dumps(result), flush=True)
+    harness.send_result(result)
 
 
 # ------------------------------------------------------------------ driver
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(label: str, command: list, ranks: int, timeout: float, env: dict = None) -> list:
-    """Runs `command --rank r` for each rank r in fresh processes (gloo over
-    loopback); returns each rank's result (the dict its RESULT_TAG line
-    holds), or raises RuntimeError naming the rank that failed or the
-    timeout. env: variables to add to this process's environment."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **(env or {}))
-    procs = [subprocess.Popen(command + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(ranks)]
-    deadline = time.monotonic() + timeout + 60
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append((p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"{label}: timed out after {timeout + 60:.0f}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = []
-    for r, (rc, out, err) in enumerate(outs):
-        lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
-        if rc != 0 or not lines:
-            tail = "\n".join((err or out).strip().splitlines()[-25:])
-            raise RuntimeError(f"{label}: rank {r} exited with {rc}\n{tail}")
-        results.append(json.loads(lines[-1][len(RESULT_TAG):]))
-    return results
-
-
-def config_names(text: str, known) -> list:
-    """The names in a comma-separated --configs; exits with status 2 naming any unknown one."""
-    names = [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in names if c not in known]
-    if bad:
-        print(f"error: unknown config(s) {bad}; use {', '.join(known)}", file=sys.stderr)
-        raise SystemExit(2)
-    return names
-
-
-def run_interleaved(names, repeats: int, run, show) -> tuple:
-    """run(name) for each config, `repeats` rounds, configs interleaved (a
-    noisy neighbour hits them alike); show(rep, name, result) after each.
-    A config that fails (RuntimeError) is reported and not run again.
-    Returns ({name: [results]}, {name: error})."""
-    runs, failed = {}, {}
-    for rep in range(repeats):
-        for name in names:
-            if name in failed:
-                continue
-            try:
-                res = run(name)
-            except RuntimeError as e:
-                failed[name] = str(e)
-                print(f"  {name:<9} FAILED: {e}", flush=True)
-                continue
-            runs.setdefault(name, []).append(res)
-            show(rep, name, res)
-    return runs, failed
 
 
 def run_config(args, label: str) -> dict:
@@ -384,7 +237,7 @@ def run_config(args, label: str) -> dict:
     "<config>@base" runs <config> under --baseline-python."""
     name, _, at = label.partition("@")
     python = args.baseline_python if at else sys.executable
-    base = [python, os.path.abspath(__file__), "--worker", name, "--port", str(_free_port())]
+    base = harness.worker_command(__file__, name, python)
     passthrough = ["--ranks", str(args.ranks), "--dtype", args.dtype, "--steps", str(args.steps),
                    "--model", args.model, "--experts", str(args.experts), "--top-k", str(args.top_k),
                    "--warmup", str(args.warmup), "--layers", str(args.layers), "--d-model", str(args.d_model),
@@ -398,7 +251,7 @@ def run_config(args, label: str) -> dict:
         passthrough += ["--phases"]
     if args.breakdown:
         passthrough += ["--breakdown"]
-    ranks = run_ranks(label, base + passthrough, args.ranks, args.timeout)
+    ranks = harness.run_ranks(label, base + passthrough, args.ranks, args.timeout)
     return {
         "config": label,
         "median_s": max(r["median_s"] for r in ranks),
@@ -412,12 +265,8 @@ def run_config(args, label: str) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    names = config_names(args.configs, CONFIGS)
+def drive(args) -> int:
+    names = harness.config_names(args.configs, CONFIGS)
     if args.baseline_python:
         names += [f"{n}@base" for n in names if n.startswith("zero")]
 
@@ -438,7 +287,7 @@ def main(argv=None) -> int:
         if args.breakdown:
             print_breakdown(res["ranks"])
 
-    runs, failed = run_interleaved(names, args.repeats, lambda name: run_config(args, name), show)
+    runs, failed = harness.run_interleaved(names, args.repeats, lambda name: run_config(args, name), show)
     # Time: the best (lowest) median over repeats, since interference only adds.
     # Memory: the median over repeats (allocator noise goes both ways).
     best = {}
@@ -457,45 +306,30 @@ def main(argv=None) -> int:
                 r = best[name]
                 print(f"  {name:<10} {r['median_s'] * 1e3:9.1f} {r['peak_mb']:12.1f} {r['train_mb']:9.1f}")
 
-    checks = []
-
-    def check(label, a, b, limit, key):
-        if a in best and b in best:
-            ratio = best[a][key] / best[b][key]
-            checks.append(ratio <= limit)
-            verdict = "PASS" if ratio <= limit else "MISS"
-            print(f"  {label:<44} {ratio:6.3f}  (target <= {limit:g})  {verdict}")
-        else:
-            print(f"  {label:<44} n/a (missing {', '.join(c for c in (a, b) if c not in best)})")
-            checks.append(False)
-
     if best.get("zero3", {}).get("rounds_per_step"):
         print(f"\nzero3 rounds: {best['zero3']['rounds_per_step']:.0f} a step, their all-reduces "
               f"{100 * best['zero3']['round_share']:.2f}% of the step, waiting for the slower rank included (info)")
     print("\nratios")
+    ratios = harness.Ratios(best, width=44)
     if args.baseline_python:
         if args.model == "gpt":
-            check("zero3 / zero3@base step time (rounds' cost)", "zero3", "zero3@base", 1.03, "median_s")
+            ratios.target("zero3 / zero3@base step time (rounds' cost)", "zero3", "zero3@base", 1.03, "median_s")
         for n in names:
-            if n.endswith("@base") and n in best and n[:-5] in best and (n[:-5] != "zero3" or args.model != "gpt"):
-                print(f"  {n[:-5] + ' / ' + n + ' step time (info)':<44} "
-                      f"{best[n[:-5]]['median_s'] / best[n]['median_s']:6.3f}")
-    check("zero3 / fsdp2 step time", "zero3", "fsdp2", 0.85, "median_s")
-    check("zero3 / fsdp2 train memory (peak RSS growth)", "zero3", "fsdp2", 0.8, "train_mb")
-    check("zero3 / ddp peak RSS", "zero3", "ddp", 1.0, "peak_mb")
-    check("zero1 / ddp step time", "zero1", "ddp", 1.05, "median_s")
-    check("zero2 / ddp step time", "zero2", "ddp", 1.05, "median_s")
-    for a, b, key, label in (("zero3", "fsdp2", "peak_mb", "zero3 / fsdp2 peak RSS (info)"),
-                             ("zero0", "ddp", "median_s", "zero0 / ddp step time (info)")):
-        if a in best and b in best:
-            print(f"  {label:<44} {best[a][key] / best[b][key]:6.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": best, "runs": runs, "failed": failed}, f, indent=1)
-    if failed:
-        print(f"\n{len(failed)} configuration(s) failed: {', '.join(failed)}")
-        return 1
-    return 0
+            if n.endswith("@base") and (n[:-5] != "zero3" or args.model != "gpt"):
+                ratios.info(f"{n[:-5]} / {n} step time", n[:-5], n, "median_s")
+    ratios.target("zero3 / fsdp2 step time", "zero3", "fsdp2", 0.85, "median_s")
+    ratios.target("zero3 / fsdp2 train memory (peak RSS growth)", "zero3", "fsdp2", 0.8, "train_mb")
+    ratios.target("zero3 / ddp peak RSS", "zero3", "ddp", 1.0, "peak_mb")
+    ratios.target("zero1 / ddp step time", "zero1", "ddp", 1.05, "median_s")
+    ratios.target("zero2 / ddp step time", "zero2", "ddp", 1.05, "median_s")
+    ratios.info("zero3 / fsdp2 peak RSS", "zero3", "fsdp2", "peak_mb")
+    ratios.info("zero0 / ddp step time", "zero0", "ddp", "median_s")
+    return harness.finish(args, failed, {"results": best, "runs": runs})
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return harness.dispatch(args, worker, drive)
 
 
 if __name__ == "__main__":

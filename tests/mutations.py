@@ -3,7 +3,7 @@ collect this file). Each mutation plants one bug that a rebuild of the
 runtime could bring into a scratch copy of the repository (the working tree
 as it is now, with the native module built here; a C++ mutation rebuilds
 it), runs the fast tests meant to catch it, and reports whether they did
-and which tests failed. tests/README.md has the last results.
+and which tests failed. docs/status.md has the last results.
 
     python tests/mutations.py                    # every mutation, after an unmutated run
     python tests/mutations.py skip-clipping ...  # some of them
@@ -80,8 +80,8 @@ MUTATIONS = [
     Mutation("prefetch-before-update", "stage 3: the next forward's units are gathered (end_step's prefetch) "
              "before the update, so the units it prefetches are a step stale",
              ((STEP, END_STEP + "  // the next forward's first units, updated\n", "  // moved before the update\n"),
-              (STEP, "  const Exchanged agreed = exchange(options.changes);\n",
-               "  const Exchanged agreed = exchange(options.changes);\n" + END_STEP + "\n"))),
+              (STEP, "  const Exchanged agreed = take_grads(options.changes, !on_device);\n",
+               "  const Exchanged agreed = take_grads(options.changes, !on_device);\n" + END_STEP + "\n"))),
     Mutation("swap-buckets", "stages 2-3: the reduced grads of a group's first two buckets land in each "
              "other's place in the grad partition",
              (("cpp/src/schedule/bucket_reducer.cpp",
@@ -99,7 +99,7 @@ MUTATIONS = [
               ("cpp/src/kernels/optim.cpp", "return SgdCoefs{float(grad_scale), float(o.weight_decay),",
                "return SgdCoefs{float(grad_scale), float(-o.weight_decay),"))),
     Mutation("skip-overflow-check", "fp16: an inf/NaN grad is applied instead of skipping the step",
-             ((STEP, "  out.applied = std::isfinite(agreed.sum_of_squares);", "  out.applied = true;"),)),
+             ((STEP, "  out.applied = on_device || std::isfinite(agreed.sum_of_squares);", "  out.applied = true;"),)),
 ]
 
 

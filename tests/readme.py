@@ -1,5 +1,6 @@
-"""The README's examples, run as written: its sections, their code blocks,
-and a shell that finds what the README's commands name."""
+"""The examples of the README and of the pages in docs/, run as written:
+their sections, their code blocks, and a shell that finds what their
+commands name."""
 import os
 import re
 import subprocess
@@ -8,15 +9,18 @@ from pathlib import Path
 
 import zerocore
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def section(title: str) -> str:
-    """The README's section that starts with `## title`, to the next."""
-    text = README.read_text()
-    start = text.index(f"## {title}")
-    end = text.find("\n## ", start + 1)
-    return text[start:] if end < 0 else text[start:end]
+def section(title: str, page: str = "README.md") -> str:
+    """The section of page (a path from the repository's root) whose heading
+    is title, at any level, to the next heading of its level or above: a
+    page's `# title` is the whole page."""
+    text = (ROOT / page).read_text()
+    heading = re.search(rf"^(#+) {re.escape(title)}$", text, re.M)
+    assert heading, f"{page} has no heading {title!r}"
+    end = re.compile(rf"^#{{1,{len(heading.group(1))}}} ", re.M).search(text, heading.end())
+    return text[heading.start():end.start() if end else len(text)]
 
 
 def blocks(text: str, language: str) -> list:

@@ -453,10 +453,10 @@ def test_loss_scale_settings_round_trip_through_a_checkpoint(tmp_path):
     assert scaler.scale == 2.0**15
 
 
-def test_the_readme_example_runs_as_written(tmp_path):
-    """The README's DeepSpeed example, as written: its shell block (the
+def test_the_docs_example_runs_as_written(tmp_path):
+    """docs/deepspeed.md's example, as written: its shell block (the
     config, then torchrun on 2 ranks) with its Python block as train.py."""
-    text = readme.section("DeepSpeed configs")
+    text = readme.section("DeepSpeed configs", "docs/deepspeed.md")
     [shell], [script] = readme.blocks(text, "bash"), readme.blocks(text, "python")
     (tmp_path / "train.py").write_text(script)
     out = readme.run_shell(shell, tmp_path)

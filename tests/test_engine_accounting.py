@@ -1,5 +1,5 @@
 """Model-state memory and communication volume equal the ZeRO formulas
-(zerocore.accounting, docs/design.md) up to alignment padding, and
+(zerocore.accounting, docs/formulas.md) up to alignment padding, and
 memory_report() is the memory the engine's backend holds."""
 import gc
 

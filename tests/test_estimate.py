@@ -1,7 +1,7 @@
 """Will it fit? zerocore.estimate, zerocore.largest_model and the zerocore
 command (zerocore/sizing.py): the ZeRO paper's Table 1, engine.memory_report()
 of wrapped models, Hugging Face configs, the inverse query, the command line
-and the README's examples as written."""
+and the examples of docs/estimate.md as written."""
 import json
 import math
 import random
@@ -52,7 +52,7 @@ def test_the_paper_table_1_row():
 
 
 def _expected(stage, offload, psi, frozen, n, dtype, optimizer, momentum, reduce_dtype, delayed):
-    """The bytes per rank written out from docs/design.md section 2 and
+    """The bytes per rank written out from docs/formulas.md and
     docs/offload.md's table, independently of zerocore.accounting."""
     p, r = P[dtype], P[reduce_dtype]
     states = {"adam": 8, "adamw": 8, "sgd": 4 if momentum else 0}[optimizer]
@@ -400,19 +400,19 @@ def test_the_command_runs(how):
     assert run.returncode == 0 and re.search(r"^ +64 +3 +none +1\.88 ", run.stdout, re.M), run.stdout + run.stderr
 
 
-def test_readme_examples_run_as_written(tmp_path, capsys, monkeypatch):
-    section = readme.section("Will it fit?")
+def test_docs_examples_run_as_written(tmp_path, capsys, monkeypatch):
+    section = readme.section("Will it fit? `zerocore estimate`", "docs/estimate.md")
     [bash], [shown], [python] = (readme.blocks(section, language) for language in ("bash", "text", "python"))
     command = _zerocore_command()
     shim = "" if command else f'zerocore() {{ "{sys.executable}" -m zerocore "$@"; }}\n'
     prefix = f'PATH="{Path(command).parent}:$PATH"\n' if command else shim
     out = readme.run_shell(prefix + bash, tmp_path)
-    for line in shown.splitlines():  # the paper's row, as the README shows it
+    for line in shown.splitlines():  # the paper's row, as the page shows it
         assert line in out.splitlines(), (line, out)
-    assert "6,738,415,616 trainable params" in out  # the Llama config the README writes
+    assert "6,738,415,616 trainable params" in out  # the Llama config the page writes
     assert "320,000,000,000 (320B)" in out
 
     monkeypatch.chdir(tmp_path)
-    exec(compile(python, "README.md", "exec"), {})
+    exec(compile(python, "docs/estimate.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "1.88" in printed and "320000000000" in printed

@@ -177,6 +177,9 @@ def test_train_job_runs():
                    "comm_buffers  ", "plain DP  ", "formula  ", "Elements (not bytes)"):
         assert symbol in out, symbol
     assert "DESIGN.md" not in out and "../shared" not in out  # the docs it names ship with the repo
+    named = re.findall(r"docs/[\w.-]+\.md", out)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert named and all(os.path.isfile(os.path.join(repo, doc)) for doc in named), named
     # What ZeRO saved: stage 3 on 2 ranks holds half of plain data parallelism's model states.
     saved = [line for line in out.splitlines() if line.strip().startswith("saved by ZeRO")]
     assert saved and "2.00x less" in saved[0], saved

@@ -17,12 +17,11 @@ between steps is followed, zerocore/compute_stream.py: checked here under
 side streams), with the data plane on NCCL and the control plane on gloo
 groups beside it. tests/gpu.sh runs these with ZEROCORE_CUDA_POISON=1, so
 that a read of a released slot or staging range shows as NaN. The native
-step's norm and update are the backend's kernels; what is not on the
-backend yet (docs/design.md, Status) may still fail these tests on a GPU:
-they are the engine's acceptance tests (issue 21). With the group made on
-gloo, the device on the CPU and one torch thread, the same tests pass on
-the CPU (checked by hand when they were written), so what they compare is
-known to hold where the engine runs. None of this has run on a GPU yet.
+step's norm and update are the backend's kernels. These are the engine's
+acceptance tests on a GPU (issue 21; docs/status.md says where they ran).
+With the group made on gloo, the device on the CPU and one torch thread,
+the same tests pass on the CPU (checked by hand when they were written), so
+what they compare is known to hold where the engine runs.
 """
 import copy
 import gc

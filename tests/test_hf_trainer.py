@@ -284,10 +284,10 @@ def test_ranks_the_trainer_would_not_see_are_refused(tmp_path):
     run_ranks(_unlaunched, WORLD, str(tmp_path))
 
 
-def test_the_readme_example_runs_as_written(tmp_path):
-    """The README's Hugging Face example, as written: train.py, launched
-    with the torchrun command the README gives."""
-    text = readme.section("Hugging Face Trainer")
+def test_the_docs_example_runs_as_written(tmp_path):
+    """docs/hf-trainer.md's example, as written: train.py, launched
+    with the torchrun command the page gives."""
+    text = readme.section("The Hugging Face Trainer", "docs/hf-trainer.md")
     command = re.search(r"run with `(torchrun [^`]*train\.py)`", text).group(1)
     [script] = readme.blocks(text, "python")
     (tmp_path / "train.py").write_text(script)

@@ -13,7 +13,7 @@ live 16-bit params are exactly the fp32 masters rounded.
 The bounds are set from the measured error (the comment at VARIANTS); a
 grad that is lost, stale or off by a scale misses them by 10x and more
 where grads are summed in 16 bits, by thousands where they are summed in
-fp32 (tests/mutations.py, tests/README.md).
+fp32 (tests/mutations.py, docs/status.md).
 """
 import pytest
 import torch

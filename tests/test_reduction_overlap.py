@@ -8,7 +8,7 @@ so that unit takes a free buffer for its grads and computes while the
 reduce-scatter goes on. With two, taking its grad views completed the
 reduce-scatter just issued (BucketReducer frees a buffer by completing the
 oldest reduction in flight): the backward waited for every unit's
-reduction in turn (on the GPT bench, bench/RESULTS.md, 0.3-0.46 s a step).
+reduction in turn (bench/RESULTS.md has what that cost the GPT bench).
 
 A unit of several buckets issues them together; each is completed (the
 compute stream waits for it) only when a bucket needs its staging, not at

@@ -54,7 +54,7 @@ void bind_backend_base(nb::module_& m) {
       .value("DEVICE", StreamPlane::kDevice)
       .value("CONTROL", StreamPlane::kControl);
   nb::class_<BoundBackend>(m, "Backend",
-                           "A backend of the runtime (docs/design.md, \"The backend seam\"): CpuBackend, "
+                           "A backend of the runtime (docs/runtime.md, \"The backend seam\"): CpuBackend, "
                            "CheckingBackend or CudaBackend. What is made on one (a CommQueue, a PartitionStore, an "
                            "OffloadOptimizer) keeps it alive.")
       .def(

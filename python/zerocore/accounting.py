@@ -1,6 +1,6 @@
 """The paper's formulas for model-state memory and communication per step.
 
-Notation (docs/design.md, sections 1-3): Ψ trainable parameters, N data-parallel
+Notation (docs/formulas.md): Ψ trainable parameters, N data-parallel
 ranks, P bytes per param and per grad in the training dtype (2 for bf16/fp16,
 4 for fp32), K bytes of optimizer state per param (Adam: m and v, plus an
 fp32 master copy when training in 16 bits: 12 for bf16/fp16, 8 for fp32;

@@ -14,7 +14,7 @@ checkpoint recomputes, the gather of the next one in backward order (the
 checkpoint made just before it) is already in flight.
 
 The slices' memory and copies go through the runtime's backend seam
-(docs/design.md, "The backend seam"), as the engine's do: every buffer is
+(docs/runtime.md, "The backend seam"), as the engine's do: every buffer is
 one a zerocore._native.Backend allocated, seen by torch through DLPack; the
 offload copies run on a stream of that backend's own and are ordered
 against its compute stream by its events; where torch on the compute stream

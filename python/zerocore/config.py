@@ -106,7 +106,7 @@ class Config:
         every rank (0 partitions all).
     coalesce_bytes: stage 3: consecutive units of one nn.Sequential are
         gathered and reduced as one unit while together they hold at most
-        this many bytes (docs/design.md, section 6): fewer, larger
+        this many bytes (docs/runtime.md, "Fewer, larger collectives"): fewer, larger
         collectives, and a gather pool slot as large as the largest such
         run. None (the default): bucket_bytes; 0: every unit on its own.
     offload_optimizer: "cpu" (stages 1-3, ZeRO-Offload): the fp32 master

@@ -7,7 +7,7 @@ the package was built with the CUDA kernels, ``is_available()`` whether they
 can run here (a driver and at least one device).
 
 In a build with CUDA, ``zerocore._native.CudaBackend`` is the runtime's
-CUDA backend (docs/design.md, "The CUDA backend"); it lives in ``_native``
+CUDA backend (docs/runtime.md, "The CUDA backend"); it lives in ``_native``
 beside the runtime objects that run on it.
 
 ``adam_`` has the semantics of ``zerocore.ops.adam_`` (torch.optim's Adam /

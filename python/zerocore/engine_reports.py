@@ -3,7 +3,7 @@ elements its collectives moved (comm_stats), and the loss scale. Each is
 read from what the engine holds or counts (the groups' buffers, the
 backend's comm buffers, the queues' counters), never estimated:
 zerocore.accounting and zerocore.estimate give the formulas they are
-checked against (docs/design.md, sections 2 and 3).
+checked against (docs/formulas.md).
 """
 from __future__ import annotations
 

@@ -102,8 +102,8 @@ def _scratch(shape, dtype) -> torch.Tensor:
     back to the OS when it is dropped: from glibc's malloc it would be
     mapped too, but freeing it raises the mmap threshold to its size, and
     the next module's block of that size then comes from a heap that glibc
-    keeps resident after wrap (32 MiB more peak RSS for 16 MiB params,
-    bench/RESULTS.md). Small ones come from the heap either way."""
+    keeps resident after wrap (bench/RESULTS.md has the peak RSS it
+    costs). Small ones come from the heap either way."""
     if dtype in NATIVE_NAMES and math.prod(shape) * dtype.itemsize >= _MALLOC_MMAP_THRESHOLD:
         return zerocore.to_torch(zerocore.zeros([math.prod(shape)], NATIVE_NAMES[dtype])).view(shape)
     return torch.empty(shape, dtype=dtype)

@@ -1,7 +1,7 @@
 """The native NCCL transport: the data plane's collectives on CUDA issued by
 the comm queue's own threads straight into libnccl, instead of through
-torch.distributed under the GIL (Config(nccl="native"); docs/design.md,
-"The native NCCL transport").
+torch.distributed under the GIL (Config(nccl="native"); docs/runtime.md,
+"The stream contract of communication").
 
 The library is loaded at run time (zerocore._native.NcclLibrary, dlopen):
 ZEROCORE_NCCL_LIBRARY if set, else the nvidia-nccl pip package's

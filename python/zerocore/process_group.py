@@ -32,17 +32,15 @@ On gloo (host tensors) the tensor collectives all_gather_into_tensor and
 reduce_scatter_tensor allocate full-size temporaries on every call, so peak
 memory would depend on the system allocator, and they are the slowest of
 gloo's collectives. There an all-gather is one in-place broadcast of each
-rank's block (the same bytes moved), measured faster than gloo's own at 2
-ranks (bench/RESULTS.md), except a small one (the control plane's rows, at
-most _SMALL_GATHER_BYTES), which is gloo's own, one collective instead of
-one a rank (0.66 ms against 0.99 for a meeting's gather at 2 ranks), and a reduce-scatter a ring of sends in place:
+rank's block (the same bytes moved, faster than gloo's own: bench/RESULTS.md),
+except a small one (the control plane's rows, at most _SMALL_GATHER_BYTES),
+which is gloo's own, one collective instead of one a rank, and a
+reduce-scatter a ring of sends in place:
 N - 1 steps, each sending a block of partial sums to the next rank and
 adding the previous rank's into another, received into a scratch block
 the transport keeps (the largest bucket's block, allocated once, so that
 memory does not depend on the system allocator). A rank sends (N-1)/N of the bucket, as a reduce-scatter must; an
-all-reduce of the bucket (what it was before) sends twice that, and on the
-2-core GPT bench took twice as long (bench/RESULTS.md, 2026-11-27
-breakdown). Other backends (NCCL) get the tensor collectives, and so do
+all-reduce of the bucket sends twice that. Other backends (NCCL) get the tensor collectives, and so do
 gloo's CUDA tensors (staged through pinned host memory by gloo; it has no
 send or recv for them): what several ranks on one GPU train over in the
 tests (tests/test_gpu_ranks.py).

@@ -281,7 +281,7 @@ class Estimate:
 
     @property
     def state_bytes(self) -> int:
-        """K without offload (docs/design.md)."""
+        """K without offload (docs/formulas.md)."""
         return accounting.optimizer_state_bytes(self.optimizer, self.dtype, self.momentum)
 
     def table(self, unit: str = None, memory=None, host_memory=None) -> str:

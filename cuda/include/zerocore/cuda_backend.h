@@ -50,9 +50,8 @@
 // an event recorded after the work using it has completed, as with any
 // asynchronous CUDA work; the backend keeps no references.
 //
-// Its GPU tests (cuda/tests/test_cuda_backend.cpp, run by tests/gpu.sh) and
-// the engine's (stages 0-3 and offload at world size 1) ran on an H200,
-// twice (bench/RESULTS.md); several ranks on GPUs have not run.
+// Its GPU tests are cuda/tests/test_cuda_backend.cpp (run by tests/gpu.sh);
+// docs/status.md says what has run on a GPU.
 #pragma once
 #include <cstddef>
 #include <memory>

@@ -20,7 +20,7 @@ batch, all ranks together), and after the last the run's throughput in one
 line (``throughput:``, the first step left out as warm-up). At the end
 every rank's measured model-state memory (``engine.memory_report()``) is
 printed beside the ZeRO formula (``zerocore.accounting.predicted_memory``,
-docs/design.md) and beside what plain data parallelism would hold, and the
+docs/formulas.md) and beside what plain data parallelism would hold, and the
 elements moved by each kind of collective in one step
 (``engine.comm_stats()``) beside ``zerocore.accounting.predicted_comm``.
 With ``--tp T`` the GPT's blocks are tensor-parallel
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m zerocore.examples.train",
         description="Train a small character-level GPT (dense or mixture-of-experts) on the bundled corpus "
                     "with zerocore's ZeRO stages on CPU ranks (gloo), then report per-rank memory and "
-                    "communication beside the ZeRO formulas (docs/design.md).",
+                    "communication beside the ZeRO formulas (docs/formulas.md).",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3),
@@ -373,7 +373,7 @@ MEMORY_LEGEND = """\
   comm_buffers  buffers collectives work in, allocated at wrap: the gradient reduction's staging
                 buckets and, in stage 3, the pool units are gathered into (not model states; with
                 experts, the pool grows once to the units the ranks need at the same time)
-  formula       the ZeRO formula for this stage (docs/design.md, zerocore.accounting; offloaded, with
+  formula       the ZeRO formula for this stage (docs/formulas.md, zerocore.accounting; offloaded, with
                 the host's buffers too, docs/offload.md)
   plain DP      what plain data parallelism (stage 0, as DDP) would hold on every rank
   measured may exceed the formula by alignment padding; stage-3 params under --persist-threshold
@@ -381,7 +381,7 @@ MEMORY_LEGEND = """\
 
 COMM_LEGEND = """\
   Elements (not bytes) moved by each kind of collective in the last step, each collective counted at
-  its full, unpartitioned size, as docs/design.md does: stages 1-2 reduce-scatter and all-gather Ψ
+  its full, unpartitioned size, as docs/formulas.md does: stages 1-2 reduce-scatter and all-gather Ψ
   (the volume of plain data parallelism's all-reduce), stage 3 all-gathers params twice (forward and
   backward), 1.5x, less the root's params (embeddings, head), which stay gathered from the root's
   forward through its backward, as in FSDP2. Stage 3 moves only the units some rank ran: with --model moe, experts that no

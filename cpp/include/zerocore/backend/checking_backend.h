@@ -1,5 +1,5 @@
 // The checking CPU backend: the plain CPU backend made to prove the
-// runtime's ordering without a GPU (../docs/design.md, "The backend seam").
+// runtime's ordering without a GPU (docs/runtime.md, "The backend seam").
 // - Every stream is its own thread (the compute stream: the caller) with a
 //   vector clock; recording an event captures the clock, waiting for one
 //   joins it. The host has a clock of its own, separate from the compute

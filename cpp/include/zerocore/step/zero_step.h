@@ -25,8 +25,8 @@
 // host waits for the device once a step. Elsewhere the step decides on the
 // device (DeviceVerdict): the exchange carries host facts only, the grads'
 // finiteness is a flag the update kernels read, and a refused step is
-// answered at a later exchange, on every rank together (docs/design.md,
-// the step).
+// answered at a later exchange, on every rank together (docs/runtime.md,
+// "The step").
 #pragma once
 #include <cstdint>
 #include <memory>
