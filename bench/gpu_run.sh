@@ -14,8 +14,14 @@
 #                 world-size-1 shortcut, MPS, ZEROCORE_CUDA_POISON (then
 #                 unset: the benchmarks run without it); no GPU ends the run
 #   build         tests/gpu_build.sh: zerocore with CUDA, once, for all below
-#   tests         tests/gpu.sh on that build: the C++ CUDA tests and every
-#                 pytest test marked gpu, poisoned
+#   tests         tests/gpu.sh on that build (GPU_TESTS=single): the C++
+#                 CUDA tests (the in-process ranks of test_cuda_ranks among
+#                 them) and every pytest test marked gpu but
+#                 test_gpu_ranks.py, poisoned
+#   ranks         tests/gpu.sh GPU_TESTS=ranks: tests/test_gpu_ranks.py,
+#                 several spawned ranks on cuda:0 over gloo and, where the
+#                 NCCL is 2.30 or later, over NCCL, poisoned (a phase of its
+#                 own, so that its spawns cannot eat the tests' limit)
 #   adam          bench/gpu_adam_bench.py
 #   throughput    bench/gpu_gpt_bench.py: torch, fsdp2, zero1-3 on a 1.31B
 #                 GPT, each with its per-phase host and GPU times
@@ -31,7 +37,13 @@
 # hangs, and the offload search gets the rest. Measured on an H200
 # (2026-11-27, tests/gpu.sh and the benchmarks run apart): the two CUDA
 # builds, ctest and the GPU tests 130 s (this builds once), gpu_adam_bench
-# 10 s, the five throughput configs and a 60 s offload search 280 s.
+# 10 s, the five throughput configs and a 60 s offload search 280 s. The
+# ranks phase has not run yet; its 150 s limit (about 11 spawns of 2-4 CUDA
+# ranks over gloo, guessed at 10-15 s each; the NCCL planes skip at once
+# below NCCL 2.30) comes out of the offload search, which keeps at least
+# 10 s: environment 5 + build ~65 + tests ~65 + ranks <= 150 + adam 10 +
+# throughput ~220 leaves it little, and PHASES_DEADLINE still ends the
+# run at 520 s whatever overruns.
 #
 # --dry-run runs everything up to the GPU: the build, tests/gpu.sh
 # --dry-run and each benchmark's --dry-run with the real run's flags, with
@@ -55,9 +67,9 @@ native=${ZEROCORE_REUSE_BUILD:-$scratch/native}
 # Phase limits, seconds. A dry run builds on whatever machine CI has, and
 # starts each benchmark only far enough to parse its arguments.
 if (( dry_run )); then
-  dry=(--dry-run) require_gpu=() build_s=1800 tests_s=600 bench_s=300 offload_search_s=60
+  dry=(--dry-run) require_gpu=() build_s=1800 tests_s=600 ranks_s=600 bench_s=300 offload_search_s=60
 else
-  dry=() require_gpu=(--require-gpu) build_s=240 tests_s=150 bench_s=240
+  dry=() require_gpu=(--require-gpu) build_s=240 tests_s=120 ranks_s=150 bench_s=240
   PHASES_DEADLINE=$((SECONDS + ${GPU_RUN_SECONDS:-520}))
 fi
 
@@ -79,7 +91,9 @@ fi
     export PYTHONPATH="$scratch/site"
   fi
   phase "tests (tests/gpu.sh)" "$tests_s" env PHASES_NESTED=1 PYTHON="$PYTHON" ZEROCORE_REUSE_BUILD="$native" \
-    bash tests/gpu.sh "${dry[@]}" "$scratch/gpu-results.txt"
+    GPU_TESTS=single bash tests/gpu.sh "${dry[@]}" "$scratch/gpu-results.txt"
+  phase "ranks (tests/gpu.sh: several ranks on one GPU)" "$ranks_s" env PHASES_NESTED=1 PYTHON="$PYTHON" \
+    ZEROCORE_REUSE_BUILD="$native" GPU_TESTS=ranks bash tests/gpu.sh "${dry[@]}" "$scratch/gpu-ranks-results.txt"
   phase "adam (bench/gpu_adam_bench.py)" 60 "$PYTHON" bench/gpu_adam_bench.py "${dry[@]}"
   # zero3 and its peers first (the breakdown is for zero3's gap to FSDP2
   # and torch, bench/RESULTS.md), stages 1-2 last, should the limit cut
