@@ -1,8 +1,8 @@
 // The multi-rank cases run over a StreamGroup (comm/stream_group.h), for any
 // backend: ranks are threads, each with a backend of its own, whose
 // collectives are work on its comm stream; the control plane (the rounds,
-// the step's exchange) is an InProcessGroup on host memory beside it, as
-// the engine's gloo control group is beside its data group. Data reaches
+// the step's exchange) is an InProcessGroup on host memory beside it
+// (host_queue), as the engine's gloo control group is beside its data group. Data reaches
 // device memory and comes back through each backend's copies, so the same
 // cases run on the CPU backends (tests/cpp/test_stream_group.cpp) and on
 // one GPU (cuda/tests/test_cuda_ranks.cpp).
@@ -54,8 +54,8 @@ inline void on_group_ranks(int world, const RankDevices& devices, std::optional<
         std::unique_ptr<Backend> backend = devices.backend(r);
         {
           std::unique_ptr<CommQueue> queue = stream_group_queue(data, r, *backend, devices.flavour);
-          CommQueue rounds(control.transport(r), *backend, StreamPlane::kControl);
-          fn(r, *backend, *queue, rounds);
+          std::unique_ptr<CommQueue> rounds = host_queue(control, r, *backend);
+          fn(r, *backend, *queue, *rounds);
         }
         errors[size_t(r)] = devices.verdict(*backend);
       } catch (const std::exception& e) {

@@ -5,8 +5,11 @@
 // on the plain CPU backend, whose comm streams are threads, with late
 // completion; and on the checking backend (one per rank), whose streams
 // start their work after random delays and which proves every rank's own
-// accesses ordered. cuda/tests/test_cuda_ranks.cpp runs the same cases on
+// accesses ordered; and host_queue, the control plane beside it, starting
+// each collective once its stream is there. cuda/tests/test_cuda_ranks.cpp runs the same cases on
 // one GPU.
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -81,10 +84,37 @@ void test_misuse() {
   CHECK(refused == 2);
 }
 
+// host_queue: a control collective reads host data that work on another
+// stream writes late, ordered only by its queue's stream waiting for that
+// stream: the collective starts once its stream has got there.
+void test_host_queue_starts_once_its_stream_is_there() {
+  InProcessGroup group(2);
+  std::atomic<int> bad{0};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      CpuBackend backend;
+      std::unique_ptr<CommQueue> control = host_queue(group, r, backend);
+      Stream& writer = backend.create_stream("writer");
+      const Tensor row = Tensor::zeros({16}, DType::kFloat32);
+      backend.enqueue(writer, "a late write", {}, [row, r] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        fill(row, float(r + 1));
+      });
+      backend.wait(control->stream(), *backend.record(writer));
+      backend.host_wait(*control->all_reduce({CollectiveKind::kAllReduce, -1, 0, 16}, row));
+      for (int64_t i = 0; i < 16; ++i) bad += row.data_as<float>()[i] != 3.0f;
+    });
+  }
+  for (auto& t : ranks) t.join();
+  CHECK(bad == 0);
+}
+
 }  // namespace
 
 int main() {
   test_misuse();
+  test_host_queue_starts_once_its_stream_is_there();
   test::check_stream_group(plain_cpu(), std::nullopt);
   test::check_stream_group(plain_cpu(), LateCompletion{11, 500});
   test::check_stream_group(checking_cpu(), LateCompletion{12, 200});

@@ -150,6 +150,40 @@ class StreamGroupRank final : public StreamGroupTransport {
   std::shared_ptr<Buffer> scratch_;
 };
 
+// A host transport whose collectives start once its queue's stream has
+// reached them (host_queue).
+class AfterStream final : public Transport {
+ public:
+  AfterStream(std::unique_ptr<Transport> inner, Backend& backend) : inner_(std::move(inner)), backend_(backend) {}
+  void follow(Stream& stream) { stream_ = &stream; }
+
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  Completion all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) override {
+    return after([&](Transport& t) { return t.all_gather(key, shard, output); });
+  }
+  Completion reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) override {
+    return after([&](Transport& t) { return t.reduce_scatter(key, input, shard); });
+  }
+  Completion all_reduce(const CollectiveKey& key, const Tensor& tensor) override {
+    return after([&](Transport& t) { return t.all_reduce(key, tensor); });
+  }
+  Completion broadcast(const CollectiveKey& key, const Tensor& tensor, int root) override {
+    return after([&](Transport& t) { return t.broadcast(key, tensor, root); });
+  }
+
+ private:
+  template <class Collective>
+  Completion after(Collective&& collective) {
+    backend_.host_wait(*backend_.record(*stream_));
+    return collective(*inner_);
+  }
+
+  std::unique_ptr<Transport> inner_;
+  Backend& backend_;
+  Stream* stream_ = nullptr;  // set as the queue is made, before any collective
+};
+
 }  // namespace
 
 StreamGroup::StreamGroup(int world_size, std::optional<LateCompletion> late) : late_(late) {
@@ -179,6 +213,14 @@ std::unique_ptr<CommQueue> stream_group_queue(
   StreamGroupTransport& issuer = *transport;
   auto queue = std::make_unique<CommQueue>(std::move(transport), backend);
   issuer.issue_on(flavour(backend, queue->stream()));
+  return queue;
+}
+
+std::unique_ptr<CommQueue> host_queue(InProcessGroup& group, int rank, Backend& backend, StreamPlane plane) {
+  auto transport = std::make_unique<AfterStream>(group.transport(rank), backend);
+  AfterStream& follower = *transport;
+  auto queue = std::make_unique<CommQueue>(std::move(transport), backend, plane);
+  follower.follow(queue->stream());
   return queue;
 }
 

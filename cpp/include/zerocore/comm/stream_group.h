@@ -97,4 +97,14 @@ std::unique_ptr<CommQueue> stream_group_queue(
     StreamGroup& group, int rank, Backend& backend,
     const std::function<std::unique_ptr<GroupStream>(Backend&, Stream&)>& flavour);
 
+// `rank`'s queue over `group` (host memory moved on the issuing thread) on
+// `backend`, for the control plane beside a StreamGroup: each collective
+// first waits on the host for the queue's stream, which was made to wait
+// (on the device) for what the collective reads, such as the step's
+// exchange row that a kernel writes on the compute stream. The torch
+// transport does the same for gloo on a CUDA queue; on the CPU backends
+// the wait finds the stream done.
+std::unique_ptr<CommQueue> host_queue(InProcessGroup& group, int rank, Backend& backend,
+                                      StreamPlane plane = StreamPlane::kControl);
+
 }  // namespace zerocore
