@@ -5,7 +5,8 @@
 // on the plain CPU backend, whose comm streams are threads, with late
 // completion; and on the checking backend (one per rank), whose streams
 // start their work after random delays and which proves every rank's own
-// accesses ordered; and host_queue, the control plane beside it, starting
+// accesses ordered; one rank's failing stream work failing the collective
+// on every rank; and host_queue, the control plane beside it, starting
 // each collective once its stream is there. cuda/tests/test_cuda_ranks.cpp runs the same cases on
 // one GPU.
 #include <atomic>
@@ -110,11 +111,54 @@ void test_host_queue_starts_once_its_stream_is_there() {
   CHECK(bad == 0);
 }
 
+// A CPU stream whose sums fail at issue (a CUDA launch that fails would).
+class FailingSums final : public GroupStream {
+ public:
+  explicit FailingSums(std::unique_ptr<GroupStream> inner) : inner_(std::move(inner)) {}
+  std::shared_ptr<Mark> mark() override { return inner_->mark(); }
+  void wait(const Mark& peer) override { inner_->wait(peer); }
+  void copy(const Tensor& dst, const Tensor& src) override { inner_->copy(dst, src); }
+  void zero(const Tensor& dst) override { inner_->zero(dst); }
+  void add(const Tensor&, const Tensor&) override { throw std::runtime_error("the sum kernel failed to launch"); }
+  void delay(int microseconds) override { inner_->delay(microseconds); }
+  Backend& backend() override { return inner_->backend(); }
+  Completion completion(std::shared_ptr<Mark> end) override { return inner_->completion(std::move(end)); }
+
+ private:
+  std::unique_ptr<GroupStream> inner_;
+};
+
+// Stream work that fails on one rank (after the rendezvous) fails the
+// collective on every rank, naming that rank and why, instead of leaving
+// the others waiting for it.
+void test_a_ranks_failing_stream_work_fails_every_rank() {
+  for (int world : {2, 4}) {
+    std::atomic<int> named{0};
+    test::RankDevices devices = plain_cpu();
+    devices.flavour = [](Backend& backend, Stream& stream) -> std::unique_ptr<GroupStream> {
+      auto cpu = cpu_group_stream(backend, stream);
+      if (stream.name() == "comm (rank 1)") return std::make_unique<FailingSums>(std::move(cpu));
+      return cpu;
+    };
+    test::on_group_ranks(world, devices, std::nullopt, [&](int, Backend& backend, CommQueue& q, CommQueue&) {
+      const Tensor t = test::on_device(backend, std::vector<float>(8, 1.0f));
+      try {
+        backend.host_wait(*q.all_reduce({CollectiveKind::kAllReduce, 0, 0, 8}, t));
+      } catch (const std::runtime_error& e) {
+        const std::string said = e.what();
+        if (said.find("rank 1's stream work failed: the sum kernel failed to launch") != std::string::npos) ++named;
+      }
+    });
+    CHECK(named == world);
+  }
+}
+
 }  // namespace
 
 int main() {
   test_misuse();
   test_host_queue_starts_once_its_stream_is_there();
+  test_a_ranks_failing_stream_work_fails_every_rank();
   test::check_stream_group(plain_cpu(), std::nullopt);
   test::check_stream_group(plain_cpu(), LateCompletion{11, 500});
   test::check_stream_group(checking_cpu(), LateCompletion{12, 200});

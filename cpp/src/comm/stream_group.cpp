@@ -3,7 +3,7 @@
 //
 // Why the published marks are safe to read without a lock of their own: a
 // rank writes its ready mark before the rendezvous's first barrier and its
-// done mark before the second; every rank copies what it needs of them
+// done mark (and failure) before the second; every rank copies what it needs of them
 // after the barrier they were written before and before the next one it
 // passes, and no rank writes them again before that next barrier.
 #include "zerocore/comm/stream_group.h"
@@ -19,8 +19,10 @@
 namespace zerocore {
 
 struct StreamGroup::State : comm_detail::Rendezvous {
-  explicit State(int world) : Rendezvous(world), ready(size_t(world)), done(size_t(world)) {}
+  explicit State(int world)
+      : Rendezvous(world), ready(size_t(world)), done(size_t(world)), failed(size_t(world)) {}
   std::vector<std::shared_ptr<GroupStream::Mark>> ready, done;
+  std::vector<std::string> failed;  // what each rank's stream work threw ("" when nothing)
 };
 
 namespace {
@@ -116,17 +118,30 @@ class StreamGroupRank final : public StreamGroupTransport {
     if (error.empty() && in.dtype() != out.dtype()) error = "its tensors differ in dtype";
     if (error.empty() && !stream_) error = "the transport has no stream yet (issue_on, when its queue is made)";
     State& s = *s_;
-    s.ready[size_t(rank_)] = stream_ ? stream_->mark() : nullptr;
+    // A failure of this rank's stream work goes into the rendezvous, so
+    // that every rank throws, rather than this one alone while its peers
+    // wait for it at a barrier.
+    s.ready[size_t(rank_)] = nullptr;
+    if (error.empty()) error = failure_of([&] { s.ready[size_t(rank_)] = stream_->mark(); });
     s.meet(rank_, {key, in, out, root, std::move(error)});
     Peers peers;
     for (int q = 0; q < world_size(); ++q) {
       peers.input.push_back(s.arrival(q).a);
       peers.ready.push_back(s.ready[size_t(q)]);
     }
-    if (late_) stream_->delay(std::uniform_int_distribution<int>(0, late_->max_delay_us)(random_));
-    const Tensor total = reads(peers);
-    s.done[size_t(rank_)] = stream_->mark();
+    Tensor total;
+    s.failed[size_t(rank_)] = failure_of([&] {
+      if (late_) stream_->delay(std::uniform_int_distribution<int>(0, late_->max_delay_us)(random_));
+      total = reads(peers);
+      s.done[size_t(rank_)] = stream_->mark();
+    });
     s.barrier();
+    for (int q = 0; q < world_size(); ++q) {
+      if (!s.failed[size_t(q)].empty()) {
+        throw std::runtime_error("zerocore: " + describe(key) + ": rank " + std::to_string(q) +
+                                 "'s stream work failed: " + s.failed[size_t(q)]);
+      }
+    }
     for (int q = 0; q < world_size(); ++q) {
       if (q != rank_) stream_->wait(*s.done[size_t(q)]);
     }
@@ -139,6 +154,17 @@ class StreamGroupRank final : public StreamGroupTransport {
       }
     }
     return stream_->completion(stream_->mark());
+  }
+
+  // What `work` threw ("" when nothing).
+  template <class Work>
+  static std::string failure_of(Work&& work) {
+    try {
+      work();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return std::string();
   }
 
   using State = StreamGroup::State;
