@@ -69,7 +69,7 @@ native=${ZEROCORE_REUSE_BUILD:-$scratch/native}
 if (( dry_run )); then
   dry=(--dry-run) require_gpu=() build_s=1800 tests_s=600 ranks_s=600 bench_s=300 offload_search_s=60
 else
-  dry=() require_gpu=(--require-gpu) build_s=240 tests_s=120 ranks_s=150 bench_s=240
+  dry=() require_gpu=(--require-gpu) build_s=240 tests_s=140 ranks_s=150 bench_s=240
   PHASES_DEADLINE=$((SECONDS + ${GPU_RUN_SECONDS:-520}))
 fi
 
