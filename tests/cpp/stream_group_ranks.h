@@ -144,6 +144,7 @@ inline void check_collectives(int world, const RankDevices& devices, std::option
   on_group_ranks(world, devices, late, [&](int r, Backend& backend, CommQueue& q, CommQueue&) {
     Stream& compute = backend.compute_stream();
     Stream& writer = backend.create_stream("writer");
+    const std::unique_ptr<GroupStream> late_writer = devices.flavour(backend, writer);  // its delays
     for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
       const Tensor gather_in = on_device(backend, std::vector<float>(size_t(kShard)), dtype);
       const Tensor gather_out = on_device(backend, std::vector<float>(size_t(full)), dtype);
@@ -155,21 +156,28 @@ inline void check_collectives(int world, const RankDevices& devices, std::option
       // Per round: gathered, scattered, scattered in place, broadcast, the gathered scattered.
       std::vector<Tensor> results;
       for (int round = 0; round < kRounds; ++round) {
-        // The inputs are written on a stream of their own, which the comm
-        // stream waits for: a peer reads them only after its mark.
+        // Each collective's input is written on a stream of its own just
+        // before the collective, late, and the comm stream waits for it:
+        // only that collective's mark orders a peer's read after the write.
         backend.wait(writer, *backend.record(compute));  // free again: compute waited for the last round and read it
+        auto written = [&](const Tensor& t, const std::vector<float>& values) {
+          // Later the higher the rank: a lower rank's stream, past its own
+          // write, reads what a higher rank had there unless it waits.
+          late_writer->delay(1000 * (r + 1));
+          backend.copy(writer, t, host_tensor(values, dtype));
+          backend.wait(q.stream(), *backend.record(writer));
+        };
         const std::vector<float> mine = input(round, r, 0);
-        backend.copy(writer, gather_in, host_tensor(std::vector<float>(mine.begin(), mine.begin() + kShard), dtype));
-        backend.copy(writer, scatter_in, host_tensor(mine, dtype));
-        backend.copy(writer, reduce, host_tensor(input(round, r, 1), dtype));
-        backend.copy(writer, cast, host_tensor(input(round, r, 2), dtype));
-        backend.wait(q.stream(), *backend.record(writer));
         std::vector<std::shared_ptr<StreamEvent>> events;
+        written(scatter_in, mine);
         events.push_back(q.reduce_scatter({CollectiveKind::kReduceScatter, 2, round, full}, scatter_in, scatter_out));
         // In place: this rank's block of the input is the shard.
+        written(reduce, input(round, r, 1));
         events.push_back(q.reduce_scatter({CollectiveKind::kReduceScatter, 3, round, full}, reduce,
                                           reduce.slice(r * kShard, kShard)));
+        written(cast, input(round, r, 2));
         events.push_back(q.broadcast({CollectiveKind::kBroadcast, 4, round, full}, cast, world - 1));
+        written(gather_in, std::vector<float>(mine.begin(), mine.begin() + kShard));
         events.push_back(q.all_gather({CollectiveKind::kAllGather, 1, round, full}, gather_in, gather_out));
         // The gathered tensor reduced again at once: every rank's input is
         // the output of a collective still in flight on its own stream.
@@ -210,6 +218,7 @@ inline void check_collectives(int world, const RankDevices& devices, std::option
         const std::vector<float> got_reduced = read_back(backend, results[size_t(5 * round + 2)]);
         const std::vector<float> got_cast = read_back(backend, results[size_t(5 * round + 3)]);
         const std::vector<float> got_twice = read_back(backend, results[size_t(5 * round + 4)]);
+        if (got_cast != cast_want) std::fprintf(stderr, "DBG world %d rank %d round %d dtype %d cast stale\n", world, r, round, int(dtype));
         if (got_gathered != gathered || got_scattered != scattered || got_cast != cast_want) ++bad;
         if (got_twice != twice_want) ++bad;
         if (!std::equal(in_place.begin(), in_place.end(), got_reduced.begin() + r * kShard)) ++bad;
