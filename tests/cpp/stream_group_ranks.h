@@ -157,8 +157,13 @@ inline void check_collectives(int world, const RankDevices& devices, std::option
       std::vector<Tensor> results;
       for (int round = 0; round < kRounds; ++round) {
         // Each collective's input is written on a stream of its own just
-        // before the collective, late, and the comm stream waits for it:
-        // only that collective's mark orders a peer's read after the write.
+        // before the collective, late, and the comm stream waits for it, so
+        // a peer's read is ordered after the write only by a mark. (The
+        // host enqueues these waits on the comm stream at once, ahead of
+        // collectives the queue's thread has yet to issue, so the round's
+        // first collective's marks usually cover every write: a missing
+        // wait in the sums shows every run, one in the gather or the
+        // broadcast now and then.)
         backend.wait(writer, *backend.record(compute));  // free again: compute waited for the last round and read it
         auto written = [&](const Tensor& t, const std::vector<float>& values) {
           // Later the higher the rank: a lower rank's stream, past its own
