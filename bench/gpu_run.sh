@@ -14,8 +14,14 @@
 #                 world-size-1 shortcut, MPS, ZEROCORE_CUDA_POISON (then
 #                 unset: the benchmarks run without it); no GPU ends the run
 #   build         tests/gpu_build.sh: zerocore with CUDA, once, for all below
-#   tests         tests/gpu.sh on that build: the C++ CUDA tests and every
-#                 pytest test marked gpu, poisoned
+#   tests         tests/gpu.sh on that build (GPU_TESTS=single): the C++
+#                 CUDA tests (the in-process ranks of test_cuda_ranks among
+#                 them) and every pytest test marked gpu but
+#                 test_gpu_ranks.py, poisoned
+#   ranks         tests/gpu.sh GPU_TESTS=ranks: tests/test_gpu_ranks.py,
+#                 several spawned ranks on cuda:0 over gloo and, where the
+#                 NCCL is 2.30 or later, over NCCL, poisoned (a phase of its
+#                 own, so that its spawns cannot eat the tests' limit)
 #   adam          bench/gpu_adam_bench.py
 #   throughput    bench/gpu_gpt_bench.py: torch, fsdp2, zero1-3 on a 1.31B
 #                 GPT, each with its per-phase host and GPU times
@@ -29,7 +35,10 @@
 # GPU_RUN_SECONDS (default 520: 9 minutes less the 10 s a killed phase may
 # take to die and a margin), so the run ends in time even when something
 # hangs, and the offload search gets the rest (docs/status.md has the
-# phases' times on a GPU).
+# phases' times on a GPU). The ranks phase's 150 s (about 11 spawns of 2-4
+# CUDA ranks over gloo; the NCCL planes skip at once below NCCL 2.30) comes
+# out of the offload search, which keeps at least 10 s; PHASES_DEADLINE
+# still ends the run at 520 s whatever overruns.
 #
 # --dry-run runs everything up to the GPU: the build, tests/gpu.sh
 # --dry-run and each benchmark's --dry-run with the real run's flags, with
@@ -53,9 +62,9 @@ native=${ZEROCORE_REUSE_BUILD:-$scratch/native}
 # Phase limits, seconds. A dry run builds on whatever machine CI has, and
 # starts each benchmark only far enough to parse its arguments.
 if (( dry_run )); then
-  dry=(--dry-run) require_gpu=() build_s=1800 tests_s=600 bench_s=300 offload_search_s=60
+  dry=(--dry-run) require_gpu=() build_s=1800 tests_s=600 ranks_s=600 bench_s=300 offload_search_s=60
 else
-  dry=() require_gpu=(--require-gpu) build_s=240 tests_s=150 bench_s=240
+  dry=() require_gpu=(--require-gpu) build_s=240 tests_s=140 ranks_s=150 bench_s=240
   PHASES_DEADLINE=$((SECONDS + ${GPU_RUN_SECONDS:-520}))
 fi
 
@@ -77,7 +86,9 @@ fi
     export PYTHONPATH="$scratch/site"
   fi
   phase "tests (tests/gpu.sh)" "$tests_s" env PHASES_NESTED=1 PYTHON="$PYTHON" ZEROCORE_REUSE_BUILD="$native" \
-    bash tests/gpu.sh "${dry[@]}" "$scratch/gpu-results.txt"
+    GPU_TESTS=single bash tests/gpu.sh "${dry[@]}" "$scratch/gpu-results.txt"
+  phase "ranks (tests/gpu.sh: several ranks on one GPU)" "$ranks_s" env PHASES_NESTED=1 PYTHON="$PYTHON" \
+    ZEROCORE_REUSE_BUILD="$native" GPU_TESTS=ranks bash tests/gpu.sh "${dry[@]}" "$scratch/gpu-ranks-results.txt"
   phase "adam (bench/gpu_adam_bench.py)" 60 "$PYTHON" bench/gpu_adam_bench.py "${dry[@]}"
   # zero3 and its peers first (the breakdown is for zero3's gap to FSDP2
   # and torch, bench/RESULTS.md), stages 1-2 last, should the limit cut

@@ -59,12 +59,12 @@ def _redirect_output(path):
     faulthandler.register(signal.SIGUSR1, file=sys.stderr)  # the parent asks hung ranks for their stacks
 
 
-def _worker(rank, world, store_path, log_path, fn, args, queue):
+def _worker(rank, world, store_path, log_path, fn, args, queue, group):
     _redirect_output(log_path)
     try:
         store = dist.FileStore(store_path, world)
         # gloo moves CUDA tensors too (through pinned host memory): several ranks on one GPU train over it.
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+        dist.init_process_group(group, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         torch.set_num_threads(1)
         result = fn(rank, world, *args)
@@ -89,19 +89,21 @@ def _output(path, head=OUTPUT_HEAD, tail=OUTPUT_TAIL):
     return text.decode(errors="replace")
 
 
-def run_ranks(fn, world, *args, timeout=60.0, raise_errors=True, start="fork"):
+def run_ranks(fn, world, *args, timeout=60.0, raise_errors=True, start="fork", group="gloo"):
     """[result of rank 0, ..., rank world-1]; with raise_errors=False a
     failed rank's entry is its RankError. A crashed rank raises RankCrash
     and a hung one TimeoutError, whatever raise_errors says. start: the
     ranks' start method, "fork", or "spawn" (fresh interpreters: fn and
     args are pickled, so fn must be a module-level function) for ranks
-    that use CUDA."""
+    that use CUDA. group: the default process group's backend
+    (init_process_group's), e.g. "cpu:gloo,cuda:nccl" for NCCL."""
     ctx = multiprocessing.get_context(start)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="zerocore-ranks-") as tmp:
         logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world)]
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), logs[r], fn, args, queue),
-                             daemon=True) for r in range(world)]
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world, os.path.join(tmp, "store"), logs[r], fn, args, queue, group))
+                 for r in range(world)]
         for p in procs:
             p.start()
         try:

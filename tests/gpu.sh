@@ -17,6 +17,13 @@
 # when any failed. Without a visible GPU it fails at once instead of
 # skipping everything quietly.
 #
+# GPU_TESTS picks a part: "single" (the C++ tests, with the in-process
+# several-ranks one, test_cuda_ranks, and every pytest GPU test but
+# test_gpu_ranks.py), "ranks" (tests/test_gpu_ranks.py: several spawned
+# ranks on cuda:0, each test's outcome printed as it ends, since the phase
+# may be cut) or "all" (the default: both). bench/gpu_run.sh runs the two
+# parts as phases of their own, each under its own limit.
+#
 # ZEROCORE_REUSE_BUILD names a CMake build folder of this tree, built with
 # CUDA and the C++ tests, to run the C++ tests from, and says that the
 # zerocore $PYTHON imports (PYTHONPATH included) was built with CUDA too:
@@ -43,6 +50,15 @@ results=$(realpath -m "${1:-gpu-results.txt}")
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/zerocore-gpu.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
 native=${ZEROCORE_REUSE_BUILD:-$scratch/native}
+part=${GPU_TESTS:-all}
+case "$part" in
+  all|single|ranks) ;;
+  *) echo "tests/gpu.sh: GPU_TESTS=$part; use all, single or ranks" >&2; exit 2 ;;
+esac
+single=0 ranks=0
+[[ "$part" == ranks ]] || single=1
+[[ "$part" == single ]] || ranks=1
+ranks_tests=tests/test_gpu_ranks.py
 
 {
   commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -57,18 +73,33 @@ native=${ZEROCORE_REUSE_BUILD:-$scratch/native}
     export PYTHONPATH="$scratch/site"
   fi
   if (( dry_run )); then
-    phase "C++ tests (listed)" 60 ctest --test-dir "$native" -N
+    (( ! single )) || phase "C++ tests (listed)" 60 ctest --test-dir "$native" -N
     phase "import zerocore.cuda" 120 "$PYTHON" -c \
       'import zerocore.cuda as c; assert c.is_built(), "zerocore was built without the CUDA kernels"'
-    phase "GPU tests (collected)" 300 "$PYTHON" -m pytest -qq -p no:cacheprovider -m gpu --collect-only tests
-    phase "the native NCCL transport built" 120 "$PYTHON" -c \
-      'import zerocore.nccl as n; assert n.is_built(), n.unavailable_reason()'
+    if (( single )); then
+      phase "GPU tests (collected)" 300 "$PYTHON" -m pytest -qq -p no:cacheprovider -m gpu --collect-only \
+        --ignore "$ranks_tests" tests
+      phase "the native NCCL transport built" 120 "$PYTHON" -c \
+        'import zerocore.nccl as n; assert n.is_built(), n.unavailable_reason()'
+    fi
+    if (( ranks )); then
+      phase "several ranks on one GPU (collected)" 300 "$PYTHON" -m pytest -qq -p no:cacheprovider -m gpu \
+        --collect-only "$ranks_tests"
+    fi
   else
-    phase "C++ tests" 600 ctest --test-dir "$native" --output-on-failure --timeout 300
+    (( ! single )) || phase "C++ tests" 600 ctest --test-dir "$native" --output-on-failure --timeout 300
     phase "import zerocore.cuda" 120 "$PYTHON" -c \
       'import zerocore.cuda as c; assert c.is_available(), "zerocore was built without usable CUDA kernels"'
-    # Poisoned: a read of a released slot or staging range shows as NaN.
-    phase "GPU tests (poisoned)" 900 env ZEROCORE_CUDA_POISON=1 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests
+    if (( single )); then
+      # Poisoned: a read of a released slot or staging range shows as NaN.
+      phase "GPU tests (poisoned)" 900 env ZEROCORE_CUDA_POISON=1 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu \
+        --ignore "$ranks_tests" tests
+    fi
+    if (( ranks )); then
+      # -v: each test's outcome as it ends; -rs: why the NCCL planes skipped (the version).
+      phase "several ranks on one GPU (poisoned)" 900 env ZEROCORE_CUDA_POISON=1 "$PYTHON" -m pytest -v -rs \
+        -p no:cacheprovider -m gpu --durations=0 "$ranks_tests"
+    fi
   fi
   phases_end
 } 2>&1 | tee "$results"

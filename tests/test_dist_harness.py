@@ -57,6 +57,16 @@ def test_spawned_ranks_run_in_fresh_interpreters():
         run_ranks(_dies, 2, "exit 3", timeout=120, start="spawn")
 
 
+def _group_backend(rank, world):
+    return dist.get_backend_config(), _sums(rank, world)[1]
+
+
+def test_ranks_start_on_the_process_group_backend_asked_for():
+    """What the GPU tests' NCCL planes give ("cpu:gloo,cuda:nccl"); here its CPU half alone."""
+    for config, summed in run_ranks(_group_backend, 2, group="cpu:gloo"):
+        assert config == "cpu:gloo" and torch.equal(summed, torch.full((3,), 3.0))
+
+
 def _hangs(rank, world):
     if rank == 1:
         print("rank 1 sleeps", flush=True)

@@ -2,9 +2,12 @@
 machines this project gets (`pytest -m gpu`; skipped without a device).
 
 Every rank trains on cuda:0 in a process of its own, started with spawn (a
-forked child cannot use CUDA), over a gloo data group: gloo moves CUDA
-tensors through pinned host memory, and the transport reduce-scatters them
-with gloo's tensor collective (it has no send or recv for them). So the code
+forked child cannot use CUDA), over each data plane of gpu_data_planes.py:
+a gloo data group (gloo moves CUDA tensors through pinned host memory, and
+the transport reduce-scatters them with gloo's tensor collective: it has no
+send or recv for them), torch's NCCL group and zerocore's native NCCL
+transport, the last two where the machine's NCCL allows several ranks on
+one GPU (2.30 and later; skipped naming the version otherwise). So the code
 that runs only at world size > 1 on a GPU runs here: rank offsets into
 device buffers, real cross-rank sums in device memory, stage 3's rounds at
 world 2 and 4, the lend path, a dead peer, a checkpoint saved at one world
@@ -22,6 +25,7 @@ import torch
 import zerocore
 import zerocore.cuda
 from dist_harness import run_ranks
+from gpu_data_planes import PLANES, skip_reason
 from mixed_precision_reference import assert_moved_like, mp_reference_train
 from models import assert_state_close, engine_train, lm_batch, lm_loss, local, make, reference_train
 from test_divergent_units import DataRouted, assert_as_close_as_torch, random_codes, routed
@@ -36,6 +40,18 @@ pytestmark = [
     pytest.mark.skipif(not (torch.cuda.is_available() and zerocore.cuda.is_available()),
                        reason="needs a CUDA device and zerocore built with CUDA"),
 ]
+
+
+@pytest.fixture(params=PLANES, ids=lambda plane: plane.name)
+def plane(request, monkeypatch):
+    """The data plane the ranks train over; its environment set here, which
+    the spawned ranks inherit."""
+    reason = skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    for name, value in request.param.env.items():
+        monkeypatch.setenv(name, value)
+    return request.param
 
 
 def _gpu():
@@ -76,10 +92,11 @@ def _fp32_reference(world, model_fn=make, batch=lm_batch):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_stage_in_fp32_matches_torch(world):
-    configs = [dict(stage=s) for s in STAGES]
+def test_every_stage_in_fp32_matches_torch(world, plane):
+    configs = [dict(stage=s, **plane.config) for s in STAGES]
     ref = _fp32_reference(world)
-    for rank, states in enumerate(run_ranks(_train, world, configs, timeout=TIMEOUT, start="spawn")):
+    for rank, states in enumerate(run_ranks(_train, world, configs, timeout=TIMEOUT, start="spawn",
+                                            group=plane.group)):
         for config, state in zip(configs, states):
             assert_state_close(state, ref, rtol=1e-5, atol=1e-6, what=f"rank {rank} of {world}, {config}")
 
@@ -89,7 +106,7 @@ def test_every_stage_in_fp32_matches_torch(world):
     ("bf16", {"reduce_dtype": "fp32"}, 1e-4),
     ("fp16", {"loss_scale": zerocore.DynamicLossScale(initial=2.0**10, window=2)}, 5e-3),
 ])
-def test_16_bit_matches_mixed_precision_torch(dtype, config, bound):
+def test_16_bit_matches_mixed_precision_torch(dtype, config, bound, plane):
     world = 2
     device = _gpu()
     model = make().to(device)
@@ -98,31 +115,32 @@ def test_16_bit_matches_mixed_precision_torch(dtype, config, bound):
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     ref, _ = mp_reference_train(model, _adamw(model.parameters()), torch_dtype, STEPS, ACCUM, world, scaler=scaler,
                                 batch=_on(device))
-    configs = [dict(stage=s, dtype=dtype, **config) for s in STAGES]
-    for rank, states in enumerate(run_ranks(_train, world, configs, timeout=TIMEOUT, start="spawn")):
+    configs = [dict(stage=s, dtype=dtype, **config, **plane.config) for s in STAGES]
+    for rank, states in enumerate(run_ranks(_train, world, configs, timeout=TIMEOUT, start="spawn",
+                                            group=plane.group)):
         for c, state in zip(configs, states):
             assert_moved_like(state, _cpu(ref), initial, bound, what=f"rank {rank}, stage {c['stage']} {dtype}")
 
 
-def test_offload_matches_torch():
-    configs = [dict(stage=s, offload_optimizer="cpu") for s in (1, 2, 3)] + \
-        [dict(stage=3, offload_optimizer="cpu", offload_params="cpu")]
+def test_offload_matches_torch(plane):
+    configs = [dict(stage=s, offload_optimizer="cpu", **plane.config) for s in (1, 2, 3)] + \
+        [dict(stage=3, offload_optimizer="cpu", offload_params="cpu", **plane.config)]
     ref = _fp32_reference(2)
-    for rank, states in enumerate(run_ranks(_train, 2, configs, timeout=TIMEOUT, start="spawn")):
+    for rank, states in enumerate(run_ranks(_train, 2, configs, timeout=TIMEOUT, start="spawn", group=plane.group)):
         for config, state in zip(configs, states):
             assert_state_close(state, ref, rtol=1e-5, atol=1e-6, what=f"rank {rank}, {config}")
 
 
-def _routed_train(rank, world):
+def _routed_train(rank, world, plane_config):
     """Stages 2 and 3 of the mixture-of-experts model whose ranks run
     different experts (test_divergent_units.py's): the lend path and
     divergent units on the GPU."""
-    return _train(rank, world, [dict(stage=2), dict(stage=3)], functools.partial(make, DataRouted),
-                  routed(random_codes))
+    return _train(rank, world, [dict(stage=2, **plane_config), dict(stage=3, **plane_config)],
+                  functools.partial(make, DataRouted), routed(random_codes))
 
 
-def test_ranks_running_different_experts_match_torch():
-    results = run_ranks(_routed_train, 2, timeout=TIMEOUT, start="spawn")
+def test_ranks_running_different_experts_match_torch(plane):
+    results = run_ranks(_routed_train, 2, plane.config, timeout=TIMEOUT, start="spawn", group=plane.group)
     model_fn, batch = functools.partial(make, DataRouted), routed(random_codes)
     device = _gpu()
     initial = model_fn().state_dict()
@@ -135,13 +153,14 @@ def test_ranks_running_different_experts_match_torch():
             assert_as_close_as_torch(state, *refs, initial, what=f"stage {stage} rank {rank}")
 
 
-def _checkpointed(rank, world, path, save):
+def _checkpointed(rank, world, path, save, plane_config):
     """Trains steps 0-1 and saves (save=True), or loads a fresh engine of
     other initial values; then trains steps 2-3. The global batches are the
     same at any world size."""
     device = _gpu()
     model = make(seed=0 if save else 1).to(device)
-    engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(stage=3, bucket_bytes=256))
+    config = zerocore.Config(stage=3, bucket_bytes=256, **plane_config)
+    engine = zerocore.wrap(model, _adamw(model.parameters()), config)
 
     def steps(which):
         for step in which:
@@ -161,21 +180,23 @@ def _checkpointed(rank, world, path, save):
 
 
 @pytest.mark.parametrize("resumed", [1, 4])
-def test_a_checkpoint_saved_at_2_ranks_resumes_at_another_world_size(resumed, tmp_path):
+def test_a_checkpoint_saved_at_2_ranks_resumes_at_another_world_size(resumed, tmp_path, plane):
     path = str(tmp_path / "ckpt")
-    straight = run_ranks(_checkpointed, 2, path, True, timeout=TIMEOUT, start="spawn")[0]
-    for rank, state in enumerate(run_ranks(_checkpointed, resumed, path, False, timeout=TIMEOUT, start="spawn")):
+    straight = run_ranks(_checkpointed, 2, path, True, plane.config, timeout=TIMEOUT, start="spawn",
+                         group=plane.group)[0]
+    for rank, state in enumerate(run_ranks(_checkpointed, resumed, path, False, plane.config, timeout=TIMEOUT,
+                                           start="spawn", group=plane.group)):
         assert_state_close(state, straight, rtol=1e-5, atol=1e-6, what=f"2 -> {resumed} ranks, rank {rank}")
 
 
-def _dead_peer(rank, world):
+def _dead_peer(rank, world, plane_config):
     """Rank 1 leaves after the first step; rank 0's next step must fail at
     once with an error, not wait out the timeout."""
     import time
 
     device = _gpu()
     model = make().to(device)
-    engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(stage=3, timeout=120))
+    engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(stage=3, timeout=120, **plane_config))
 
     def step(s):
         x, y = (t.to(device) for t in lm_batch(s, 0, world))
@@ -193,8 +214,8 @@ def _dead_peer(rank, world):
     return None
 
 
-def test_a_dead_peer_fails_the_others_at_once():
-    result = run_ranks(_dead_peer, 2, timeout=TIMEOUT, start="spawn")[0]
+def test_a_dead_peer_fails_the_others_at_once(plane):
+    result = run_ranks(_dead_peer, 2, plane.config, timeout=TIMEOUT, start="spawn", group=plane.group)[0]
     assert result is not None, "rank 0 trained on without its peer"
     kind, message, seconds = result
     assert seconds < 30 and "timed out" not in message, (kind, message, seconds)

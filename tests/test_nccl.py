@@ -6,7 +6,9 @@ NCCL's entry points names the missing one, both the fallback), run against
 the real loader where the build has the transport; the choice refusing a
 CPU model and a build without the transport; the unique id's exchange
 through the store torch.distributed's ranks share, on 2 processes; the CMake
-detection of nccl.h (cmake/nccl.cmake in script mode).
+detection of nccl.h (cmake/nccl.cmake in script mode); when NCCL lets
+several ranks share a GPU (gpu_data_planes.py: test_gpu_ranks' NCCL planes
+run or skip by it).
 
 Marked `gpu` (tests/gpu.sh; skipped here): at world size 1 on cuda:0, each
 collective of a native queue against torch.distributed's on the same
@@ -25,6 +27,7 @@ import torch.distributed as dist
 import zerocore
 import zerocore.cuda
 import zerocore.nccl as native_nccl
+import gpu_data_planes
 from dist_harness import run_ranks
 from models import assert_state_close, engine_train, lm_batch, make
 from test_gpu_engine import world1  # noqa: F401 - the fixture: a world of one rank on cuda:0
@@ -133,6 +136,31 @@ def test_rank_0_makes_the_unique_id_and_every_rank_gets_its_bytes():
     assert [r[1] for r in results] == [[0], []]  # made once, by rank 0
     assert results[0][2] == results[1][2]  # the same key on every rank
     assert results[0][2] != results[0][3]  # and another for another group (engine)
+
+
+# Several ranks on one GPU ------------------------------------------------------
+@pytest.mark.parametrize("code,version", [(22809, (2, 28, 9)), (23003, (2, 30, 3)), (23203, (2, 32, 3)),
+                                          (2708, (2, 7, 8))])
+def test_nccl_version_codes_read_as_major_minor_patch(code, version):
+    assert gpu_data_planes.version_of(code) == version
+
+
+def test_several_ranks_on_one_gpu_need_nccl_2_30_and_the_refusal_names_the_version():
+    refusal = gpu_data_planes.multi_rank_refusal((2, 28, 9), "torch's NCCL")
+    assert refusal.startswith("torch's NCCL is NCCL 2.28.9;") and ">= 2.30.0" in refusal
+    assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in refusal
+    assert gpu_data_planes.multi_rank_refusal((2, 29, 99), "x") is not None
+    assert gpu_data_planes.multi_rank_refusal((2, 30, 0), "x") is None
+    assert gpu_data_planes.multi_rank_refusal((3, 0, 0), "x") is None
+
+
+def test_the_nccl_planes_enable_multi_rank_gpus_and_keep_gloo_for_control():
+    planes = {p.name: p for p in gpu_data_planes.PLANES}
+    assert planes["gloo"].group == "gloo" and planes["gloo"].env == {}
+    for name, nccl in (("nccl", "torch"), ("nccl-native", "native")):
+        assert planes[name].group == "cpu:gloo,cuda:nccl"
+        assert zerocore.Config(**planes[name].config).nccl == nccl
+        assert planes[name].env == {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 
 
 # CMake's detection -------------------------------------------------------------

@@ -19,6 +19,8 @@ const void* device_table(int device, const void* host, size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex);
   auto it = tables.find(key);
   if (it != tables.end()) return it->second;
+  // On `device`, whatever the calling thread's current device is.
+  DeviceGuard guard(device);
   void* table = nullptr;
   check(cudaMalloc(&table, bytes), "cudaMalloc(device table)");
   check(cudaMemcpy(table, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy(device table)");

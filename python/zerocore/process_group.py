@@ -203,7 +203,10 @@ class ProcessGroupTransport:
             if self.stream is None:
                 raise TypeError(f"{self.describe(key)}: CUDA tensors on a queue whose backend is not a CudaBackend; "
                                 "the engine's backend follows the module's device (zerocore/devices.py)")
-            with self._running(key, issued), torch.cuda.stream(self.stream):
+            # The tensors' device made current on this (the queue's issuing)
+            # thread, whatever it was: torch's NCCL group and its stream
+            # context work on the current device.
+            with self._running(key, issued), torch.cuda.device(device), torch.cuda.stream(self.stream):
                 works, then = start()
                 for w in works:
                     w.wait()  # the comm stream waits for NCCL's: on the device

@@ -7,6 +7,7 @@
 #include "zerocore/schedule/bucket_collectives.h"
 #include "zerocore/schedule/bucket_reducer.h"
 #include "zerocore/comm/comm.h"
+#include "zerocore/comm/stream_group.h"
 #include "zerocore/kernels/cpu_accumulate.h"
 #include "zerocore/kernels/cpu_features.h"
 #include "zerocore/kernels/cpu_fill.h"

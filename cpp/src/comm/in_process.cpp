@@ -1,4 +1,4 @@
-// Ranks as threads: each collective is a rendezvous. Every rank publishes its
+// Ranks as threads: each collective is a rendezvous (rendezvous.h). Every rank publishes its
 // key, its tensors and its own argument check; after the first barrier each
 // rank checks everyone's (so a bad argument or a mismatched key fails on
 // every rank, none waits forever), then moves data; the second barrier keeps
@@ -10,6 +10,7 @@
 #include "zerocore/comm/comm.h"
 #include "zerocore/error.h"
 #include "zerocore/half.h"
+#include "rendezvous.h"
 
 namespace zerocore {
 
@@ -41,32 +42,9 @@ void copy_elems(const Tensor& src, int64_t src_offset, const Tensor& dst, int64_
 
 }  // namespace
 
-struct InProcessGroup::State {
-  explicit State(int world)
-      : world(world), keys(size_t(world)), a(size_t(world)), b(size_t(world)), roots(size_t(world)),
-        errors(size_t(world)) {}
-  const int world;
-  std::mutex mutex;
-  std::condition_variable cv;
-  int arrived = 0;
-  uint64_t generation = 0;
-  // What each rank passed to the collective in progress.
-  std::vector<CollectiveKey> keys;
-  std::vector<Tensor> a, b;
-  std::vector<int> roots;
-  std::vector<std::string> errors;
-
-  void barrier() {
-    std::unique_lock<std::mutex> lock(mutex);
-    const uint64_t gen = generation;
-    if (++arrived == world) {
-      arrived = 0;
-      ++generation;
-      cv.notify_all();
-    } else {
-      cv.wait(lock, [&] { return generation != gen; });
-    }
-  }
+// The rendezvous the transports share.
+struct InProcessGroup::State : comm_detail::Rendezvous {
+  using Rendezvous::Rendezvous;
 };
 
 namespace {
@@ -75,12 +53,12 @@ class InProcessTransport : public Transport {
  public:
   InProcessTransport(std::shared_ptr<InProcessGroup::State> s, int rank) : s_(std::move(s)), rank_(rank) {}
   int rank() const override { return rank_; }
-  int world_size() const override { return s_->world; }
+  int world_size() const override { return s_->world(); }
 
   Completion all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) override {
     return run(key, shard, output, blocks_error("output", output, shard), [&] {
       const int64_t n = shard.numel();
-      for (int q = 0; q < s_->world; ++q) copy_elems(s_->a[size_t(q)], 0, output, q * n, n);
+      for (int q = 0; q < s_->world(); ++q) copy_elems(published(q), 0, output, q * n, n);
     });
   }
 
@@ -91,7 +69,7 @@ class InProcessTransport : public Transport {
       const int64_t n = shard.numel(), lo = rank_ * n;
       for (int64_t i = 0; i < n; ++i) {
         float sum = 0.0f;
-        for (int q = 0; q < s_->world; ++q) sum += load(s_->a[size_t(q)], lo + i);
+        for (int q = 0; q < s_->world(); ++q) sum += load(published(q), lo + i);
         store(shard, i, sum);
       }
     });
@@ -100,8 +78,8 @@ class InProcessTransport : public Transport {
   Completion all_reduce(const CollectiveKey& key, const Tensor& tensor) override {
     std::vector<float> sum(size_t(tensor.numel()));
     run(key, tensor, tensor, std::string(), [&] {
-      for (int q = 0; q < s_->world; ++q) {
-        for (size_t i = 0; i < sum.size(); ++i) sum[i] += load(s_->a[size_t(q)], int64_t(i));
+      for (int q = 0; q < s_->world(); ++q) {
+        for (size_t i = 0; i < sum.size(); ++i) sum[i] += load(published(q), int64_t(i));
       }
     });
     // Every rank has read every tensor (run's second barrier): write ours.
@@ -110,56 +88,34 @@ class InProcessTransport : public Transport {
   }
 
   Completion broadcast(const CollectiveKey& key, const Tensor& tensor, int root) override {
-    std::string error = root < 0 || root >= s_->world ? "root " + std::to_string(root) + " is not a rank" : "";
+    std::string error = root < 0 || root >= s_->world() ? "root " + std::to_string(root) + " is not a rank" : "";
     return run(key, tensor, tensor, std::move(error), [&] {
-      if (rank_ != root) copy_elems(s_->a[size_t(root)], 0, tensor, 0, tensor.numel());
+      if (rank_ != root) copy_elems(published(root), 0, tensor, 0, tensor.numel());
     }, root);
   }
 
  private:
+  // What rank q passed as its input to the collective in progress.
+  const Tensor& published(int q) const { return s_->arrival(q).a; }
+
   // "" when `full` is world_size blocks of `block`'s size; else what is wrong.
   std::string blocks_error(const char* name, const Tensor& full, const Tensor& block) const {
-    if (full.numel() == block.numel() * s_->world) return std::string();
+    if (full.numel() == block.numel() * s_->world()) return std::string();
     return std::string(name) + " holds " + std::to_string(full.numel()) + " elements, not world_size x " +
            std::to_string(block.numel());
   }
 
-  // Publishes, checks everyone's key, dtype and arguments, runs `move`
-  // between the two barriers: done when it returns. Throws on every rank if
-  // any check fails.
+  // Meets the other ranks (rendezvous.h: every check on every rank), runs
+  // `move` before the second barrier: done when it returns.
   template <class Move>
   Completion run(const CollectiveKey& key, const Tensor& a, const Tensor& b, std::string error, Move&& move,
-           int root = 0) {
-    State& s = *s_;
-    s.keys[size_t(rank_)] = key;
-    s.a[size_t(rank_)] = a;
-    s.b[size_t(rank_)] = b;
-    s.roots[size_t(rank_)] = root;
+                 int root = 0) {
     if (error.empty() && (a.device().type != DeviceType::kCPU || a.dtype() != b.dtype())) {
       error = "tensors must be host tensors of one dtype";
     }
-    s.errors[size_t(rank_)] = error.empty() ? error : "rank " + std::to_string(rank_) + ": " + describe(key) + ": " + error;
-    s.barrier();
-    std::string mismatch;
-    for (int q = 0; q < s.world; ++q) {
-      const bool differs = s.keys[size_t(q)] != s.keys[0] || s.a[size_t(q)].dtype() != s.a[0].dtype() ||
-                           s.roots[size_t(q)] != s.roots[0];
-      if (differs && mismatch.empty()) mismatch = "ranks issued different collectives:";
-    }
-    if (!mismatch.empty()) {
-      for (int q = 0; q < s.world; ++q) mismatch += "\n  rank " + std::to_string(q) + ": " + describe(s.keys[size_t(q)]);
-    }
-    std::string failure;
-    for (const std::string& e : s.errors) {
-      if (!e.empty() && failure.empty()) failure = e;
-    }
-    if (!mismatch.empty() || !failure.empty()) {
-      s.barrier();  // everyone has read the published state before anyone republishes
-      if (!mismatch.empty()) throw CollectiveMismatch(mismatch);
-      throw InvalidArgument(failure);
-    }
+    s_->meet(rank_, {key, a, b, root, std::move(error)});
     move();
-    s.barrier();
+    s_->barrier();
     return {};
   }
 
@@ -177,12 +133,12 @@ InProcessGroup::InProcessGroup(int world_size, std::optional<LateCompletion> lat
 
 InProcessGroup::~InProcessGroup() = default;
 
-int InProcessGroup::world_size() const { return state_->world; }
+int InProcessGroup::world_size() const { return state_->world(); }
 
 std::unique_ptr<Transport> InProcessGroup::transport(int rank) {
-  if (rank < 0 || rank >= state_->world) {
+  if (rank < 0 || rank >= state_->world()) {
     throw InvalidArgument("InProcessGroup: rank " + std::to_string(rank) + " is not in a group of " +
-                          std::to_string(state_->world));
+                          std::to_string(state_->world()));
   }
   std::unique_ptr<Transport> transport = std::make_unique<InProcessTransport>(state_, rank);
   if (!late_) return transport;
