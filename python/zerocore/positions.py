@@ -143,12 +143,15 @@ class Positions:
         return out
 
     # Diagnosing ------------------------------------------------------------------
-    def raise_if_apart(self):
-        """Raises the RankDisagreementError a rank found, if one did: a
-        peer that found it first may have left (its process ending), and
-        this rank's wait then fails for a peer gone, not for the reason."""
-        if self.store is not None and self.store.check([self.prefix + "apart"]):
-            raise RankDisagreementError(self.store.get(self.prefix + "apart").decode())
+    def found_apart(self) -> Optional[str]:
+        """The message of the RankDisagreementError a rank of this engine
+        found, if one did (None: none): a collective that fails because
+        the peer that found it left (its process ending) raises it, not the
+        error of a peer gone."""
+        key = self.prefix + "apart"
+        if self.store is None or not self.store.check([key]):
+            return None
+        return self.store.get(key).decode()
 
     def diagnose(self, queue: str, waited: float) -> Optional[str]:
         """This rank's collective on `queue` has waited `waited` seconds:
@@ -157,6 +160,9 @@ class Positions:
         otherwise returns what the peers that have not started it are doing
         (None: all have), for a timeout's message."""
         self.publish()
+        apart = self.found_apart()  # by a peer first: every rank raises its message, with the positions it saw
+        if apart is not None:
+            raise RankDisagreementError(apart)
         mine = self._record()
         started, key, name, _ = mine["queues"][queue]
         now = time.time()
@@ -184,9 +190,9 @@ class Positions:
                 "full_state_dict(), gathered_params(), save() and load() on every rank (save on rank 0 alone what "
                 "full_state_dict() returns on every rank). The ranks are out of step now: every later collective of "
                 "this engine fails at once, so end the job and restart it from a checkpoint.")
-            self.store.set(self.prefix + "apart", message)  # for a peer whose wait ends first as this rank leaves
+            # For the peers: the first message found is every rank's (compare_set keeps it).
+            message = self.store.compare_set(self.prefix + "apart", "", message).decode()
             raise RankDisagreementError(message)
-        self.raise_if_apart()
         if not absent:
             return None
         return "; ".join(f"rank {r} has not started it: {_where(records[r], now)}" for r in absent)

@@ -169,6 +169,10 @@ class ProcessGroupTransport:
             self.failure.record(RankDisagreementError, str(e))
             raise
         except Exception as e:
+            apart = self.positions.found_apart() if self.positions is not None else None
+            if apart is not None:  # a peer found the ranks in different collectives, and left or gave up
+                self.failure.record(RankDisagreementError, apart)
+                raise RankDisagreementError(apart) from None
             if not _timed_out(e, time.monotonic() - start, self.timeout):
                 self.failure.record(RuntimeError, f"{self.describe(key)}: {type(e).__name__}: {e}")
                 raise
@@ -284,8 +288,10 @@ class ProcessGroupTransport:
         incoming = self._scratch(blocks[rank]) if n > 1 else None  # one rank: its block is the sum
         to, source = self.global_ranks[(rank + 1) % n], self.global_ranks[(rank - 1) % n]
         for s in range(n - 1):
-            self.wait([dist.isend(blocks[(rank - s - 1) % n], to, group=self.group),
-                       dist.irecv(incoming, source, group=self.group)])
+            # A send's or receive's wait with a timeout would end the pair (gloo closes it): waited for whole.
+            for w in [dist.isend(blocks[(rank - s - 1) % n], to, group=self.group),
+                      dist.irecv(incoming, source, group=self.group)]:
+                w.wait()
             blocks[(rank - s - 2) % n] += incoming
         return blocks[rank]
 
@@ -307,7 +313,6 @@ class ProcessGroupTransport:
                     break
                 except RuntimeError as e:
                     if _WAIT_EXPIRED not in str(e):
-                        self.positions.raise_if_apart()  # a peer that found them apart, and left
                         raise
                 waited += after
                 self.absent = self.positions.diagnose(self.queue, waited)
