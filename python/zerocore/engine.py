@@ -30,6 +30,8 @@ would be a list of methods that forward to them.
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
 from zerocore import _native, compute_stream, devices, param_guards
@@ -86,6 +88,7 @@ class Engine(Training, StateIO, Reports):
         control_group = engine_process_group(process_group, cfg.timeout, "gloo")
         # Where this rank is in the engine, for its peers: a collective that waits long finds ranks in different ones.
         self.positions = Positions.of(control_group, cfg.diagnose_after)
+        weakref.finalize(self, self.positions.close)  # its publishing thread ends with the engine, closed or not
         self.control = Communicator(control_group, backend=self.backend, plane=_native.StreamPlane.CONTROL,
                                     positions=self.positions, name="control") if process_group is not None else None
         self.comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.control,

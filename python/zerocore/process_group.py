@@ -176,6 +176,12 @@ class ProcessGroupTransport:
             if not _timed_out(e, time.monotonic() - start, self.timeout):
                 self.failure.record(RuntimeError, f"{self.describe(key)}: {type(e).__name__}: {e}")
                 raise
+            if self.positions is not None:  # where the peers are now: in another collective, or where they were last
+                try:
+                    self.absent = self.positions.diagnose(self.queue, time.monotonic() - start)
+                except RankDisagreementError as apart:
+                    self.failure.record(RankDisagreementError, str(apart))
+                    raise
             message = self._timeout_message(key, e)
             self.failure.record(CollectiveTimeoutError, message)
             raise CollectiveTimeoutError(message) from None
