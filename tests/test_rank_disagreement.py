@@ -14,16 +14,21 @@ default Config (diagnose_after 5 s). Where rank 0 runs into its peers'
 backward at stage 3 (eval, user_raises) they wait in the CPU data plane's
 ring reduce-scatter, whose waits are not diagnosed in place: they raise as
 the rank that found the ranks apart ends its process (an uncaught error
-does), so those run in a launch of their own each."""
+does), so those run in a launch of their own each. Last, Positions.diagnose's
+rule on published records, in one process: a peer in another collective
+is apart, one in none is slow and named by where it is or last was."""
+import re
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import zerocore
 from backward_call import CallInBackward
 from dist_harness import run_ranks
 from models import lm_batch, lm_loss, local, make
+from zerocore.positions import Positions
 
 DIAGNOSE_AFTER = 0.3  # seconds
 TIMEOUT = 20  # seconds: well past any bound asserted here
@@ -176,3 +181,51 @@ def test_default_config_names_the_ranks_within_seconds(world_results):
         assert o["error"] == "RankDisagreementError", o.get("message")
         assert DEFAULT_DIAGNOSE_AFTER <= o["seconds"] + 0.5 < DEFAULT_DIAGNOSE_AFTER + SLACK, o["seconds"]
         assert "rank 0: in full_state_dict()" in o["message"] and "rank 1: in " in o["message"]
+
+
+# Positions.diagnose's rule, on records a peer published (a store of one process, no ranks).
+def _positions(store, rank, queues, call=None):
+    p = Positions(1.0, store, "t/", rank, 2)
+    p.close()
+    if call is not None:
+        p.enter(call, 3)
+    for queue, (count, in_flight) in queues.items():
+        for i in range(count):
+            p.started(queue, in_flight if i == count - 1 and in_flight else (0, 0, 0, i), f"{queue} #{i + 1}")
+        if not in_flight:
+            p.finished(queue)
+    p.publish()
+    return p
+
+
+@pytest.mark.parametrize("peer, apart", [
+    ({"data": (5, (1, 0, 0, 99))}, True),  # another collective at this place of this queue
+    ({"data": (4, None), "control": (3, (0, -1, 2, 1))}, True),  # one of another queue this rank has not started
+    ({"data": (4, None), "control": (2, (0, -1, 2, 1))}, False),  # one this rank has started: it will come
+    ({"data": (5, (0, 0, 0, 4))}, False),  # in this one
+    ({"data": (4, None)}, False),  # in none: slow
+])
+def test_a_peer_in_another_collective_is_apart_one_in_none_is_slow(peer, apart):
+    store = dist.HashStore()
+    _positions(store, 1, peer, call="step()")
+    me = _positions(store, 0, {"data": (5, (0, 0, 0, 4)), "control": (2, None)}, call="full_state_dict()")
+    if apart:
+        with pytest.raises(zerocore.RankDisagreementError, match=r"(?s)rank 0: in full_state_dict\(\), waiting "
+                                                                 r".*rank 1: in step\(\) of step 3, waiting"):
+            me.diagnose("data", 1.0)
+        return
+    said = me.diagnose("data", 1.0)
+    assert (said is None) == (peer["data"][0] == 5), said
+    if said is not None:
+        assert said.startswith("rank 1 has not started it: in step() of step 3"), said
+
+
+def test_a_peer_out_of_the_engine_is_named_by_its_last_call():
+    store = dist.HashStore()
+    peer = Positions(1.0, store, "t/", 1, 2)
+    peer.close()
+    peer.leave(peer.enter("forward", "2, micro-batch 1"))
+    peer.publish()
+    me = _positions(store, 0, {"data": (1, (0, 0, 0, 0))})
+    assert re.fullmatch(r"rank 1 has not started it: in no call of the engine; last in forward of step 2, "
+                        r"micro-batch 1, \d+\.\d s ago", me.diagnose("data", 1.0))

@@ -48,7 +48,7 @@ class Training:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
-    @engine_call("forward")
+    @engine_call("forward", micro_batch=True)
     def forward(self, *args, **kwargs):
         """Runs the module. Floating-point inputs are cast to the training
         dtype; buffers come from rank 0, as DDP does."""
@@ -156,7 +156,7 @@ class Training:
 
     # Backward --------------------------------------------------------------
     @_training
-    @engine_call("backward")
+    @engine_call("backward", micro_batch=True)
     def backward(self, loss: torch.Tensor):
         """loss.backward() with gradient reduction. Call it k times before
         step() to accumulate: grads sum over calls and average over ranks."""

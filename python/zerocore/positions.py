@@ -76,10 +76,10 @@ class Positions:
         self._stop.set()
 
     # What the engine and its transports note ------------------------------------
-    def enter(self, call: str, step: int) -> tuple:
+    def enter(self, call: str, step) -> tuple:
         """The rank is in `call` (its name, as "full_state_dict()") of step
-        `step` (the one it works toward: step_count + 1) now; returns what
-        leave() takes back."""
+        `step` (the one it works toward: step_count + 1, or a description:
+        "2, micro-batch 3") now; returns what leave() takes back."""
         before = (self.call, self.step, self.since)
         if self.call is None:
             self.call, self.step, self.since = call, step, time.time()
@@ -93,7 +93,7 @@ class Positions:
         self.call, self.step, self.since = before
 
     @contextlib.contextmanager
-    def inside(self, call: str, step: int):
+    def inside(self, call: str, step):
         """The rank is in `call` of step `step` while inside."""
         before = self.enter(call, step)
         try:
@@ -214,15 +214,18 @@ def _where(record: Optional[dict], now: float) -> str:
     return f"in no call of the engine; last in {record['last']}, {now - record['left']:.1f} s ago"
 
 
-def engine_call(name: str):
+def engine_call(name: str, micro_batch=False):
     """Decorates an engine method: while it runs, the rank's position is
-    `name` (Positions.enter), not while torch.compile traces it."""
+    `name` (Positions.enter) of the engine's step and, with micro_batch,
+    micro-batch (forward, backward); not while torch.compile traces it."""
     def decorate(method):
         @functools.wraps(method)
         def noted(self, *args, **kwargs):
             if torch.compiler.is_compiling():
                 return method(self, *args, **kwargs)
-            with self.positions.inside(name, self.step_count + 1):
+            step = self.step_count + 1
+            with self.positions.inside(name, f"{step}, micro-batch {self._backward_calls + 1}" if micro_batch
+                                       else step):
                 return method(self, *args, **kwargs)
         return noted
     return decorate
