@@ -191,7 +191,7 @@ def _positions(store, rank, queues, call=None):
         p.enter(call, 3)
     for queue, (count, in_flight) in queues.items():
         for i in range(count):
-            p.started(queue, in_flight if i == count - 1 and in_flight else (0, 0, 0, i), f"{queue} #{i + 1}")
+            p.started(queue, in_flight if i == count - 1 and in_flight else (0, 0, 0, i), lambda k: f"{queue} {k}")
         if not in_flight:
             p.finished(queue)
     p.publish()
@@ -229,3 +229,9 @@ def test_a_peer_out_of_the_engine_is_named_by_its_last_call():
     me = _positions(store, 0, {"data": (1, (0, 0, 0, 0))})
     assert re.fullmatch(r"rank 1 has not started it: in no call of the engine; last in forward of step 2, "
                         r"micro-batch 1, \d+\.\d s ago", me.diagnose("data", 1.0))
+
+
+@pytest.mark.parametrize("value", [0, -1, "5", True, float("inf")])
+def test_bad_diagnose_after(value):
+    with pytest.raises(ValueError, match=r"diagnose_after=.*positive number of seconds"):
+        zerocore.Config(diagnose_after=value)

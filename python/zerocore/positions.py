@@ -52,7 +52,8 @@ class Positions:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.call, self.step, self.since = None, 0, time.time()  # the call it is in (None: none), from when
         self.last, self.left = None, None  # the call it was last in, and when it left it
-        self.queues = {}  # queue name -> [collectives started, key of the one in flight or None, its name, since]
+        # queue name -> [collectives started, key of the one in flight or None, what names it, since]
+        self.queues = {}
         self._published = None
         self._stop = threading.Event()
         if store is not None and world_size > 1:
@@ -101,11 +102,12 @@ class Positions:
         finally:
             self.leave(before)
 
-    def started(self, queue: str, key, name: str):
-        """Queue `queue` has started the collective `key` (named `name`)."""
+    def started(self, queue: str, key, describe):
+        """Queue `queue` has started the collective `key`; describe(key)
+        names it (called only to publish: the hot path formats nothing)."""
         state = self.queues.setdefault(queue, [0, None, None, 0.0])
         state[0] += 1
-        state[1:] = list(key), name, time.time()
+        state[1:] = key, describe, time.time()
 
     def finished(self, queue: str):
         self.queues[queue][1:3] = None, None
@@ -113,7 +115,9 @@ class Positions:
     # Publishing ----------------------------------------------------------------
     def _record(self) -> dict:
         return {"call": self.call and self._call_name(self.call, self.step), "since": self.since,
-                "last": self.last, "left": self.left, "queues": {q: list(s) for q, s in self.queues.items()}}
+                "last": self.last, "left": self.left,
+                "queues": {q: [n, key and list(key), key and describe(key), since]
+                           for q, (n, key, describe, since) in self.queues.items()}}
 
     @staticmethod
     def _call_name(call, step):

@@ -251,7 +251,7 @@ class ProcessGroupTransport:
             self.stream.synchronize()
         if self.positions is not None:
             self.absent = None
-            self.positions.started(self.queue, key, self.describe(key))
+            self.positions.started(self.queue, key, self.describe)
         with self._running(key, issued):
             works, then = start()
         completion = _Completion(self, key, issued, works, then)
