@@ -110,6 +110,9 @@ std::unique_ptr<Transport> late_if_asked(std::unique_ptr<Transport> transport) {
 
 void bind_comm(nb::module_& m) {
   bind_collective_timeout(m);
+  m.def("register_rank_disagreement", &register_rank_disagreement, "type"_a,
+        "The exception type (zerocore.RankDisagreementError) a Python transport raises when ranks wait in different "
+        "collectives; it comes out of Event.wait() as itself (its message), not as a RuntimeError.");
   // An IntEnum: a key's kind as Python holds it in a tuple, in a trace or in
   // the queue's stats (indexed by it), is the native value.
   nb::enum_<CollectiveKind>(m, "CollectiveKind", nb::is_arithmetic(),

@@ -15,6 +15,8 @@ namespace zerocore::bindings {
 
 namespace {
 
+PyObject* rank_disagreement_type = nullptr;  // register_rank_disagreement's, kept for the interpreter's life
+
 class TransportFailed : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -119,6 +121,9 @@ class PythonTransport final : public Transport {
       return call();
     } catch (const nb::python_error& e) {
       if (e.matches(PyExc_TimeoutError)) throw CollectiveTimeout(nb::str(e.value()).c_str());
+      if (rank_disagreement_type && e.matches(rank_disagreement_type)) {
+        throw RankDisagreement(nb::str(e.value()).c_str());
+      }
       throw TransportFailed(describe(key) + ": the transport's " + method + " raised " +
                             nb::type_name(e.type()).c_str() + ": " + nb::str(e.value()).c_str());
     }
@@ -134,6 +139,19 @@ class PythonTransport final : public Transport {
 };
 
 }  // namespace
+
+void register_rank_disagreement(nb::handle type) {
+  Py_XDECREF(rank_disagreement_type);
+  rank_disagreement_type = type.ptr();
+  Py_INCREF(rank_disagreement_type);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const RankDisagreement& e) {
+      PyErr_SetString(rank_disagreement_type, e.what());
+    }
+  });
+}
 
 nb::tuple key_tuple(const CollectiveKey& key) {
   return nb::make_tuple(int(key.kind), key.group, key.bucket, key.numel);

@@ -23,8 +23,15 @@ namespace zerocore::bindings {
 // type and message (the queue's threads keep no Python exception once they let
 // go of the GIL), which Event.wait() raises as RuntimeError; a TimeoutError
 // with CollectiveTimeout, its message as is (the transport names the
-// collective), raised as zerocore.CollectiveTimeoutError.
+// collective), raised as zerocore.CollectiveTimeoutError; an instance of
+// the type given to register_rank_disagreement with RankDisagreement, raised
+// as that type.
 std::unique_ptr<Transport> python_transport(nanobind::object impl);
+
+// The Python exception type (zerocore.RankDisagreementError) that a
+// transport raises when ranks wait in different collectives: carried as
+// RankDisagreement and raised again as itself by Event.wait().
+void register_rank_disagreement(nanobind::handle type);
 
 // A collective's key as Python sees it: (kind, group, bucket, numel).
 nanobind::tuple key_tuple(const CollectiveKey& key);

@@ -36,7 +36,7 @@ from zerocore import ops
 from zerocore.config import Config, DynamicLossScale
 from zerocore.deepspeed_config import DeepSpeedConfig, DeepSpeedConfigError
 from zerocore.activation_checkpoint import activation_memory, checkpoint
-from zerocore.comm import CollectiveOrderError
+from zerocore.comm_errors import CollectiveOrderError, RankDisagreementError
 from zerocore.checkpoint_format import CheckpointError
 from zerocore.engine import Engine, wrap
 from zerocore.export import export
@@ -67,6 +67,7 @@ __all__ = [
     "LayoutPlan",
     "PartitionStore",
     "NonFiniteGradientError",
+    "RankDisagreementError",
     "SGD",
     "Tensor",
     "activation_memory",

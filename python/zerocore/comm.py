@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from zerocore import _native, devices
 from zerocore import nccl as native_nccl
+from zerocore.comm_errors import CollectiveOrderError
 from zerocore.process_group import Failure, ProcessGroupTransport, group_timeout
 
 CollectiveKind = _native.CollectiveKind
@@ -61,11 +62,6 @@ _PURPOSES = {ControlPurpose.ROUND: "stage 3's round", ControlPurpose.NORMS: "the
              ControlPurpose.BROADCASTS: "a broadcast of buffers or params",
              ControlPurpose.MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)"}
 MICRO_BATCHES = ControlPurpose.MICRO_BATCHES  # the engine's meeting (Training._meet)
-
-
-class CollectiveOrderError(RuntimeError):
-    """Ranks issued different data-plane collectives since the last step:
-    raised on every rank, before params or optimizer state change."""
 
 
 def _as_halves(t: torch.Tensor) -> torch.Tensor:
@@ -109,10 +105,12 @@ class Communicator:
     ProcessGroupTransport, also for a group of one (else a rank alone's
     queue), the one way to run the engine over it on a single GPU. names:
     the CollectiveNames of the Communicator of the same flat groups (the
-    reductions' beside the data's); None: its own."""
+    reductions' beside the data's); None: its own. positions: the engine's
+    zerocore.positions.Positions, where the transport notes its collectives
+    as queue `name` and finds ranks in different ones (None: none kept)."""
 
-    def __init__(self, group, fails_with=None, control=None, *,
-                 backend, plane=_native.StreamPlane.DEVICE, nccl="torch", names=None):
+    def __init__(self, group, fails_with=None, control=None, *, backend, plane=_native.StreamPlane.DEVICE,
+                 nccl="torch", names=None, positions=None, name="data"):
         self.group = group
         self.distributed = group is not None
         self.backend = backend
@@ -124,7 +122,7 @@ class Communicator:
         if self.distributed and nccl == "native":
             self.queue = native_nccl.queue(group, backend, group_timeout(group))
         elif self.distributed and dist.get_world_size(group) > 1:
-            transport = ProcessGroupTransport(group, self.names, self.failure)
+            transport = ProcessGroupTransport(group, self.names, self.failure, positions, name)
             self.queue = _native.CommQueue(transport, backend, plane)
             if devices.is_cuda(backend):
                 transport.issue_on(backend.stream_handle(self.queue.stream), backend.device)

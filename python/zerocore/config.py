@@ -124,6 +124,13 @@ class Config:
         rank: a datetime.timedelta or seconds. None (the default): the
         timeout of the process group given to wrap (init_process_group's),
         which the engine's own groups then take.
+    diagnose_after: seconds a collective of the engine waits before reading
+        where its peers are (zerocore/positions.py): ranks in different
+        collectives (one in full_state_dict(), another in its step) raise
+        zerocore.RankDisagreementError on every rank involved, naming each
+        rank's position; a peer that is only slow (computing, loading
+        data) is waited for, until the timeout, whose error then says where
+        it was. Every diagnose_after while the wait goes on, it looks again.
     nccl: on CUDA, what issues the data plane's collectives: "torch" (the
         default: torch.distributed's NCCL group, called from Python under
         the GIL) or "native" (zerocore's own NCCL communicator, which the
@@ -146,6 +153,7 @@ class Config:
     delayed_update: bool = False
     delayed_update_warmup: int = 40
     timeout: Optional[Union[datetime.timedelta, float]] = None
+    diagnose_after: float = 5.0
     nccl: str = "torch"
 
     def __post_init__(self):
@@ -170,6 +178,9 @@ class Config:
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"zerocore.Config: {name}={v!r}; use an integer >= {lo}")
         object.__setattr__(self, "timeout", _timeout(self.timeout))
+        if not _positive(self.diagnose_after):
+            raise ValueError(f"zerocore.Config: diagnose_after={self.diagnose_after!r}; use a positive number of "
+                             "seconds")
         if self.nccl not in NCCLS:
             raise ValueError(f"zerocore.Config: nccl={self.nccl!r}; use \"torch\" (torch.distributed's NCCL) or "
                              "\"native\" (zerocore's own NCCL transport)")

@@ -30,6 +30,8 @@ would be a list of methods that forward to them.
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
 from zerocore import _native, compute_stream, devices, param_guards
@@ -52,6 +54,7 @@ from zerocore.optim import drive_engine, read_optimizer, state_names
 from zerocore.optim import release as release_optimizer
 from zerocore.partition_update import InPlaceUpdate
 from zerocore.placement import Placement
+from zerocore.positions import Positions
 from zerocore.stage3 import UnitScheduler
 
 
@@ -82,10 +85,14 @@ class Engine(Training, StateIO, Reports):
         # rounds) runs on host process groups beside the data's, so agreeing
         # never waits behind data collectives nor, with NCCL for data, makes
         # the GPU synchronise. Their queues are streams of the same backend.
-        self.control = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"), backend=self.backend,
-                                    plane=_native.StreamPlane.CONTROL) if process_group is not None else None
+        control_group = engine_process_group(process_group, cfg.timeout, "gloo")
+        # Where this rank is in the engine, for its peers: a collective that waits long finds ranks in different ones.
+        self.positions = Positions.of(control_group, cfg.diagnose_after)
+        weakref.finalize(self, self.positions.close)  # its publishing thread ends with the engine, closed or not
+        self.control = Communicator(control_group, backend=self.backend, plane=_native.StreamPlane.CONTROL,
+                                    positions=self.positions, name="control") if process_group is not None else None
         self.comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.control,
-                                 control=self.control, backend=self.backend, nccl=cfg.nccl)
+                                 control=self.control, backend=self.backend, nccl=cfg.nccl, positions=self.positions)
         self.dtype = TORCH_DTYPES[cfg.dtype]
         warn_of_param_dtypes(params, names, self.dtype)
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
@@ -144,7 +151,7 @@ class Engine(Training, StateIO, Reports):
         else:
             self.reduce_comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.comm,
                                             control=self.control, backend=self.backend, nccl=cfg.nccl,
-                                            names=self.comm.names)
+                                            names=self.comm.names, positions=self.positions, name="reductions")
             self.reducer = StagedReducer(self.groups, self.reduce_comm, staging_buffers(self.groups, self.units),
                                          on_request=placement.partitions_params)
         if placement.partitions_params:
@@ -153,7 +160,8 @@ class Engine(Training, StateIO, Reports):
             # agreements behind a round in flight.
             self.rounds_comm = Communicator(engine_process_group(process_group, cfg.timeout, "gloo"),
                                             fails_with=self.comm, backend=self.backend,
-                                            plane=_native.StreamPlane.CONTROL)
+                                            plane=_native.StreamPlane.CONTROL, positions=self.positions,
+                                            name="rounds")
             schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
                                     NATIVE_NAMES[self.dtype], cfg.prefetch_bytes)
             # The rounds reduce each unit's trainable flat groups, by their places in the reduction order.
@@ -218,6 +226,7 @@ class Engine(Training, StateIO, Reports):
         comms = [self.comm, self.reduce_comm, self.rounds_comm if self.scheduler else None, self.control]
         for comm in filter(None, comms):  # what is in flight (stage 3's prefetch for the next forward) lands first
             comm.close()
+        self.positions.close()
         self.__dict__.clear()  # the native objects and buffers go
         self.__class__ = _ClosedEngine
         return module

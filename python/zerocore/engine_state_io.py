@@ -11,12 +11,14 @@ import contextlib
 from zerocore import param_guards, save_load
 from zerocore.grouping import param_names
 from zerocore.materialize import IncompatibleKeys, Loader
+from zerocore.positions import engine_call
 
 
 class StateIO:
     """Engine's state I/O (engine.py holds the state)."""
 
     # State dicts -----------------------------------------------------------
+    @engine_call("full_state_dict()")
     def full_state_dict(self) -> dict:
         """Full fp32 params under every name the module gives them, and the
         module's buffers, on every rank; loadable by module.load_state_dict."""
@@ -33,6 +35,7 @@ class StateIO:
             out[name] = b.detach().clone()
         return {k: out[k] for k in param_guards.state_dict_keys(self.module)}
 
+    @engine_call("load_state_dict()")
     def load_state_dict(self, source, strict=True) -> IncompatibleKeys:
         """Sets the params and buffers from `source`, a state_dict or the path
         of a safetensors file (full_state_dict's counterpart): on every rank
@@ -59,6 +62,7 @@ class StateIO:
         return {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
 
     # Checkpoints -------------------------------------------------------------
+    @engine_call("save()")
     def save(self, path, lr_scheduler=None, extra=None):
         """Saves a checkpoint into the folder `path` (docs/checkpoint.md):
         every rank writes its own partition of the fp32 params and optimizer
@@ -70,6 +74,7 @@ class StateIO:
         files are on disk: one that fails or dies leaves the last one whole."""
         save_load.save(self, path, lr_scheduler, extra)
 
+    @engine_call("load()")
     def load(self, path, lr_scheduler=None):
         """Loads a checkpoint saved at any world size and stage, in any
         training dtype, into this engine (and lr_scheduler, when given);
@@ -86,14 +91,16 @@ class StateIO:
         """Full params visible on the module (stage 3 gathers them; other
         stages hold them already). Edits made inside are kept: changed
         elements go to the shards and fp32 masters on exit."""
-        self.finish_update()
-        if self.scheduler:
-            self.scheduler.gather_all()
-        before = [g.snapshot_partition() for g in self.groups]
+        with self.positions.inside("gathered_params()", self.step_count + 1):
+            self.finish_update()
+            if self.scheduler:
+                self.scheduler.gather_all()
+            before = [g.snapshot_partition() for g in self.groups]
         try:
             yield self.module
         finally:
-            for g, snap in zip(self.groups, before):
-                g.write_back(snap)
-            if self.scheduler:
-                self.scheduler.free_all()
+            with self.positions.inside("the end of gathered_params()", self.step_count + 1):
+                for g, snap in zip(self.groups, before):
+                    g.write_back(snap)
+                if self.scheduler:
+                    self.scheduler.free_all()

@@ -27,6 +27,7 @@ from zerocore import _native, interrupts
 from zerocore.comm import MICRO_BATCHES, CollectiveOrderError
 from zerocore.loss_scale import NonFiniteGradientError
 from zerocore.param_guards import dtype_changed
+from zerocore.positions import engine_call
 from zerocore.stage3 import UNIT_HOOKS
 
 # Why a graph breaks at the engine's calls: dynamo's error under fullgraph=True.
@@ -47,6 +48,7 @@ class Training:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    @engine_call("forward", micro_batch=True)
     def forward(self, *args, **kwargs):
         """Runs the module. Floating-point inputs are cast to the training
         dtype; buffers come from rank 0, as DDP does."""
@@ -58,6 +60,8 @@ class Training:
                     g.undo_casts()
                 raise dtype_changed(name, cast, dtype)
         buffers = next(self.module.buffers(), None) is not None  # compiled, a model without them has no graph break
+        if torch.is_grad_enabled():  # one that raises, or has no backward, counts: the step's meeting compares them
+            self._grad_forwards += 1
         # The forward issues collectives: the ranks meet first (_meet), at
         # stage 3 unless its last forward is still open on a peer (a forward
         # with no backward, as in evaluation), whose rounds this rank must answer.
@@ -116,22 +120,30 @@ class Training:
         if self.comm.world_size == 1:
             return
         micro_batch = self._backward_calls + (place != "step")  # the one about to run; at the step, how many ran
-        mine = len(_PLACES) * micro_batch + _PLACES.index(place)
+        # At the step, the forwards with grad too: one that raised on a rank whose loop skipped its batch, or
+        # whose backward never ran, leaves that rank a forward ahead, which pairing steps would hide.
+        forwards = self._grad_forwards if place == "step" else 0
+        mine = (len(_PLACES) * micro_batch + _PLACES.index(place)) << 32 | forwards
         # A host number: the meeting waits for no device work (on CUDA the host runs on ahead of the GPU).
-        places = [divmod(v, len(_PLACES)) for v in self.comm.gather_ints(mine, MICRO_BATCHES, after_compute=False)]
+        places = [(*divmod(v >> 32, len(_PLACES)), v & 0xFFFFFFFF)
+                  for v in self.comm.gather_ints(mine, MICRO_BATCHES, after_compute=False)]
         if len(set(places)) == 1:
             return
 
-        def at(n, p):
-            return (f"at the step after {n} micro-batch(es) (engine.backward calls)" if _PLACES[p] == "step"
-                    else f"at the {_PLACES[p]} of micro-batch {n}")
-        ranks = "\n".join(f"  rank {r}: {at(n, p)}" for r, (n, p) in enumerate(places))
+        def at(n, p, f):
+            if _PLACES[p] != "step":
+                return f"at the {_PLACES[p]} of micro-batch {n}"
+            return (f"at the step after {n} micro-batch(es) (engine.backward calls) and {f} forward(s) with grad"
+                    + (f" ({f - n} raised, or had no engine.backward)" if f > n else ""))
+        ranks = "\n".join(f"  rank {r}: {at(*place)}" for r, place in enumerate(places))
         raise CollectiveOrderError(
             f"zerocore: the ranks ran different numbers of micro-batches in this step:\n{ranks}\nEvery rank must "
             "run as many forwards and engine.backward calls between steps as every other: give each rank as many "
             "batches (DistributedSampler(drop_last=True), or stop every rank at the count of the one with "
-            "fewest). Nothing was updated; engine.zero_grad() on every rank drops this step's grads, and training "
-            "can go on.")
+            "fewest), and where a forward, a backward or your code between them raises on one rank and your loop "
+            "skips the batch, call engine.zero_grad() on that rank before the next batch and on every rank after "
+            "this error. Nothing was updated; engine.zero_grad() on every rank drops this step's grads, and "
+            "training can go on.")
 
     @torch.compiler.disable(reason=_BUFFERS)
     def _sync_buffers(self, meet=False):
@@ -144,6 +156,7 @@ class Training:
 
     # Backward --------------------------------------------------------------
     @_training
+    @engine_call("backward", micro_batch=True)
     def backward(self, loss: torch.Tensor):
         """loss.backward() with gradient reduction. Call it k times before
         step() to accumulate: grads sum over calls and average over ranks."""
@@ -198,6 +211,7 @@ class Training:
         return self.optimizer.step()
 
     @_training
+    @engine_call("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips this step's grads to the global norm max_norm, as
         torch.nn.utils.clip_grad_norm_ does, and returns their global norm
@@ -278,6 +292,7 @@ class Training:
             "can raise it).")
 
     @_training
+    @engine_call("step()")
     def _step(self) -> bool:
         self.compute_stream.check("engine.step")
         self._check_grads()
@@ -347,6 +362,7 @@ class Training:
         """A new step begins: nothing of the last one's reduction applies,
         and no backward of it counts (save, _meet)."""
         self._backward_calls = 0
+        self._grad_forwards = 0  # forwards with grad since the last step or zero_grad (_meet)
         self.compute_stream.end_step()
         self._clip_norm = None
         self.zero_step.forget()

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from zerocore._native import CollectiveTimeoutError
+from zerocore.comm_errors import RankDisagreementError
 
 # torch 2.13 renamed the tensor collectives; keep working with older names (every
 # caller in zerocore goes through these two).
@@ -101,16 +102,18 @@ class Failure:
     queue's tensors."""
 
     def __init__(self):
-        self.timed_out, self.message = False, None
+        self.error_type, self.message = None, None
 
-    def record(self, timed_out: bool, message: str):
+    def record(self, error_type, message: str):
+        """error_type: CollectiveTimeoutError or RankDisagreementError,
+        raised again as itself; anything else, as a RuntimeError."""
         if self.message is None:
-            self.timed_out, self.message = timed_out, message
+            self.error_type, self.message = error_type, message
 
     def check(self):
         """Raises the first failure again."""
-        if self.timed_out:
-            raise CollectiveTimeoutError(self.message)
+        if self.error_type in (CollectiveTimeoutError, RankDisagreementError):
+            raise self.error_type(self.message)
         if self.message is not None:
             raise RuntimeError(f"zerocore: an earlier collective failed, so the ranks are out of step: {self.message}")
 
@@ -121,8 +124,17 @@ def _timed_out(error, elapsed: float, timeout) -> bool:
         (timeout is not None and elapsed >= 0.9 * timeout.total_seconds())
 
 
+# What torch's Work.wait(timeout) raises when the timeout passes first (the work goes on).
+_WAIT_EXPIRED = "Operation timed out"
+
+
 class ProcessGroupTransport:
-    def __init__(self, group, describe=repr, failure: Optional[Failure] = None):
+    """positions: the engine's zerocore.positions.Positions (None: none
+    kept), where this transport notes its collectives as queue `queue`
+    and, once one has waited its diagnose_after, finds ranks in different
+    collectives (on gloo, whose host waits are here)."""
+
+    def __init__(self, group, describe=repr, failure: Optional[Failure] = None, positions=None, queue="data"):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -133,6 +145,8 @@ class ProcessGroupTransport:
         self.failure = failure or Failure()
         self.stream = None  # CUDA: the queue's comm stream (issue_on)
         self.incoming = None  # gloo reduce-scatter: the scratch block each ring step receives into
+        self.positions, self.queue = (positions, queue) if self.gloo else (None, queue)
+        self.absent = None  # the last diagnosis' peers that had not started the collective waiting, for a timeout
 
     def issue_on(self, handle: int, device: int):
         """CUDA tensors' collectives go on the comm stream whose cudaStream_t
@@ -149,19 +163,34 @@ class ProcessGroupTransport:
         start = time.monotonic() if start is None else start
         try:
             yield
+        except RankDisagreementError as e:
+            self.failure.record(RankDisagreementError, str(e))
+            raise
         except Exception as e:
+            apart = self.positions.found_apart() if self.positions is not None else None
+            if apart is not None:  # a peer found the ranks in different collectives, and left or gave up
+                self.failure.record(RankDisagreementError, apart)
+                raise RankDisagreementError(apart) from None
             if not _timed_out(e, time.monotonic() - start, self.timeout):
-                self.failure.record(False, f"{self.describe(key)}: {type(e).__name__}: {e}")
+                self.failure.record(RuntimeError, f"{self.describe(key)}: {type(e).__name__}: {e}")
                 raise
+            if self.positions is not None:  # where the peers are now: in another collective, or where they were last
+                try:
+                    self.absent = self.positions.diagnose(self.queue, time.monotonic() - start)
+                except RankDisagreementError as apart:
+                    self.failure.record(RankDisagreementError, str(apart))
+                    raise
             message = self._timeout_message(key, e)
-            self.failure.record(True, message)
+            self.failure.record(CollectiveTimeoutError, message)
             raise CollectiveTimeoutError(message) from None
 
     def _timeout_message(self, key, error) -> str:
         peers = [r for r in self.global_ranks if r != self.global_ranks[self.rank]]
         after = f" after {self.timeout.total_seconds():g} s" if self.timeout is not None else ""
         waiting = f"rank(s) {peers}" if len(peers) <= 8 else f"{len(peers)} other ranks"
-        return (f"zerocore: the {self.describe(key)} timed out{after} waiting for {waiting}; a peer is stuck or dead. "
+        absent = f" ({self.absent})" if self.absent else ""
+        return (f"zerocore: the {self.describe(key)} timed out{after} waiting for {waiting}{absent}; a peer is stuck "
+                "or dead. "
                 "The ranks are out of step now: every later collective of this engine fails at once, so end the job "
                 "and restart it (from a checkpoint); raise Config(timeout=...) if a peer is only slow. "
                 f"(torch.distributed: {type(error).__name__}: {error})")
@@ -221,6 +250,9 @@ class ProcessGroupTransport:
             # waits for the comm stream first, so the caller's thread blocks
             # only for the collective.
             self.stream.synchronize()
+        if self.positions is not None:
+            self.absent = None
+            self.positions.started(self.queue, key, self.describe)
         with self._running(key, issued):
             works, then = start()
         completion = _Completion(self, key, issued, works, then)
@@ -263,12 +295,34 @@ class ProcessGroupTransport:
         incoming = self._scratch(blocks[rank]) if n > 1 else None  # one rank: its block is the sum
         to, source = self.global_ranks[(rank + 1) % n], self.global_ranks[(rank - 1) % n]
         for s in range(n - 1):
-            works = [dist.isend(blocks[(rank - s - 1) % n], to, group=self.group),
-                     dist.irecv(incoming, source, group=self.group)]
-            for w in works:
+            # A send's or receive's wait with a timeout would end the pair (gloo closes it): waited for whole.
+            for w in [dist.isend(blocks[(rank - s - 1) % n], to, group=self.group),
+                      dist.irecv(incoming, source, group=self.group)]:
                 w.wait()
             blocks[(rank - s - 2) % n] += incoming
         return blocks[rank]
+
+    def wait(self, works):
+        """Waits for a collective's works (on the queue's thread). With
+        positions, each wait past diagnose_after reads the peers' (raising
+        RankDisagreementError where they are in another collective) and goes
+        on, until the group's own timeout ends it."""
+        if self.positions is None:
+            for w in works:
+                w.wait()
+            return
+        after = self.positions.diagnose_after
+        waited = 0.0
+        for w in works:
+            while True:
+                try:
+                    w.wait(timeout=datetime.timedelta(seconds=after))
+                    break
+                except RuntimeError as e:
+                    if _WAIT_EXPIRED not in str(e):
+                        raise
+                waited += after
+                self.absent = self.positions.diagnose(self.queue, waited)
 
     def _scratch(self, like):
         """A tensor of like's size and dtype, a view of the scratch block,
@@ -289,8 +343,10 @@ class _Completion:
 
     def __call__(self):
         works, then, self.works, self.then = self.works, self.then, None, None
-        with self.transport._running(self.key, self.issued):
-            for w in works:
-                w.wait()
+        transport = self.transport
+        with transport._running(self.key, self.issued):
+            transport.wait(works)
             if then is not None:
                 then()
+        if transport.positions is not None:
+            transport.positions.finished(transport.queue)

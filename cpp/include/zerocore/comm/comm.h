@@ -79,6 +79,15 @@ class CollectiveTimeout : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Ranks wait in different collectives (found by a transport that read its
+// peers' positions once a collective waited long): thrown with a message
+// naming each rank's, and then, as any error, every later collective of the
+// queue fails with it. Python: zerocore.RankDisagreementError.
+class RankDisagreement : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // Blocks until the collective it completes has moved its data (written its
 // output, done reading its input) and throws its error. Empty: the data had
 // moved when the call returned.

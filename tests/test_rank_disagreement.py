@@ -1,0 +1,237 @@
+"""Ranks that take different paths through the engine get an error on
+every rank within seconds, naming each rank's position, never a silent
+desync nor a wait for the timeout; a rank that is only slow trains on.
+
+Each world (2 and 4 gloo ranks) runs every scenario at stages 1-3 in one
+launch, each with an engine of its own. Rank 0 departs at step 1 of 3:
+  full_state_dict, gathered_params, eval: calls it alone (`if rank == 0:`);
+  forward_raises, backward_raises, user_raises: its forward, its backward
+    or the user's code between them raises, and its loop skips the batch;
+  slow: sleeps 3 x diagnose_after before its forward (trains on).
+Config(diagnose_after=DIAGNOSE_AFTER) keeps the launch short (and
+Config(timeout=TIMEOUT) bounds a failure); one scenario runs with the
+default Config (diagnose_after 5 s). Where rank 0 runs into its peers'
+backward at stage 3 (eval, user_raises) they wait in the CPU data plane's
+ring reduce-scatter, whose waits are not diagnosed in place: they raise as
+the rank that found the ranks apart ends its process (an uncaught error
+does), so those run in a launch of their own each. Last, Positions.diagnose's
+rule on published records, in one process: a peer in another collective
+is apart, one in none is slow and named by where it is or last was."""
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerocore
+from backward_call import CallInBackward
+from dist_harness import run_ranks
+from models import lm_batch, lm_loss, local, make
+from zerocore.positions import Positions
+
+DIAGNOSE_AFTER = 0.3  # seconds
+TIMEOUT = 20  # seconds: well past any bound asserted here
+DEFAULT_DIAGNOSE_AFTER = zerocore.Config().diagnose_after
+SLACK = 8.0  # seconds beyond diagnose_after an error may take on a loaded 2-core machine
+STEPS, DEPART = 3, 1
+SCENARIOS = ("full_state_dict", "gathered_params", "eval", "forward_raises", "backward_raises", "user_raises", "slow")
+
+
+class _Skipped(Exception):
+    """The batch rank 0's loop skips."""
+
+
+def _scenario(rank, world, stage, what, config):
+    model = make()
+    engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                           {"stage": stage, "bucket_bytes": 2048, **config})
+    step = 0
+
+    def fail(*_):
+        if rank == 0 and step == DEPART:
+            raise _Skipped(what)
+
+    if what == "forward_raises":
+        model.blocks[1].register_forward_pre_hook(fail)
+    elif what == "backward_raises":
+        model.blocks[1].register_forward_hook(lambda m, args, out: CallInBackward.apply(out, fail))
+    out = {"error": None, "raised": []}
+
+    def note(e, step, start):
+        out["raised"].append((step, type(e).__name__))
+        if out["error"] is None and not isinstance(e, _Skipped):
+            out.update(error=type(e).__name__, message=str(e), step=step, seconds=time.monotonic() - start)
+
+    def train(step):
+        x, y = lm_batch(step, 0, world)
+        loss = lm_loss(engine(local(x, rank, world)), local(y, rank, world))
+        if what == "user_raises":
+            fail()
+        engine.backward(loss)
+
+    for step in range(STEPS):
+        start = time.monotonic()
+        if rank == 0 and step == DEPART:
+            try:
+                if what == "full_state_dict":
+                    engine.full_state_dict()
+                elif what == "gathered_params":
+                    with engine.gathered_params():
+                        pass
+                elif what == "eval":
+                    with torch.no_grad():
+                        engine(local(lm_batch(0, 0, world)[0], rank, world))
+                elif what == "slow":
+                    time.sleep(3 * engine.config.diagnose_after)
+            except zerocore.RankDisagreementError as e:
+                note(e, step, start)
+                break
+        start = time.monotonic()
+        try:
+            train(step)  # a loop that skips the batch where its forward or backward raises
+            engine.step()
+            engine.zero_grad()
+        except zerocore.RankDisagreementError as e:  # out of step: the job ends
+            note(e, step, start)
+            break
+        except zerocore.CollectiveOrderError as e:
+            # Nothing was updated: zero_grad() on every rank, and a step trains with the ranks at one step.
+            note(e, step, start)
+            engine.zero_grad()
+            step = STEPS
+            train(step)
+            engine.step()
+            break
+        except Exception as e:  # noqa: BLE001 - skip the batch
+            note(e, step, start)
+    out["step_count"] = engine.step_count
+    if out["error"] != "RankDisagreementError":
+        out["params"] = torch.cat([p.detach().reshape(-1) for p in engine.full_state_dict().values()])
+    return out
+
+
+ALONE = ((3, "eval"), (3, "user_raises"))  # each in a launch of its own (the module's doc)
+
+
+def _scenarios(rank, world, which):
+    results = {key: _scenario(rank, world, *key, {"diagnose_after": DIAGNOSE_AFTER, "timeout": TIMEOUT})
+               for key in which}
+    if world == 2 and len(which) > 1:  # the default Config, once
+        results["default"] = _scenario(rank, world, 3, "full_state_dict", {})
+    return results
+
+
+def _expected(stage, what) -> str:
+    """What every rank gets (the module's doc)."""
+    if what == "slow" or (stage < 3 and what in ("gathered_params", "eval")):
+        return "trains on"  # no collective differs: stages 1-2 hold every param; a forward without grad is not counted
+    if stage == 3 and what in ("forward_raises", "backward_raises"):
+        return "raise together"  # stage 3's rounds carry rank 0's failure: every rank raises in that call
+    if stage < 3 and what != "full_state_dict":
+        return "CollectiveOrderError"  # the next meeting (the step's, or stage 2's backward) counts differ
+    return "RankDisagreementError"
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def world_results(request):
+    world = request.param
+    together = [(stage, what) for stage in (1, 2, 3) for what in SCENARIOS if (stage, what) not in ALONE]
+    results = run_ranks(_scenarios, world, together, timeout=150)
+    for key in ALONE:
+        for rank, alone in enumerate(run_ranks(_scenarios, world, [key], timeout=60)):
+            results[rank].update(alone)
+    return world, results
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("what", SCENARIOS)
+def test_every_rank_raises_naming_positions_or_trains_on(world_results, stage, what):
+    world, results = world_results
+    outs = [r[stage, what] for r in results]
+    expected = _expected(stage, what)
+    if expected == "trains on":
+        assert [o["raised"] for o in outs] == [[]] * world, [o.get("message") for o in outs]
+        assert [o["step_count"] for o in outs] == [STEPS] * world
+        return
+    assert outs[0]["raised"][0][0] == DEPART
+    for rank, o in enumerate(outs):
+        if expected == "raise together":  # rank 0 its own error, the others one naming its failure
+            assert o["raised"] == [(DEPART, "_Skipped" if rank == 0 else "RuntimeError")], o.get("message")
+            assert rank == 0 or "other rank(s) failed" in o["message"]
+            continue
+        assert o["error"] == expected, (rank, o.get("message"))
+        assert o["seconds"] < DIAGNOSE_AFTER + SLACK, (rank, o["seconds"])
+        names = "rank {r}: in " if expected == "RankDisagreementError" else "rank {r}: at the "
+        assert all(names.format(r=r) in o["message"] for r in range(world)), o["message"]
+        if what in ("full_state_dict", "gathered_params"):
+            assert f"rank 0: in {what}()" in o["message"], o["message"]
+    if expected != "RankDisagreementError":
+        # Every rank skipped the same step: usable again, at one step, with the same params.
+        assert len({o["step_count"] for o in outs}) == 1
+        for o in outs[1:]:
+            torch.testing.assert_close(o["params"], outs[0]["params"], rtol=0, atol=0)
+
+
+def test_default_config_names_the_ranks_within_seconds(world_results):
+    world, results = world_results
+    if world != 2:
+        pytest.skip("run at 2 ranks")
+    for o in (r["default"] for r in results):
+        assert o["error"] == "RankDisagreementError", o.get("message")
+        assert DEFAULT_DIAGNOSE_AFTER <= o["seconds"] + 0.5 < DEFAULT_DIAGNOSE_AFTER + SLACK, o["seconds"]
+        assert "rank 0: in full_state_dict()" in o["message"] and "rank 1: in " in o["message"]
+
+
+# Positions.diagnose's rule, on records a peer published (a store of one process, no ranks).
+def _positions(store, rank, queues, call=None):
+    p = Positions(1.0, store, "t/", rank, 2)
+    p.close()
+    if call is not None:
+        p.enter(call, 3)
+    for queue, (count, in_flight) in queues.items():
+        for i in range(count):
+            p.started(queue, in_flight if i == count - 1 and in_flight else (0, 0, 0, i), lambda k: f"{queue} {k}")
+        if not in_flight:
+            p.finished(queue)
+    p.publish()
+    return p
+
+
+@pytest.mark.parametrize("peer, apart", [
+    ({"data": (5, (1, 0, 0, 99))}, True),  # another collective at this place of this queue
+    ({"data": (4, None), "control": (3, (0, -1, 2, 1))}, True),  # one of another queue this rank has not started
+    ({"data": (4, None), "control": (2, (0, -1, 2, 1))}, False),  # one this rank has started: it will come
+    ({"data": (5, (0, 0, 0, 4))}, False),  # in this one
+    ({"data": (4, None)}, False),  # in none: slow
+])
+def test_a_peer_in_another_collective_is_apart_one_in_none_is_slow(peer, apart):
+    store = dist.HashStore()
+    _positions(store, 1, peer, call="step()")
+    me = _positions(store, 0, {"data": (5, (0, 0, 0, 4)), "control": (2, None)}, call="full_state_dict()")
+    if apart:
+        with pytest.raises(zerocore.RankDisagreementError, match=r"(?s)rank 0: in full_state_dict\(\), waiting "
+                                                                 r".*rank 1: in step\(\) of step 3, waiting"):
+            me.diagnose("data", 1.0)
+        return
+    said = me.diagnose("data", 1.0)
+    assert (said is None) == (peer["data"][0] == 5), said
+    if said is not None:
+        assert said.startswith("rank 1 has not started it: in step() of step 3"), said
+
+
+def test_a_peer_out_of_the_engine_is_named_by_its_last_call():
+    store = dist.HashStore()
+    peer = Positions(1.0, store, "t/", 1, 2)
+    peer.close()
+    peer.leave(peer.enter("forward", "2, micro-batch 1"))
+    peer.publish()
+    me = _positions(store, 0, {"data": (1, (0, 0, 0, 0))})
+    assert re.fullmatch(r"rank 1 has not started it: in no call of the engine; last in forward of step 2, "
+                        r"micro-batch 1, \d+\.\d s ago", me.diagnose("data", 1.0))
+
+
+@pytest.mark.parametrize("value", [0, -1, "5", True, float("inf")])
+def test_bad_diagnose_after(value):
+    with pytest.raises(ValueError, match=r"diagnose_after=.*positive number of seconds"):
+        zerocore.Config(diagnose_after=value)
