@@ -44,6 +44,7 @@ from zerocore.loss_scale import NonFiniteGradientError
 from zerocore.materialize import init
 from zerocore.optim import SGD, Adam, AdamW
 from zerocore.sizing import estimate, largest_model
+from zerocore.snapshot_restore import SnapshotLostError
 
 __version__ = "0.1.0"
 
@@ -67,6 +68,7 @@ __all__ = [
     "LayoutPlan",
     "PartitionStore",
     "NonFiniteGradientError",
+    "SnapshotLostError",
     "SGD",
     "Tensor",
     "activation_memory",

@@ -1,0 +1,224 @@
+"""Restoring the newest snapshot at a restart (Config(snapshot="memory"),
+docs/snapshots.md; snapshot.py writes them).
+
+At wrap, before the first step, the ranks:
+
+1. list the snapshot files each sees on its node (one gather): every file
+   is checked by one rank of its node, the lowest that sees it;
+2. check them (every tensor's checksum, the manifest's, the names against
+   the header) and share the verdicts (one gather), so that every rank
+   holds the same table and picks the same step: the newest for which
+   every rank of the world that took it has a whole file somewhere, its
+   own or a mirror. A file that fails its checksums is refused, named in a
+   warning on every rank, and never read;
+3. make, each in a folder of its own, a checkpoint of that step
+   (checkpoint_format.py's layout): links to the files its node holds and
+   copies of the others, which their checking rank broadcasts over the
+   group; then engine.load reads it, as it reads any checkpoint (at
+   another world size too: each rank takes its new partition's elements
+   from whichever files hold them), with its checks and its agreement.
+
+Where no step is whole (two neighbours lost with one copy), every rank
+raises SnapshotLostError naming the ranks whose partition no survivor
+holds and the newest disk checkpoint (engine.save) of the run. Where there
+are no snapshots, nothing is restored: a first start.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import warnings
+
+import torch
+
+from zerocore import save_load
+from zerocore.safetensors_file import tensor_bytes
+from zerocore.checkpoint_format import CheckpointError, crc32, open_rank_file, rank_file, write_manifest
+from zerocore.snapshot import FILE, MANIFEST_KEY, manifest_crc, save_id, with_errors_ignored
+
+
+class SnapshotLostError(RuntimeError):
+    """No snapshot step is whole: some rank's partition is held nowhere.
+    Raised on every rank at wrap."""
+
+
+def _listing(run: str) -> list:
+    """(holder folder, file name) of every snapshot file under `run`."""
+    out = []
+    if not os.path.isdir(run):
+        return out
+    for holder in sorted(os.listdir(run)):
+        folder = os.path.join(run, holder)
+        if holder.startswith("rank-") and os.path.isdir(folder):
+            out += [(holder, name) for name in sorted(os.listdir(folder)) if FILE.fullmatch(name)]
+    return out
+
+
+def _check(path: str) -> tuple:
+    """(problem, the file's manifest): problem "" when every checksum holds."""
+    try:
+        gen, step, rank, world = (int(x) for x in FILE.fullmatch(os.path.basename(path)).groups())
+        reader, meta = open_rank_file(path)
+        try:
+            if meta["id"] != save_id(gen, step, world) or meta["rank"] != rank or meta["world_size"] != world:
+                return f"{path}: its header is of another snapshot ({meta['id']}, rank {meta['rank']})", None
+            text = reader.metadata.get(MANIFEST_KEY, "")
+            if str(manifest_crc(text)) != reader.metadata.get(f"{MANIFEST_KEY}-crc32"):
+                return f"{path}: checksum mismatch in its manifest", None
+            for key, stored in meta["crc32"].items():
+                if crc32(reader.get(key)) != stored:
+                    return f"{path}: checksum mismatch in {key}", None
+            return "", json.loads(text)
+        finally:
+            reader.close()
+    except (CheckpointError, OSError, ValueError, KeyError) as e:
+        return f"{path}: not a whole snapshot file ({type(e).__name__}: {e})", None
+
+
+class _Table:
+    """Every rank's view of the run's snapshot files, the same on every rank."""
+
+    def __init__(self, comm, run):
+        self.comm, self.run, self.host = comm, run, socket.gethostname()
+        seen = [json.loads(t) for t in comm.gather_text(json.dumps({"host": self.host, "files": _listing(run)}))]
+        self.hosts = [s["host"] for s in seen]
+        # Each file of a node, checked by the lowest rank that sees it.
+        self.checker = {}
+        for r, s in enumerate(seen):
+            for holder, name in s["files"]:
+                self.checker.setdefault((s["host"], holder, name), r)
+        mine = [(holder, name) for (host, holder, name), r in self.checker.items() if r == comm.rank]
+        verdicts = [_check(os.path.join(run, holder, name)) + (holder, name) for holder, name in mine]
+        self.manifest = {}  # (holder, name) -> manifest, on this rank, for the files it checked
+        shared = []
+        for problem, manifest, holder, name in verdicts:
+            shared.append([holder, name, problem, (manifest or {}).get("extra", {}).get("last_checkpoint")])
+            if manifest is not None:
+                self.manifest[(holder, name)] = manifest
+        self.verdicts = [(r, *v) for r, text in enumerate(comm.gather_text(json.dumps(shared)))
+                         for v in json.loads(text or "[]")]
+
+    def whole(self) -> dict:
+        """(step, generation, world size) -> {rank: [(checking rank, holder, name)]} of the whole files."""
+        out = {}
+        for r, holder, name, problem, _ in self.verdicts:
+            if not problem:
+                gen, step, rank, world = (int(x) for x in FILE.fullmatch(name).groups())
+                out.setdefault((step, gen, world), {}).setdefault(rank, []).append((r, holder, name))
+        return out
+
+    def refused(self) -> list:
+        return [problem for _, _, _, problem, _ in self.verdicts if problem]
+
+    def last_checkpoint(self):
+        named = [c for *_, problem, c in self.verdicts if c]
+        return named[-1] if named else None
+
+
+def restore(snapshots) -> int:
+    """Restores the newest whole snapshot step into the engine; returns the
+    steps it holds (0: none). Call it on every rank, at wrap."""
+    engine, comm = snapshots.engine, snapshots.engine.comm
+    table = _Table(comm, snapshots.run)
+    refused = table.refused()
+    if refused:
+        warnings.warn("zerocore: snapshot files refused (checksums; never read):\n  " + "\n  ".join(refused),
+                      stacklevel=3)
+    whole = table.whole()
+    complete = sorted((key for key, ranks in whole.items() if set(ranks) >= set(range(key[2]))), reverse=True)
+    if not complete:
+        if table.verdicts:
+            raise _lost(table, whole)
+        return 0
+    step, gen, world = complete[0]
+    view = os.path.join(snapshots.run, f"restore-rank-{comm.rank:05d}")
+    shutil.rmtree(view, ignore_errors=True)
+    try:
+        manifest = _assemble(table, view, whole[(step, gen, world)], save_id(gen, step, world), world)
+        extra = save_load.load(engine, view)
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
+    _forget_after(table, step)
+    snapshots.generation = 1 + max(int(FILE.fullmatch(v[2]).group(1)) for v in table.verdicts)
+    snapshots.steps_done = extra["steps_done"]
+    snapshots.last_checkpoint = extra["last_checkpoint"]
+    snapshots.restored_lr_scheduler = manifest["lr_scheduler"]
+    snapshots.restored_param_groups = manifest["optimizer"]["param_groups"]
+    return extra["steps_done"]
+
+
+def _lost(table, whole) -> SnapshotLostError:
+    step, gen, world = max(whole) if whole else max(
+        (int(m[2]), int(m[1]), int(m[4])) for m in (FILE.fullmatch(v[2]) for v in table.verdicts))
+    lost = sorted(set(range(world)) - set(whole.get((step, gen, world), {})))
+    refused = table.refused()
+    fallback = table.last_checkpoint()
+    return SnapshotLostError(
+        f"zerocore: no snapshot can be restored: the partitions of rank(s) {lost} (of {world}) at step {step} are "
+        f"held nowhere, neither in their own snapshot folders nor in a peer's mirror"
+        f"{' (the copies there failed their checksums: ' + '; '.join(refused) + ')' if refused else ''}, and no "
+        f"older step is whole either. Fall back on the newest disk checkpoint: "
+        f"{fallback + ' (engine.load)' if fallback else 'none was saved in this run (engine.save)'}; or remove "
+        f"{table.run} to start afresh. More copies (Config(snapshot_copies=k)) survive k neighbours lost.")
+
+
+def _assemble(table, view, ranks: dict, sid: str, world: int) -> dict:
+    """A checkpoint of the chosen step in `view`: links to the files this
+    node holds, copies of the others broadcast by their checking rank.
+    Returns its manifest."""
+    comm = table.comm
+    os.makedirs(os.path.join(view, sid))
+    sizes = []
+    for rank in range(world):
+        here = [(r, holder, name) for r, holder, name in ranks[rank] if table.hosts[r] == table.host]
+        sender, holder, name = ranks[rank][0]
+        target = os.path.join(view, rank_file(sid, rank, world))
+        lacking = comm.gather_ints(0 if here else 1)
+        if here:
+            source = os.path.join(table.run, here[0][1], here[0][2])
+            os.symlink(source, target)
+        if any(lacking):
+            _broadcast_file(comm, os.path.join(table.run, holder, name), target if not here else None, sender)
+        sizes.append(os.path.getsize(target))
+    # The step's manifest, from rank 0's file, by the rank that checked it.
+    sender, holder, name = ranks[0][0]
+    texts = comm.gather_text(json.dumps(table.manifest[(holder, name)]) if sender == comm.rank else "")
+    manifest = json.loads(texts[sender])
+    manifest["files"] = [{"path": rank_file(sid, r, world), "bytes": n} for r, n in enumerate(sizes)]
+    write_manifest(view, manifest)
+    return manifest
+
+
+def _broadcast_file(comm, source, target, sender):
+    """The bytes of `source` on rank `sender` into `target` on the ranks
+    that give one (None: this rank has the file)."""
+    size = comm.gather_ints(os.path.getsize(source) if comm.rank == sender else 0)[sender]
+    data = torch.empty(size, dtype=torch.uint8)
+    if comm.rank == sender:
+        with open(source, "rb") as f:
+            f.readinto(tensor_bytes(data))
+    comm.broadcast(data, sender)
+    if target is not None:
+        with open(target, "wb") as f:
+            f.write(tensor_bytes(data))
+
+
+def _forget_after(table, step: int):
+    """Files of steps after the one restored belong to a timeline given up:
+    each checking rank removes those it checked, and from its folders the
+    files that dead writers left half-written (no rank writes before the
+    first step, which every rank enters after its restore)."""
+    comm = table.comm
+    folders = set()
+    for r, holder, name, _, _ in table.verdicts:
+        if r == comm.rank:
+            folders.add(holder)
+            if int(FILE.fullmatch(name).group(2)) > step:
+                with_errors_ignored(os.remove, os.path.join(table.run, holder, name))
+    for holder in folders:
+        folder = os.path.join(table.run, holder)
+        for name in os.listdir(folder):
+            if ".tmp." in name:
+                with_errors_ignored(os.remove, os.path.join(folder, name))
