@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-import zerocore  # noqa: E402
-from zerocore import snapshot  # noqa: E402
+import zerocore
+from zerocore import snapshot
 
 STAGE = 3
 
@@ -56,7 +55,7 @@ def batch(step, rank):
 
 
 def run_steps(engine, sched, first, last, before=lambda step, place: None):
-    """Steps first..last (1-based), each: forward, backward, step, the scheduler."""
+    """Steps first..last (1-based), each: forward, backward, step, zero_grad, the scheduler."""
     rank = engine.comm.rank
     for step in range(first, last + 1):
         x, y = batch(step, rank)
@@ -67,6 +66,7 @@ def run_steps(engine, sched, first, last, before=lambda step, place: None):
         engine.backward(loss)
         before(step, "step")
         engine.optimizer.step()
+        engine.optimizer.zero_grad()
         sched.step()
 
 
@@ -138,6 +138,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--kill")
     p.add_argument("--lose-dir", action="store_true")
+    p.add_argument("--save-at", type=int, help="a disk checkpoint after this step, into --out/checkpoint")
     p.add_argument("--stacks-after", type=float, default=120)
     args = p.parse_args()
     faulthandler.dump_traceback_later(args.stacks_after, exit=True)  # a hang shows where, in the job's output
@@ -161,7 +162,12 @@ def main():
     with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     killer = _killer(args, rank, snapshot.run_dir(engine.config))
-    run_steps(engine, sched, engine.restored_step + 1, args.steps, killer)
+    first = engine.restored_step + 1
+    if args.save_at and first <= args.save_at:
+        run_steps(engine, sched, first, args.save_at, killer)
+        engine.save(os.path.join(args.out, "checkpoint"), lr_scheduler=sched)
+        first = args.save_at + 1
+    run_steps(engine, sched, first, args.steps, killer)
     state = engine.full_state_dict()
     engine.close()
     if rank == 0:

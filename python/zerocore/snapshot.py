@@ -4,15 +4,15 @@ docs/snapshots.md): what each rank keeps after a step, and where.
 After every snapshot_every-th completed step each rank copies what it owns
 (a checkpoint's rank file: save_load.rank_tensors, its partition of the
 fp32 params and optimizer states, its RNG states, rank 0 the module's
-buffers) into host memory of its own on the training thread, and a
-background thread writes it as a checkpoint rank file (with its checksums
-and, in its header, the checkpoint manifest of that step: step and loss
-scale counters, hyperparameters, the lr scheduler's state) into shared
-memory that outlives the process, then sends it to the rank's mirrors,
-the next snapshot_copies ranks, each of which writes what it received
-beside its own. The thread runs behind the next step's forward and
-backward; the next snapshot waits for it first (as do close and the
-restore of another engine).
+buffers) into host memory of its own, on the training thread. At the next
+forward (where the loop has stepped its lr scheduler) the snapshot is
+sealed with the checkpoint manifest of that step (step and loss scale
+counters, hyperparameters, the named lr scheduler's state) and a
+background thread writes it as a checkpoint rank file, with its checksums,
+into shared memory that outlives the process, then sends it to the rank's
+mirrors, the next snapshot_copies ranks, each of which writes what it
+received beside its own. The thread runs behind that forward and
+backward; the next snapshot waits for it first, as does close.
 
 The files, per node (Config.snapshot_dir, default /dev/shm/zerocore-snapshots):
 
@@ -35,7 +35,6 @@ snapshot after another.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import threading
@@ -130,10 +129,13 @@ class Snapshots:
         self.restored_lr_scheduler = None  # its state restored, until one is named (keep_lr_scheduler)
         self.restored_param_groups = None  # the optimizer's hyperparameters restored
         self._staged = {}
+        self._buffers = {}  # the mirror's: outgoing, incoming-k
         self._unsealed = None  # the step whose snapshot was taken and not sealed yet
         self._thread = None
         self._error = None
-        self.bytes_held = 0  # this rank's staged copy, its file and the mirrors it holds
+        # Shared and own memory the snapshots hold on this rank: the files of
+        # its folder (its own, its mirrors', two steps each), the staged copy and the mirror's buffers.
+        self.bytes_held = 0
         self._sealing = engine.module.register_forward_pre_hook(torch.compiler.disable(
             lambda *_: self.seal(), reason="zerocore: a snapshot is sealed and written outside any graph"))
 
@@ -207,24 +209,25 @@ class Snapshots:
             path = os.path.join(self.dir, file_name(self.generation, step, self.rank, self.world_size))
             _atomic_write(path, lambda tmp: write_rank_file(tmp, sid, self.rank, self.world_size, self._staged,
                                                             metadata=meta, fsync=False))
-            held = os.path.getsize(path) + sum(t.numel() * t.element_size() for t in self._staged.values())
             for k in range(1, self.copies + 1):
-                held += self._mirror(path, step, k)
+                self._mirror(path, step, k)
             prune(self.dir)
-            self.bytes_held = held
+            self.bytes_held = (sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir)) +
+                               sum(t.numel() * t.element_size() for t in (*self._staged.values(),
+                                                                          *self._buffers.values())))
         except BaseException as e:  # noqa: BLE001 - raised on the training thread at the next wait
             self._error = (step, e)
 
-    def _mirror(self, path, step, k) -> int:
-        """This rank's file to rank + k; rank - k's into this rank's folder.
-        Returns the bytes received."""
+    def _mirror(self, path, step, k):
+        """This rank's file to rank + k; rank - k's into this rank's folder."""
         dst, src = (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
+        data = self._buffer("outgoing", os.path.getsize(path))
         with open(path, "rb") as f:
-            data = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+            f.readinto(safetensors_file.tensor_bytes(data))
         size = torch.tensor([data.numel()], dtype=torch.int64)
         incoming_size = torch.empty(1, dtype=torch.int64)
         self._exchange(size, dst, incoming_size, src, k)
-        incoming = torch.empty(int(incoming_size), dtype=torch.uint8)
+        incoming = self._buffer(f"incoming-{k}", int(incoming_size))
         self._exchange(data, dst, incoming, src, k)
         mirror = os.path.join(self.dir, file_name(self.generation, step, src, self.world_size))
 
@@ -232,7 +235,12 @@ class Snapshots:
             with open(tmp, "wb") as f:
                 f.write(safetensors_file.tensor_bytes(incoming))
         _atomic_write(mirror, write)
-        return incoming.numel()
+
+    def _buffer(self, name, nbytes) -> torch.Tensor:
+        """A byte buffer of the mirror's, kept from one snapshot to the next (same size, no allocation)."""
+        if self._buffers.get(name) is None or self._buffers[name].numel() != nbytes:
+            self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffers[name]
 
     def _exchange(self, out, dst, into, src, tag):
         works = [dist.isend(out, group=self.group, group_dst=dst, tag=tag),
