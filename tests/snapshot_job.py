@@ -9,6 +9,8 @@ one rank with SIGKILL at a place of one step (--kill RANK:STEP:PLACE):
 "forward", "backward", "step", or "snapshot" (while it writes the snapshot
 of that step, behind the next step's forward: its file half-written);
 --lose-dir: that rank's snapshot folder goes with it (its node lost).
+--node-per-rank: each rank's snapshot folder under --dir is its own, as
+on a node of its own (what a rank lacks travels over the group).
 
     python -m torch.distributed.run --nproc-per-node 3 --max-restarts 1 tests/snapshot_job.py \\
         --steps 8 --dir D --run-id R --out OUT [--kill 1:5:forward] [--lose-dir]
@@ -138,6 +140,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--kill")
     p.add_argument("--lose-dir", action="store_true")
+    p.add_argument("--node-per-rank", action="store_true", help="each rank a node: a snapshot folder of its own")
     p.add_argument("--save-at", type=int, help="a disk checkpoint after this step, into --out/checkpoint")
     p.add_argument("--stacks-after", type=float, default=120)
     args = p.parse_args()
@@ -149,7 +152,8 @@ def main():
     model, opt = model_and_optimizer()
     report = {"restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
     try:
-        engine = zerocore.wrap(model, opt, config(snapshot="memory", snapshot_dir=args.dir,
+        folder = os.path.join(args.dir, f"node-{rank}") if args.node_per_rank else args.dir
+        engine = zerocore.wrap(model, opt, config(snapshot="memory", snapshot_dir=folder,
                                                   snapshot_run_id=args.run_id))
     except zerocore.SnapshotLostError as e:
         report["error"] = str(e)

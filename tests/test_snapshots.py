@@ -92,14 +92,15 @@ def relaunched(tmp_path_factory):
 
 @pytest.mark.parametrize("lose_dir", [False, True], ids=["own-snapshot", "node-lost-peer-mirror"])
 def test_killed_rank_restarts_and_finishes_bitwise(tmp_path, reference3, lose_dir):
-    """Rank 1 killed with SIGKILL at a random place of step 5 (lose_dir: its
-    snapshot folder gone with it, so its partition comes from rank 2's
-    mirror); torchrun restarts every rank, which restore the newest step
+    """Rank 1 killed with SIGKILL at a random place of step 5 (lose_dir: each
+    rank on a node of its own, rank 1's snapshot folder gone with it, so its
+    partition comes from rank 2's mirror, sent over the group); torchrun restarts every rank, which restore the newest step
     every partition has, at most the step in flight and the one before it
     lost, and finish equal to the uninterrupted run."""
     place = random.choice(PLACES)
     kill = f"1:{4 if place == 'snapshot' else 5}:{place}"  # step 4's snapshot is written during step 5
-    code, output, reports, out = _launch(tmp_path, 3, "kill", "--kill", kill, *(["--lose-dir"] if lose_dir else []))
+    code, output, reports, out = _launch(tmp_path, 3, "kill", "--kill", kill,
+                                         *(["--lose-dir", "--node-per-rank"] if lose_dir else []))
     assert code == 0, f"killed at {place}:\n{output[-6000:]}"
     step = _restored(reports, output, 1)
     assert 3 <= step <= 4, f"killed at {place}: restored step {step}"

@@ -135,7 +135,8 @@ class Config:
         what it owns in shared memory that outlives the process, mirrored on
         snapshot_copies peers, and zerocore.wrap restores the newest step
         they hold at a restart (docs/snapshots.md). None: no snapshots.
-    snapshot_dir: the node's folder of snapshots (default: under /dev/shm);
+    snapshot_dir: the node's folder of snapshots (default: under /dev/shm;
+        it may differ from node to node);
         snapshot_run_id: the run they belong to (default: torchrun's
         TORCHELASTIC_RUN_ID).
     """

@@ -81,7 +81,8 @@ class _Table:
     """Every rank's view of the run's snapshot files, the same on every rank."""
 
     def __init__(self, comm, run):
-        self.comm, self.run, self.host = comm, run, socket.gethostname()
+        # A node: the files one folder holds, as a host sees them (Config.snapshot_dir may differ by node).
+        self.comm, self.run, self.host = comm, run, f"{socket.gethostname()}:{os.path.realpath(run)}"
         seen = [json.loads(t) for t in comm.gather_text(json.dumps({"host": self.host, "files": _listing(run)}))]
         self.hosts = [s["host"] for s in seen]
         # Each file of a node, checked by the lowest rank that sees it.
