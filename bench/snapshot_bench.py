@@ -11,10 +11,12 @@ machine. A step is forward, backward, step and zero_grad, timed from a
 barrier to the slowest rank; the snapshot's own work (its copy at the
 step, its manifest at the next forward, its file write and mirror behind
 that forward and backward, and the wait for them at the next snapshot) all
-falls inside the steps timed. Reported: the median step of each, their
-ratio (the target: at most 1.1), and per rank the bytes the snapshots hold
-(Snapshots.bytes_held: the files of its folder, two steps of its own and of
-its mirror's, the staged copy, the mirror's send and receive buffers)
+falls inside the steps timed. Reported: the median step of each and their
+ratio (the target: at most 1.1); per rank the CPU time of a step, the
+snapshots' thread included (the block's last snapshot waited for), which
+other jobs on a shared machine disturb less than wall time; and per rank
+the bytes the snapshots hold (Snapshots.bytes_held: the files of its
+folder, two steps of its own and of its mirror's, and the staged copy)
 against the partition they copy, and the process's peak resident memory.
 """
 from __future__ import annotations
@@ -50,7 +52,11 @@ def _step(engine, idx):
     engine.optimizer.zero_grad()
 
 
-def _timed_steps(engine, args, times):
+def _timed_steps(engine, args, times, cpu):
+    """args.steps steps: each one's wall time (the slowest rank's) into
+    `times`; the CPU time this process spent on the whole block, its
+    snapshots' thread included (waited for at the end), per step, into `cpu`."""
+    cpu_start = time.process_time()
     for _ in range(args.steps):
         idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
         dist.barrier()
@@ -59,6 +65,9 @@ def _timed_steps(engine, args, times):
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
+    if engine.snapshots:
+        engine.snapshots.wait()
+    cpu.append((time.process_time() - cpu_start) / args.steps)
 
 
 def _measure(rank, port, args, root):
@@ -68,16 +77,17 @@ def _measure(rank, port, args, root):
     plain = _engine(args)
     snapshotting = _engine(args, snapshot="memory", snapshot_every=args.every, snapshot_dir=root,
                            snapshot_run_id="bench")
-    times = {"plain": [], "snapshot": []}
+    times, cpu = {"plain": [], "snapshot": []}, {"plain": [], "snapshot": []}
     for engine in (plain, snapshotting):  # warm-up: the first steps allocate
         _step(engine, torch.randint(0, args.vocab, (args.batch, args.seq + 1)))
     for _ in range(args.rounds):
-        _timed_steps(plain, args, times["plain"])
-        _timed_steps(snapshotting, args, times["snapshot"])
+        _timed_steps(plain, args, times["plain"], cpu["plain"])
+        _timed_steps(snapshotting, args, times["snapshot"], cpu["snapshot"])
     snapshots = snapshotting.snapshots
     snapshots.wait()
     owned = sum(t.numel() * t.element_size() for t in snapshots._staged.values())
-    row = (owned, snapshots.bytes_held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    row = (owned, snapshots.bytes_held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           statistics.median(cpu["plain"]), statistics.median(cpu["snapshot"]))
     rows = [None] * args.world
     dist.all_gather_object(rows, row)
     dist.destroy_process_group()
@@ -111,9 +121,12 @@ def main():
           f"median of {len(times['plain'])} steps each")
     print(f"step without snapshots {plain * 1e3:8.1f} ms")
     print(f"step with snapshots    {snap * 1e3:8.1f} ms   ratio {snap / plain:.3f} (target <= 1.1)")
-    for r, (owned, held, rss) in enumerate(rows):
+    for r, (owned, held, rss, cpu_plain, cpu_snap) in enumerate(rows):
+        print(f"rank {r}: CPU per step {cpu_plain * 1e3:.1f} ms without, {cpu_snap * 1e3:.1f} ms with snapshots "
+              f"(their thread's included): ratio {cpu_snap / cpu_plain:.3f}")
+    for r, (owned, held, rss, *_) in enumerate(rows):
         print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
-              f"({held / owned:.2f}x: two steps of its own file and its mirror's, the staged copy, the mirror's buffers); peak RSS {rss / 2**20:.0f} MiB (both engines)")
+              f"({held / owned:.2f}x: two steps of its own file and its mirror's, the staged copy); peak RSS {rss / 2**20:.0f} MiB (both engines)")
 
 
 if __name__ == "__main__":

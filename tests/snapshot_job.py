@@ -163,6 +163,7 @@ def main():
     sched = scheduler(opt)
     engine.snapshot_lr_scheduler(sched)
     report["restored_step"] = engine.restored_step
+    report["fetched"] = engine.snapshots.fetched
     with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     killer = _killer(args, rank, snapshot.run_dir(engine.config))
@@ -173,6 +174,10 @@ def main():
         first = args.save_at + 1
     run_steps(engine, sched, first, args.steps, killer)
     state = engine.full_state_dict()
+    engine.snapshots.wait()
+    report["memory_report"] = engine.memory_report()
+    with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
+        json.dump(report, f)
     engine.close()
     if rank == 0:
         torch.save(state, os.path.join(args.out, "params.pt"))

@@ -78,13 +78,17 @@ def _reference_4_then_3(tmp, step):
 @pytest.fixture(scope="module")
 def relaunched(tmp_path_factory):
     """A 4-rank run (a disk checkpoint after step 2) whose rank 3 dies in
-    step 5 with no restart, then the same run id at 3 ranks: (tmp folder,
+    step 5 with no restart, then the same run id at 3 ranks, each rank on a
+    node of its own (rank 3's partition comes from the mirror on rank 0,
+    and each rank fetches the files holding its new partition from the
+    others): (tmp folder,
     its report, output and output folder, the step restored, the 4 -> 3
     reference)."""
     tmp = tmp_path_factory.mktemp("snapshots")
-    code, output, _, first = _launch(tmp, 4, "shrink", "--kill", "3:5:step", "--save-at", "2", restarts=0)
+    code, output, _, first = _launch(tmp, 4, "shrink", "--kill", "3:5:step", "--save-at", "2", "--node-per-rank",
+                                     restarts=0)
     assert code != 0, "the 4-rank run was to die"
-    code, output, reports, out = _launch(tmp, 3, "shrink")
+    code, output, reports, out = _launch(tmp, 3, "shrink", "--node-per-rank")
     assert code == 0, output[-6000:]
     step = _restored(reports, output, 0)
     return tmp, reports, output, out, step, _reference_4_then_3(tmp, step), first / "checkpoint"
@@ -104,31 +108,39 @@ def test_killed_rank_restarts_and_finishes_bitwise(tmp_path, reference3, lose_di
     assert code == 0, f"killed at {place}:\n{output[-6000:]}"
     step = _restored(reports, output, 1)
     assert 3 <= step <= 4, f"killed at {place}: restored step {step}"
+    if lose_dir:  # rank 1 held nothing: its own file came from rank 2's mirror, rank 0's from rank 0
+        assert {0, 1} <= set(reports[1]["fetched"]), reports
     _assert_bitwise(out, reference3, output)
+    for report in reports:  # memory_report counts the snapshots: two steps of its own partition and a mirror's
+        memory = report["memory_report"]
+        assert memory["snapshots"] == memory["by_device"]["host"]["snapshots"] > 3 * (memory["param"] + memory["optim"])
 
 
 def test_fewer_ranks_after_a_four_rank_run_died(relaunched):
     """The 3-rank launch resharded the 4-rank snapshots: equal to a 4-rank
     run loaded from a checkpoint at 3 ranks."""
-    _, _, output, out, step, reference, _ = relaunched
+    _, reports, output, out, step, reference, _ = relaunched
     assert 3 <= step <= 4
+    assert any(r["fetched"] for r in reports), "no rank fetched a file from another node"
     _assert_bitwise(out, reference, output)
 
 
 def _copy_run(tmp, run_id):
-    shutil.copytree(tmp / "shm" / "shrink", tmp / "shm" / run_id)
-    return tmp / "shm" / run_id
+    """The relaunched run's snapshots, on every node, under another run id; [run folder of node r]."""
+    for node in sorted((tmp / "shm").glob("node-*")):
+        shutil.copytree(node / "shrink", node / run_id)
+    return [tmp / "shm" / f"node-{r}" / run_id for r in range(3)]
 
 
 def test_two_neighbours_lost_with_one_copy_raise_on_every_rank(relaunched):
-    """Ranks 1 and 2's folders gone: rank 1's snapshot and its one mirror
+    """Ranks 1 and 2's nodes gone: rank 1's snapshot and its one mirror
     (on rank 2) are lost; every rank raises at wrap naming rank 1 and the
     run's disk checkpoint."""
     tmp, *_, checkpoint = relaunched
-    run = _copy_run(tmp, "neighbours")
-    shutil.rmtree(run / "rank-00001")
-    shutil.rmtree(run / "rank-00002")
-    code, output, reports, _ = _launch(tmp, 3, "neighbours", restarts=0)
+    runs = _copy_run(tmp, "neighbours")
+    shutil.rmtree(runs[1])
+    shutil.rmtree(runs[2])
+    code, output, reports, _ = _launch(tmp, 3, "neighbours", "--node-per-rank", restarts=0)
     assert code != 0
     for rank, report in enumerate(reports):
         assert "rank(s) [1] (of 3)" in report.get("error", ""), f"rank {rank}: {report}"
@@ -140,13 +152,13 @@ def test_corrupt_snapshot_is_refused(relaunched):
     checksum refuses it (a warning names it), every rank restores the step
     before, and the job ends as the run it copies."""
     tmp, _, _, _, _, reference, _ = relaunched
-    run = _copy_run(tmp, "corrupt")
-    newest = sorted((run / "rank-00001").glob("*.rank-00001-of-00003.safetensors"))[-1]
+    runs = _copy_run(tmp, "corrupt")
+    newest = sorted((runs[1] / "rank-00001").glob("*.rank-00001-of-00003.safetensors"))[-1]
     data = bytearray(newest.read_bytes())
     data[-5] ^= 0x10
     newest.write_bytes(bytes(data))
-    (run / "rank-00002" / newest.name).unlink()
-    code, output, reports, out = _launch(tmp, 3, "corrupt", restarts=0)
+    (runs[2] / "rank-00002" / newest.name).unlink()
+    code, output, reports, out = _launch(tmp, 3, "corrupt", "--node-per-rank", restarts=0)
     assert code == 0, output[-6000:]
     assert _restored(reports, output, 0) == STEPS - 1
     assert f"{newest}: checksum mismatch" in output

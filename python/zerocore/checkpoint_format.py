@@ -141,8 +141,9 @@ class CheckpointReader:
         self._stretches = {}  # (kind, name) -> [_Stretch] by first element
         self.named = {}  # (saving rank, other key: "buffer/...", "rng/...") -> reader
         self._crc = {}  # (reader path, key) -> stored checksum
-        for rank, entry in enumerate(m["files"]):
-            self.files.append(self._open(rank, entry))
+        for rank, entry in enumerate(m["files"]):  # None: a file this reader does not open (snapshot_restore.py)
+            if entry is not None:
+                self.files.append(self._open(rank, entry))
         for stretches in self._stretches.values():
             stretches.sort(key=lambda s: s.first)
         self._firsts = {k: [s.first for s in v] for k, v in self._stretches.items()}

@@ -194,7 +194,7 @@ def _check_model(engine, ckpt) -> None:
         raise CheckpointError(f"{where}: another model: its buffers differ from this module's")
 
 
-def _plan(engine, ckpt):
+def plan_reads(engine):
     """What this rank reads: (stretches, kind, param name) per param and
     state of every group, with the (kind, name, first, numel) it asks of
     the checkpoint."""
@@ -219,7 +219,7 @@ def load(engine, path, lr_scheduler=None):
         _no_pending_grads(engine, "load")
         ckpt = CheckpointReader(path)
         _check_model(engine, ckpt)
-        loads, wanted = _plan(engine, ckpt)
+        loads, wanted = plan_reads(engine)
         ckpt.verify(wanted)
         for name in ckpt.manifest["buffers"]:
             ckpt.verify_named(f"buffer/{name}")

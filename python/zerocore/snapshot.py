@@ -35,6 +35,7 @@ snapshot after another.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import threading
@@ -44,7 +45,6 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from zerocore import safetensors_file
 from zerocore.checkpoint_format import write_rank_file
 from zerocore.save_load import manifest_of, rank_tensors, set_hyperparameters
 
@@ -88,6 +88,11 @@ def _atomic_write(path: str, write):
             os.remove(tmp)
 
 
+def mapped(f, access) -> torch.Tensor:
+    """The bytes of open file f, as a tensor over a memory map of it."""
+    return torch.frombuffer(mmap.mmap(f.fileno(), 0, access=access), dtype=torch.uint8)
+
+
 def prune(directory: str, keep=KEPT_STEPS):
     """Of each rank's files in `directory`, the `keep` newest steps stay."""
     by_rank = {}
@@ -128,13 +133,13 @@ class Snapshots:
         self.last_checkpoint = None  # the newest engine.save's folder, named when a partition is lost
         self.restored_lr_scheduler = None  # its state restored, until one is named (keep_lr_scheduler)
         self.restored_param_groups = None  # the optimizer's hyperparameters restored
+        self.fetched = []  # the ranks whose files of the step restored came from other nodes
         self._staged = {}
-        self._buffers = {}  # the mirror's: outgoing, incoming-k
         self._unsealed = None  # the step whose snapshot was taken and not sealed yet
         self._thread = None
         self._error = None
         # Shared and own memory the snapshots hold on this rank: the files of
-        # its folder (its own, its mirrors', two steps each), the staged copy and the mirror's buffers.
+        # its folder (its own, its mirrors', two steps each) and the staged copy.
         self.bytes_held = 0
         self._sealing = engine.module.register_forward_pre_hook(torch.compiler.disable(
             lambda *_: self.seal(), reason="zerocore: a snapshot is sealed and written outside any graph"))
@@ -213,34 +218,26 @@ class Snapshots:
                 self._mirror(path, step, k)
             prune(self.dir)
             self.bytes_held = (sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir)) +
-                               sum(t.numel() * t.element_size() for t in (*self._staged.values(),
-                                                                          *self._buffers.values())))
+                               sum(t.numel() * t.element_size() for t in self._staged.values()))
         except BaseException as e:  # noqa: BLE001 - raised on the training thread at the next wait
             self._error = (step, e)
 
     def _mirror(self, path, step, k):
-        """This rank's file to rank + k; rank - k's into this rank's folder."""
+        """This rank's file to rank + k; rank - k's into this rank's folder.
+        Both travel between the files' own pages (memory maps of shared
+        memory): no buffer and no copy of them besides the transfer's."""
         dst, src = (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
-        data = self._buffer("outgoing", os.path.getsize(path))
         with open(path, "rb") as f:
-            f.readinto(safetensors_file.tensor_bytes(data))
-        size = torch.tensor([data.numel()], dtype=torch.int64)
+            outgoing = mapped(f, mmap.ACCESS_COPY)  # copy-on-write, never written: the file's pages
+        size = torch.tensor([outgoing.numel()], dtype=torch.int64)
         incoming_size = torch.empty(1, dtype=torch.int64)
         self._exchange(size, dst, incoming_size, src, k)
-        incoming = self._buffer(f"incoming-{k}", int(incoming_size))
-        self._exchange(data, dst, incoming, src, k)
-        mirror = os.path.join(self.dir, file_name(self.generation, step, src, self.world_size))
 
-        def write(tmp):
-            with open(tmp, "wb") as f:
-                f.write(safetensors_file.tensor_bytes(incoming))
-        _atomic_write(mirror, write)
-
-    def _buffer(self, name, nbytes) -> torch.Tensor:
-        """A byte buffer of the mirror's, kept from one snapshot to the next (same size, no allocation)."""
-        if self._buffers.get(name) is None or self._buffers[name].numel() != nbytes:
-            self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8)
-        return self._buffers[name]
+        def receive(tmp):
+            with open(tmp, "w+b") as f:
+                f.truncate(int(incoming_size))
+                self._exchange(outgoing, dst, mapped(f, mmap.ACCESS_WRITE), src, k)
+        _atomic_write(os.path.join(self.dir, file_name(self.generation, step, src, self.world_size)), receive)
 
     def _exchange(self, out, dst, into, src, tag):
         works = [dist.isend(out, group=self.group, group_dst=dst, tag=tag),
