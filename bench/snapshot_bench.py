@@ -1,4 +1,5 @@
-"""In-memory snapshots' cost: the step with Config(snapshot="memory") at one snapshot a step, against the same step without.
+"""In-memory snapshots' cost: the step with Config(snapshot="memory") at one
+snapshot a step, against the same step without.
 
     python bench/snapshot_bench.py                        # 2 ranks, stage 3, GPT 4 x 512, batch 8 x 64
     python bench/snapshot_bench.py --stage 1 --every 4
@@ -16,7 +17,8 @@ ratio (the target: at most 1.1); per rank the CPU time of a step, the
 snapshots' thread included (the block's last snapshot waited for), which
 other jobs on a shared machine disturb less than wall time; and per rank
 the bytes the snapshots hold (Snapshots.bytes_held: the files of its
-folder, two steps of its own and of its mirror's, and the staged copy)
+folder, two steps of its own and of its mirror's, the staged copy and the
+mirror's receive buffer)
 against the partition they copy, and the process's peak resident memory.
 """
 from __future__ import annotations
@@ -126,7 +128,8 @@ def main():
               f"(their thread's included): ratio {cpu_snap / cpu_plain:.3f}")
     for r, (owned, held, rss, *_) in enumerate(rows):
         print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
-              f"({held / owned:.2f}x: two steps of its own file and its mirror's, the staged copy); peak RSS {rss / 2**20:.0f} MiB (both engines)")
+              f"({held / owned:.2f}x: two steps of its own file and its mirror's, the staged copy, "
+              f"the receive buffer); peak RSS {rss / 2**20:.0f} MiB (both engines)")
 
 
 if __name__ == "__main__":

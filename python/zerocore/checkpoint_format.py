@@ -53,17 +53,19 @@ def stretch_key(kind: str, name: str, first: int) -> str:
 
 
 # Writing ----------------------------------------------------------------------
-def write_rank_file(path, save_id: str, rank: int, world_size: int, tensors: dict, metadata=None, fsync=True):
+def write_rank_file(path, save_id: str, rank: int, world_size: int, tensors: dict, metadata=None, fsync=True,
+                    overwrite=False):
     """One rank's file, with its checksums, flushed to disk (fsync: for a
     file in memory, as a snapshot's, False). metadata: more strings to keep
-    in its header."""
+    in its header; overwrite: safetensors_file.write's."""
     # Checksummed and written from host memory: a CUDA engine's states come down here.
     tensors = {key: t.detach().contiguous().cpu() for key, t in tensors.items()}
     crcs = {key: crc32(t) for key, t in tensors.items()}
     meta = {"format": FORMAT, "version": VERSION, "id": save_id, "rank": rank, "world_size": world_size,
             "crc32": crcs}
     safetensors_file.write(path, [(k, t.dtype, t.shape, t) for k, t in tensors.items()],
-                           {**(metadata or {}), _META_KEY: json.dumps(meta, separators=(",", ":"))}, fsync=fsync)
+                           {**(metadata or {}), _META_KEY: json.dumps(meta, separators=(",", ":"))}, fsync=fsync,
+                           overwrite=overwrite)
 
 
 def _manifest_crc(manifest: dict) -> int:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from zerocore.checkpoint_format import write_rank_file
+from zerocore.safetensors_file import tensor_bytes
 from zerocore.save_load import manifest_of, rank_tensors, set_hyperparameters
 
 DEFAULT_DIR = "/dev/shm/zerocore-snapshots"
@@ -78,8 +79,15 @@ def manifest_crc(text: str) -> int:
 
 
 def _atomic_write(path: str, write):
-    """write(tmp path), then the rename: `path` is whole or absent."""
+    """write(tmp path), then the rename: `path` is whole or absent. The
+    temporary file is the oldest of the rank's kept files in path's folder
+    when it has KEPT_STEPS of them (the one the write would make prune
+    remove), renamed: write overwrites it, reusing its pages; the newer
+    ones stay whole meanwhile."""
     tmp = f"{path}.tmp.{os.getpid()}"
+    oldest = _files_of(os.path.dirname(path), int(FILE.fullmatch(os.path.basename(path))[3]))[KEPT_STEPS - 1:]
+    if oldest:
+        with_errors_ignored(os.replace, os.path.join(os.path.dirname(path), oldest[0]), tmp)
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -93,15 +101,18 @@ def mapped(f, access) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(f.fileno(), 0, access=access), dtype=torch.uint8)
 
 
+def _files_of(directory: str, rank: int) -> list:
+    """The names of rank `rank`'s files in `directory`, newest (step, then generation) first."""
+    files = [(int(m[2]), int(m[1]), m[0]) for m in map(FILE.fullmatch, os.listdir(directory))
+             if m and int(m[3]) == rank]
+    return [name for *_, name in sorted(files, reverse=True)]
+
+
 def prune(directory: str, keep=KEPT_STEPS):
     """Of each rank's files in `directory`, the `keep` newest steps stay."""
-    by_rank = {}
-    for name in os.listdir(directory):
-        m = FILE.fullmatch(name)
-        if m:
-            by_rank.setdefault(int(m[3]), []).append(((int(m[2]), int(m[1])), name))
-    for files in by_rank.values():
-        for _, name in sorted(files, reverse=True)[keep:]:
+    ranks = {int(m[3]) for m in map(FILE.fullmatch, os.listdir(directory)) if m}
+    for rank in ranks:
+        for name in _files_of(directory, rank)[keep:]:
             with_errors_ignored(os.remove, os.path.join(directory, name))
 
 
@@ -135,11 +146,12 @@ class Snapshots:
         self.restored_param_groups = None  # the optimizer's hyperparameters restored
         self.fetched = []  # the ranks whose files of the step restored came from other nodes
         self._staged = {}
+        self._incoming = {}  # k -> the buffer rank - k's file is received into
         self._unsealed = None  # the step whose snapshot was taken and not sealed yet
         self._thread = None
         self._error = None
         # Shared and own memory the snapshots hold on this rank: the files of
-        # its folder (its own, its mirrors', two steps each) and the staged copy.
+        # its folder (its own, its mirrors', two steps each), the staged copy and the mirrors' receive buffers.
         self.bytes_held = 0
         self._sealing = engine.module.register_forward_pre_hook(torch.compiler.disable(
             lambda *_: self.seal(), reason="zerocore: a snapshot is sealed and written outside any graph"))
@@ -213,31 +225,37 @@ class Snapshots:
         try:
             path = os.path.join(self.dir, file_name(self.generation, step, self.rank, self.world_size))
             _atomic_write(path, lambda tmp: write_rank_file(tmp, sid, self.rank, self.world_size, self._staged,
-                                                            metadata=meta, fsync=False))
+                                                            metadata=meta, fsync=False, overwrite=True))
             for k in range(1, self.copies + 1):
                 self._mirror(path, step, k)
             prune(self.dir)
             self.bytes_held = (sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir)) +
-                               sum(t.numel() * t.element_size() for t in self._staged.values()))
+                               sum(t.numel() * t.element_size() for t in (*self._staged.values(),
+                                                                          *self._incoming.values())))
         except BaseException as e:  # noqa: BLE001 - raised on the training thread at the next wait
             self._error = (step, e)
 
     def _mirror(self, path, step, k):
-        """This rank's file to rank + k; rank - k's into this rank's folder.
-        Both travel between the files' own pages (memory maps of shared
-        memory): no buffer and no copy of them besides the transfer's."""
+        """This rank's file to rank + k, sent from its own pages (a memory
+        map); rank - k's received into a buffer kept from one snapshot to
+        the next, then written over the oldest mirror file (_atomic_write):
+        in shared memory, cheaper than receiving into fresh pages."""
         dst, src = (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
         with open(path, "rb") as f:
             outgoing = mapped(f, mmap.ACCESS_COPY)  # copy-on-write, never written: the file's pages
         size = torch.tensor([outgoing.numel()], dtype=torch.int64)
         incoming_size = torch.empty(1, dtype=torch.int64)
         self._exchange(size, dst, incoming_size, src, k)
+        incoming = self._incoming.get(k)
+        if incoming is None or incoming.numel() != int(incoming_size):
+            incoming = self._incoming[k] = torch.empty(int(incoming_size), dtype=torch.uint8)
+        self._exchange(outgoing, dst, incoming, src, k)
 
-        def receive(tmp):
-            with open(tmp, "w+b") as f:
-                f.truncate(int(incoming_size))
-                self._exchange(outgoing, dst, mapped(f, mmap.ACCESS_WRITE), src, k)
-        _atomic_write(os.path.join(self.dir, file_name(self.generation, step, src, self.world_size)), receive)
+        def write(tmp):
+            with open(tmp, "r+b" if os.path.exists(tmp) else "wb") as f:
+                f.write(tensor_bytes(incoming))
+                f.truncate()
+        _atomic_write(os.path.join(self.dir, file_name(self.generation, step, src, self.world_size)), write)
 
     def _exchange(self, out, dst, into, src, tag):
         works = [dist.isend(out, group=self.group, group_dst=dst, tag=tag),
