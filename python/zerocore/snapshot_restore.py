@@ -122,8 +122,10 @@ class _Table:
         return [problem for _, _, _, problem, *_ in self.verdicts if problem]
 
     def last_checkpoint(self):
-        named = [c for *_, c, _ in self.verdicts if c]
-        return named[-1] if named else None
+        """The disk checkpoint the newest file names (engine.save's folder), or None."""
+        named = [(int(FILE.fullmatch(name)[2]), int(FILE.fullmatch(name)[1]), c)
+                 for _, _, name, _, c, _ in self.verdicts if c]
+        return max(named)[2] if named else None
 
 
 def restore(snapshots) -> int:
