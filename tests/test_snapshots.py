@@ -176,6 +176,13 @@ def test_config_refuses_bad_snapshot_fields(fields, named):
         zerocore.Config(**fields)
 
 
+def test_snapshots_need_a_run_id(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    model, opt = snapshot_job.model_and_optimizer()
+    with pytest.raises(ValueError, match="needs the run's id"):
+        zerocore.wrap(model, opt, {"stage": 0, "snapshot": "memory"})
+
+
 def test_naming_a_scheduler_needs_snapshots():
     model, opt = snapshot_job.model_and_optimizer()
     engine = zerocore.wrap(model, opt, {"stage": 0})

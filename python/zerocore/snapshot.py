@@ -56,8 +56,14 @@ KEPT_STEPS = 2  # of each rank held: the newest whole while the next is written
 
 
 def run_dir(config) -> str:
-    """The folder of this run's snapshots on this node."""
-    run_id = config.snapshot_run_id or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+    """The folder of this run's snapshots on this node. A run id is needed:
+    without one (torchrun's default rendezvous id is "none") every job
+    would restore whatever an earlier job of the same model left."""
+    run_id = config.snapshot_run_id or os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id == "none":
+        raise ValueError("zerocore.wrap: Config(snapshot=\"memory\") needs the run's id, to restore this run's "
+                         "snapshots and no other's: launch with torchrun --standalone or --rdzv-id=<id>, or set "
+                         "Config(snapshot_run_id=...)")
     return os.path.join(config.snapshot_dir or DEFAULT_DIR, run_id)
 
 
