@@ -43,8 +43,8 @@ def model_and_optimizer():
     return model, torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
 
 
-def config(**snapshots):
-    return zerocore.Config(stage=STAGE, bucket_bytes=256, **snapshots)
+def config(**fields):
+    return zerocore.Config(**{"stage": STAGE, "bucket_bytes": 256, **fields})
 
 
 def scheduler(optimizer):
@@ -72,15 +72,20 @@ def run_steps(engine, sched, first, last, before=lambda step, place: None):
         sched.step()
 
 
-def train(rank, world, steps, save_at=None, load=None):
-    """The uninterrupted reference on dist_harness's ranks (no snapshots):
-    steps 1..steps; save_at (step, folder): a checkpoint after that step;
-    load (step, folder): start from that checkpoint, after that step."""
+def train(rank, world, steps, save_at=None, load=None, fields=None):
+    """The uninterrupted reference on dist_harness's ranks (no snapshots,
+    unless `fields` of Config ask): steps 1..steps, or from the step after
+    the one snapshots restore; save_at (step, folder): a checkpoint after
+    that step; load (step, folder): start from that checkpoint, after that
+    step. Returns the full params and the step restored."""
     torch.manual_seed(1 + rank)
     model, opt = model_and_optimizer()
-    engine = zerocore.wrap(model, opt, config())
+    engine = zerocore.wrap(model, opt, config(**(fields or {})))
     sched = scheduler(opt)
     first = 1
+    if engine.snapshots:
+        engine.snapshot_lr_scheduler(sched)
+        first = engine.restored_step + 1
     if load:
         engine.load(load[1], lr_scheduler=sched)
         first = load[0] + 1
@@ -89,7 +94,9 @@ def train(rank, world, steps, save_at=None, load=None):
     if save_at:
         engine.save(save_at[1], lr_scheduler=sched)
         return None
-    return engine.full_state_dict()
+    state = engine.full_state_dict()
+    engine.close()
+    return state, first - 1
 
 
 def _killer(args, rank, run):
