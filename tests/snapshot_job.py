@@ -80,7 +80,10 @@ def train(rank, world, steps, save_at=None, load=None, fields=None):
     step. Returns the full params and the step restored."""
     torch.manual_seed(1 + rank)
     model, opt = model_and_optimizer()
-    engine = zerocore.wrap(model, opt, config(**(fields or {})))
+    fields = dict(fields or {})
+    if "snapshot_dir" in fields:  # "{rank}" in it: each rank a node of its own
+        fields["snapshot_dir"] = fields["snapshot_dir"].format(rank=rank)
+    engine = zerocore.wrap(model, opt, config(**fields))
     sched = scheduler(opt)
     first = 1
     if engine.snapshots:

@@ -167,10 +167,10 @@ def test_corrupt_snapshot_is_refused(relaunched):
     _assert_bitwise(out, reference, output)
 
 
-@pytest.mark.parametrize("fields", [{"stage": 1}, {"stage": 2, "dtype": "bf16"},
+@pytest.mark.parametrize("fields", [{"stage": 0}, {"stage": 1}, {"stage": 2, "dtype": "bf16"},
                                     {"stage": 3, "offload_optimizer": "cpu", "delayed_update": True,
                                      "delayed_update_warmup": 1}],
-                         ids=["stage1", "stage2-bf16", "stage3-offload-delayed"])
+                         ids=["stage0", "stage1", "stage2-bf16", "stage3-offload-delayed"])
 def test_restored_in_process_equals_the_uninterrupted_run(tmp_path, fields):
     """Without torchrun, on dist_harness's 2 ranks: a run of 3 steps with
     snapshots, then another wrap of the same run id restoring step 3 and
@@ -186,6 +186,22 @@ def test_restored_in_process_equals_the_uninterrupted_run(tmp_path, fields):
     state, restored = run_ranks(snapshot_job.train, 2, STEPS, None, None, snapshots)[0]
     assert restored == 3
     for name, value in reference.items():
+        assert torch.equal(state[name], value), f"{name} differs from the uninterrupted run"
+
+
+def test_two_copies_survive_two_neighbours_lost(tmp_path, reference3):
+    """snapshot_copies=2 on 3 ranks, each a node of its own: with ranks 1
+    and 2's nodes lost, rank 1's partition is restored from its second
+    mirror, on rank 0, and rank 2's from its first; equal bitwise to the
+    uninterrupted run."""
+    snapshots = {"snapshot": "memory", "snapshot_copies": 2, "snapshot_dir": str(tmp_path / "node-{rank}"),
+                 "snapshot_run_id": "r"}
+    run_ranks(snapshot_job.train, 3, 3, None, None, snapshots)
+    for lost in (1, 2):
+        shutil.rmtree(tmp_path / f"node-{lost}")
+    state, restored = run_ranks(snapshot_job.train, 3, STEPS, None, None, snapshots)[0]
+    assert restored == 3
+    for name, value in reference3.items():
         assert torch.equal(state[name], value), f"{name} differs from the uninterrupted run"
 
 
