@@ -152,7 +152,7 @@ def main():
     p.add_argument("--lose-dir", action="store_true")
     p.add_argument("--node-per-rank", action="store_true", help="each rank a node: a snapshot folder of its own")
     p.add_argument("--save-at", type=int, help="a disk checkpoint after this step, into --out/checkpoint")
-    p.add_argument("--stacks-after", type=float, default=120)
+    p.add_argument("--stacks-after", type=float, default=240)
     args = p.parse_args()
     faulthandler.dump_traceback_later(args.stacks_after, exit=True)  # a hang shows where, in the job's output
     torch.set_num_threads(1)
