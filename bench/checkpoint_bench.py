@@ -22,17 +22,15 @@ import datetime
 import os
 import platform
 import shutil
-import socket
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import zerocore
+import cpu_ranks
 from zerocore.examples.gpt import GPT, GPTConfig
 
 
@@ -53,15 +51,7 @@ def _timed(fn):
     return elapsed.item()
 
 
-def _rank(rank, args, port, root, results):
-    try:
-        _measure(rank, args, port, root, results)
-    except BaseException:  # noqa: BLE001 - the parent reports it instead of waiting forever
-        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
-
-
-def _measure(rank, args, port, root, results):
+def _measure(rank, port, args, root):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
                             timeout=datetime.timedelta(minutes=10))
     torch.set_num_threads(1)
@@ -87,9 +77,8 @@ def _measure(rank, args, port, root, results):
         if rank == 0:
             shutil.rmtree(path)
             shutil.rmtree(copy_dir)
-    if rank == 0:
-        results.put(("ok", (engine.num_trainable_params, rows)))
     dist.destroy_process_group()
+    return engine.num_trainable_params, rows
 
 
 def main():
@@ -102,22 +91,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     root = tempfile.mkdtemp(dir=args.dir, prefix="zerocore-ckpt-bench-")
-    results = mp.get_context("fork").SimpleQueue()
     try:
-        procs = [mp.get_context("fork").Process(target=_rank, args=(r, args, port, root, results))
-                 for r in range(args.world)]
-        for p in procs:
-            p.start()
-        status, result = results.get()
-        for p in procs:
-            p.join() if status == "ok" else p.kill()
-        if status != "ok":
-            sys.exit(result)
-        numel, rows = result
+        numel, rows = cpu_ranks.run(_measure, args.world, args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gb = rows[0][3] / 1e9

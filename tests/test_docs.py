@@ -79,6 +79,18 @@ engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
 engine.step()
 assert engine.memory_report()["by_device"]["host"]["optim"] > 0
 """),
+    "docs/snapshots.md": ("What a job adds", GROUP + TINY_MODEL + """
+import os, shutil
+os.environ["TORCHELASTIC_RUN_ID"] = f"docs-example-{os.getpid()}"  # torchrun's run id
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+total_steps = 2
+batch, target = (lambda step: torch.randn(4, 8)), (lambda step: torch.zeros(4, 8))
+loss_fn = torch.nn.functional.mse_loss
+""", """
+assert engine.restored_step == 0 and engine.step_count == total_steps
+engine.close()
+shutil.rmtree(f"/dev/shm/zerocore-snapshots/{os.environ['TORCHELASTIC_RUN_ID']}")
+"""),
     "docs/activation-checkpoints.md": ("Using it", GROUP + """
 tp_group = torch.distributed.group.WORLD
 block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())

@@ -44,6 +44,7 @@ from zerocore.loss_scale import NonFiniteGradientError
 from zerocore.materialize import init
 from zerocore.optim import SGD, Adam, AdamW
 from zerocore.sizing import estimate, largest_model
+from zerocore.snapshot_restore import SnapshotLostError
 
 __version__ = "0.1.0"
 
@@ -68,6 +69,7 @@ __all__ = [
     "PartitionStore",
     "NonFiniteGradientError",
     "RankDisagreementError",
+    "SnapshotLostError",
     "SGD",
     "Tensor",
     "activation_memory",

@@ -53,15 +53,19 @@ def stretch_key(kind: str, name: str, first: int) -> str:
 
 
 # Writing ----------------------------------------------------------------------
-def write_rank_file(path, save_id: str, rank: int, world_size: int, tensors: dict):
-    """One rank's file, with its checksums, flushed to disk."""
+def write_rank_file(path, save_id: str, rank: int, world_size: int, tensors: dict, metadata=None, fsync=True,
+                    overwrite=False):
+    """One rank's file, with its checksums, flushed to disk (fsync: for a
+    file in memory, as a snapshot's, False). metadata: more strings to keep
+    in its header; overwrite: safetensors_file.write's."""
     # Checksummed and written from host memory: a CUDA engine's states come down here.
     tensors = {key: t.detach().contiguous().cpu() for key, t in tensors.items()}
     crcs = {key: crc32(t) for key, t in tensors.items()}
     meta = {"format": FORMAT, "version": VERSION, "id": save_id, "rank": rank, "world_size": world_size,
             "crc32": crcs}
     safetensors_file.write(path, [(k, t.dtype, t.shape, t) for k, t in tensors.items()],
-                           {_META_KEY: json.dumps(meta, separators=(",", ":"))}, fsync=True)
+                           {**(metadata or {}), _META_KEY: json.dumps(meta, separators=(",", ":"))}, fsync=fsync,
+                           overwrite=overwrite)
 
 
 def _manifest_crc(manifest: dict) -> int:
@@ -104,6 +108,21 @@ def read_manifest(directory) -> dict:
     return manifest
 
 
+def open_rank_file(path):
+    """A rank file, mapped, and its metadata (save id, rank, world size, a
+    checksum per tensor); CheckpointError when it is not one."""
+    try:
+        reader = safetensors_file.Reader(path)
+        meta = json.loads(reader.metadata[_META_KEY])
+        meta["crc32"] = dict(meta["crc32"])
+        meta["id"] = str(meta["id"])
+    except (safetensors_file.SafetensorsError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a zerocore rank file ({type(e).__name__}: {e})") from None
+    if set(meta["crc32"]) != set(reader.entries):
+        raise CheckpointError(f"{path}: its header names other tensors than it was written with (corrupt)")
+    return reader, meta
+
+
 class _Stretch:
     """A stored stretch of one param: elements first..first+numel-1."""
 
@@ -124,8 +143,9 @@ class CheckpointReader:
         self._stretches = {}  # (kind, name) -> [_Stretch] by first element
         self.named = {}  # (saving rank, other key: "buffer/...", "rng/...") -> reader
         self._crc = {}  # (reader path, key) -> stored checksum
-        for rank, entry in enumerate(m["files"]):
-            self.files.append(self._open(rank, entry))
+        for rank, entry in enumerate(m["files"]):  # None: a file this reader does not open (snapshot_restore.py)
+            if entry is not None:
+                self.files.append(self._open(rank, entry))
         for stretches in self._stretches.values():
             stretches.sort(key=lambda s: s.first)
         self._firsts = {k: [s.first for s in v] for k, v in self._stretches.items()}
@@ -138,17 +158,11 @@ class CheckpointReader:
         if size != entry["bytes"]:
             raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or "
                                   "overwritten)")
-        try:
-            reader = safetensors_file.Reader(path)
-            meta = json.loads(reader.metadata[_META_KEY])
-            crcs, save_id = dict(meta["crc32"]), meta["id"]
-        except (safetensors_file.SafetensorsError, KeyError, ValueError, TypeError) as e:
-            raise CheckpointError(f"{path}: not a zerocore rank file ({type(e).__name__}: {e})") from None
+        reader, meta = open_rank_file(path)
+        crcs, save_id = meta["crc32"], meta["id"]
         if save_id != self.manifest["id"]:
             raise CheckpointError(f"{path}: belongs to save {save_id}, the manifest to save {self.manifest['id']} "
                                   "(files of different checkpoints mixed)")
-        if set(crcs) != set(reader.entries):
-            raise CheckpointError(f"{path}: its header names other tensors than it was written with (corrupt)")
         for key, (dtype, shape, _) in reader.entries.items():
             self._crc[(path, key)] = crcs[key]
             kind, _, rest = key.partition("/")

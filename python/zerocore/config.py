@@ -14,6 +14,7 @@ from typing import Optional, Union
 DTYPES = ("fp32", "bf16", "fp16")
 OFFLOADS = (None, "cpu")
 NCCLS = ("torch", "native")
+SNAPSHOTS = (None, "memory")
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
@@ -137,6 +138,14 @@ class Config:
         comm queue's native threads call directly: zerocore/nccl.py). The
         control plane stays on gloo either way. "native" needs a CUDA
         module and zerocore built with the transport (nccl.h at build time).
+    snapshot: "memory": after every snapshot_every-th step each rank keeps
+        what it owns in shared memory that outlives the process, mirrored on
+        snapshot_copies peers, and zerocore.wrap restores the newest step
+        they hold at a restart (docs/snapshots.md). None: no snapshots.
+    snapshot_dir: the node's folder of snapshots (default: under /dev/shm;
+        it may differ from node to node);
+        snapshot_run_id: the run they belong to (default: torchrun's
+        TORCHELASTIC_RUN_ID).
     """
 
     stage: int = 3
@@ -155,6 +164,11 @@ class Config:
     timeout: Optional[Union[datetime.timedelta, float]] = None
     diagnose_after: float = 5.0
     nccl: str = "torch"
+    snapshot: Optional[str] = None
+    snapshot_every: int = 1
+    snapshot_copies: int = 1
+    snapshot_dir: Optional[str] = None
+    snapshot_run_id: Optional[str] = None
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -171,7 +185,8 @@ class Config:
         if mgn is not None and not _positive(mgn):
             raise ValueError(f"zerocore.Config: max_grad_norm={mgn!r}; use a positive number or None")
         for name, lo in (("bucket_bytes", 1), ("prefetch_bytes", 0), ("persist_threshold", 0),
-                         ("coalesce_bytes", 0), ("delayed_update_warmup", 0)):
+                         ("coalesce_bytes", 0), ("delayed_update_warmup", 0), ("snapshot_every", 1),
+                         ("snapshot_copies", 1)):
             v = getattr(self, name)
             if name == "coalesce_bytes" and v is None:
                 continue
@@ -184,6 +199,12 @@ class Config:
         if self.nccl not in NCCLS:
             raise ValueError(f"zerocore.Config: nccl={self.nccl!r}; use \"torch\" (torch.distributed's NCCL) or "
                              "\"native\" (zerocore's own NCCL transport)")
+        if self.snapshot not in SNAPSHOTS:
+            raise ValueError(f"zerocore.Config: snapshot={self.snapshot!r}; use \"memory\" (in-memory snapshots "
+                             "with peer mirrors, docs/snapshots.md) or None")
+        for name in ("snapshot_dir", "snapshot_run_id"):
+            if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                raise ValueError(f"zerocore.Config: {name}={getattr(self, name)!r}; use a non-empty string or None")
         self._check_offload()
 
     @property

@@ -55,6 +55,8 @@ from zerocore.optim import release as release_optimizer
 from zerocore.partition_update import InPlaceUpdate
 from zerocore.placement import Placement
 from zerocore.positions import Positions
+from zerocore.snapshot import Snapshots
+from zerocore.snapshot_restore import restore as restore_snapshots
 from zerocore.stage3 import UnitScheduler
 
 
@@ -189,11 +191,17 @@ class Engine(Training, StateIO, Reports):
         # The user's optimizer drives the engine (optim.drive_engine); its
         # param_groups hold the hyperparameters every step reads.
         self.optimizer = optimizer
-        drive_engine(optimizer, self._step, self.zero_grad)
+        # Config(snapshot="memory"): a snapshot after steps (snapshot.py), mirrored over a group of its own.
+        self.snapshots = Snapshots(self, engine_process_group(process_group, cfg.timeout, "gloo")) \
+            if cfg.snapshot else None
+        drive_engine(optimizer, self.snapshots.step if self.snapshots else self._step,
+                     self.zero_grad)
         # Per step: the backward calls, the reduced grads' global squared norm once taken,
         # clip_grad_norm_'s bound, and trainability changes noted.
         self._forget_reduction()
         module._zerocore_engine = self
+        # The completed steps the state restored from snapshots holds, for the loop to go on from (0: none).
+        self.restored_step = restore_snapshots(self.snapshots) if self.snapshots else 0
 
     def _cast_buffers(self, dtype_of):
         """Each buffer to dtype_of(its name, the buffer)."""
@@ -202,6 +210,15 @@ class Engine(Training, StateIO, Reports):
                 dtype = None if b is None else dtype_of(f"{mod_name}.{name}" if mod_name else name, b)
                 if dtype is not None and b.dtype != dtype:
                     setattr(mod, name, b.to(dtype))
+
+    def snapshot_lr_scheduler(self, lr_scheduler):
+        """Config(snapshot="memory"): names the lr scheduler whose state the
+        snapshots keep (docs/snapshots.md); after a restore it takes the
+        state restored."""
+        if not self.snapshots:
+            raise ValueError("engine.snapshot_lr_scheduler: this engine takes no snapshots; set "
+                             "zerocore.Config(snapshot=\"memory\")")
+        self.snapshots.keep_lr_scheduler(lr_scheduler)
 
     # Ending ----------------------------------------------------------------
     def close(self) -> nn.Module:
@@ -223,6 +240,8 @@ class Engine(Training, StateIO, Reports):
         self._cast_buffers(lambda name, _: self._buffer_dtypes[name])  # rank 0's values since full_state_dict
         del module._zerocore_engine
         release_optimizer(self.optimizer)
+        if self.snapshots:  # the last one written and mirrored
+            self.snapshots.close()
         comms = [self.comm, self.reduce_comm, self.rounds_comm if self.scheduler else None, self.control]
         for comm in filter(None, comms):  # what is in flight (stage 3's prefetch for the next forward) lands first
             comm.close()

@@ -11,6 +11,7 @@ failed one in a collective it never issues. The first of them
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 
@@ -109,7 +110,8 @@ def check_same_model(comm, config, spec, params, names, initializer, failed):
     RNG state too, since ranks that disagree on it would train different
     models. A rank that `failed` its own checks sends -1, so the others
     raise too instead of waiting for it in the next collective."""
-    desc = repr((config, spec.kind, len(spec.param_groups), initializer.kind,
+    # Config.snapshot_dir is the node's own folder: it may differ from node to node.
+    desc = repr((dataclasses.replace(config, snapshot_dir=None), spec.kind, len(spec.param_groups), initializer.kind,
                  [(names[id(p)], tuple(p.shape), p.requires_grad) for p in params]))
     rng = _hash(bytes(torch.get_rng_state().tolist()), 31) if initializer.uses_rng else 0
     # One int64 a rank: the model's hash above the RNG's, to tell which differs.

@@ -35,7 +35,9 @@ class Reports:
         "by_device": the same categories split by where they live:
         "device" (where training runs) and "host" (what offload moved there:
         Config.offload_optimizer/offload_params, zerocore.checkpoint's
-        offload="cpu")."""
+        offload="cpu"). "snapshots" (with Config(snapshot="memory")): the
+        host and shared memory the in-memory snapshots hold on this rank, as
+        of the last one written (Snapshots.bytes_held)."""
         by = {at: {"param": 0, "grad": 0, "optim": 0} for at in ("device", "host")}
         for at, counts in by.items():
             for g in self.groups:
@@ -49,6 +51,8 @@ class Reports:
         by["host"]["comm_buffers"] = self.zero_step.buffer_bytes + getattr(self.reducer, "landing_bytes", 0)
         by["device"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=False)
         by["host"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=True)
+        if self.snapshots:  # Config(snapshot="memory"): their files (own and mirrors'), staged copy and buffers
+            by["device"]["snapshots"], by["host"]["snapshots"] = 0, self.snapshots.bytes_held
         return {**{k: by["device"][k] + by["host"][k] for k in by["device"]}, "by_device": by}
 
     def comm_stats(self) -> dict:

@@ -7,6 +7,7 @@ land (finish_update), so what goes out or comes in is the latest.
 from __future__ import annotations
 
 import contextlib
+import os
 
 from zerocore import param_guards, save_load
 from zerocore.grouping import param_names
@@ -73,6 +74,8 @@ class StateIO:
         steps. The save replaces the one in `path` only once every rank's
         files are on disk: one that fails or dies leaves the last one whole."""
         save_load.save(self, path, lr_scheduler, extra)
+        if self.snapshots:  # named when a snapshot cannot be restored
+            self.snapshots.last_checkpoint = os.path.abspath(path)
 
     @engine_call("load()")
     def load(self, path, lr_scheduler=None):

@@ -41,12 +41,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
-def write(path, entries, metadata=None, fsync=False):
+def write(path, entries, metadata=None, fsync=False, overwrite=False):
     """Writes a safetensors file. entries: (name, dtype, shape, tensor or a
     callable giving it) in any order; a callable is called only when its
     bytes are written, so a file of many large tensors holds one at a time.
     Tensors go in order of decreasing element size, so every one is
-    aligned to its element in the file."""
+    aligned to its element in the file. overwrite: an existing file at
+    `path` is written over in place and cut to size, its pages reused (in
+    shared memory, no page is freed, allocated and zeroed again)."""
     order = sorted(entries, key=lambda e: -torch.empty(0, dtype=e[1]).element_size())
     header, offset = {}, 0
     if metadata:
@@ -57,7 +59,7 @@ def write(path, entries, metadata=None, fsync=False):
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
+    with open(path, "r+b" if overwrite and os.path.exists(path) else "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for name, dtype, shape, value in order:
@@ -66,6 +68,7 @@ def write(path, entries, metadata=None, fsync=False):
                 raise ValueError(f"safetensors write: {name} is {t.dtype} {tuple(t.shape)}, declared "
                                  f"{dtype} {tuple(shape)}")
             f.write(tensor_bytes(t.detach().contiguous().cpu()))
+        f.truncate()
         if fsync:
             f.flush()
             os.fsync(f.fileno())

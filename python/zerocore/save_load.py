@@ -77,7 +77,7 @@ def _hyper(group) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _manifest(engine, save_id, sizes, lr_scheduler, extra) -> dict:
+def manifest_of(engine, save_id, sizes, lr_scheduler, extra) -> dict:
     group_of = {id(p): i for i, g in enumerate(engine.optimizer.param_groups) for p in g["params"]}
     return {
         "format": FORMAT, "version": VERSION, "id": save_id,
@@ -96,7 +96,7 @@ def _manifest(engine, save_id, sizes, lr_scheduler, extra) -> dict:
     }
 
 
-def _rank_tensors(engine) -> dict:
+def rank_tensors(engine) -> dict:
     """What this rank writes: its stretches of every group's fp32 params and
     optimizer states, its RNG states, and (rank 0) the module's buffers."""
     rank, out = engine.comm.rank, {}
@@ -136,7 +136,7 @@ def save(engine, path, lr_scheduler=None, extra=None):
 
     def write():
         os.makedirs(os.path.dirname(file), exist_ok=True)
-        write_rank_file(file, save_id, comm.rank, comm.world_size, _rank_tensors(engine))
+        write_rank_file(file, save_id, comm.rank, comm.world_size, rank_tensors(engine))
 
     problem = _problem(write)
     sizes = comm.gather_ints(-1 if problem else os.path.getsize(file))
@@ -148,7 +148,7 @@ def save(engine, path, lr_scheduler=None, extra=None):
         raise
     commit = ""
     if comm.rank == 0:
-        commit = _problem(lambda: write_manifest(path, _manifest(engine, save_id, sizes, scheduler_state,
+        commit = _problem(lambda: write_manifest(path, manifest_of(engine, save_id, sizes, scheduler_state,
                                                                  extra_state)))
         if commit:
             shutil.rmtree(os.path.join(path, save_id), ignore_errors=True)
@@ -194,7 +194,7 @@ def _check_model(engine, ckpt) -> None:
         raise CheckpointError(f"{where}: another model: its buffers differ from this module's")
 
 
-def _plan(engine, ckpt):
+def plan_reads(engine):
     """What this rank reads: (stretches, kind, param name) per param and
     state of every group, with the (kind, name, first, numel) it asks of
     the checkpoint."""
@@ -219,7 +219,7 @@ def load(engine, path, lr_scheduler=None):
         _no_pending_grads(engine, "load")
         ckpt = CheckpointReader(path)
         _check_model(engine, ckpt)
-        loads, wanted = _plan(engine, ckpt)
+        loads, wanted = plan_reads(engine)
         ckpt.verify(wanted)
         for name in ckpt.manifest["buffers"]:
             ckpt.verify_named(f"buffer/{name}")
@@ -255,7 +255,12 @@ def _apply(engine, ckpt, loads, lr_scheduler):
             torch.cuda.set_rng_state(state, int(key.rsplit("/", 1)[1]))
     engine.step_count = m["step"]
     engine.scaler.load_state_dict(m["loss_scale"])
-    for group, saved in zip(engine.optimizer.param_groups, m["optimizer"]["param_groups"]):
-        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+    set_hyperparameters(engine.optimizer, m["optimizer"]["param_groups"])
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(m["lr_scheduler"])
+
+
+def set_hyperparameters(optimizer, saved_groups):
+    """Each param group's hyperparameters as a manifest holds them (JSON's lists as tuples: betas)."""
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})

@@ -1,0 +1,136 @@
+"""In-memory snapshots' cost: the step with Config(snapshot="memory") at one
+snapshot a step, against the same step without.
+
+    python bench/snapshot_bench.py                        # 2 ranks, stage 3, GPT 4 x 512, batch 8 x 64
+    python bench/snapshot_bench.py --stage 1 --every 4
+
+Each rank wraps two copies of one GPT-style model (zerocore.examples.gpt)
+with AdamW, one with snapshots (into a fresh folder under /dev/shm, one
+mirror: snapshot_copies=1) and one without, and trains them in turns,
+--steps steps each per round, for --rounds rounds, so both see the same
+machine. A step is forward, backward, step and zero_grad, timed from a
+barrier to the slowest rank; the snapshot's own work (its copy at the
+step, its manifest at the next forward, its file write and mirror behind
+that forward and backward, and the wait for them at the next snapshot) all
+falls inside the steps timed. Reported: the median step of each and their
+ratio (the target: at most 1.1); per rank the CPU time of a step, the
+snapshots' thread included (the block's last snapshot waited for), which
+other jobs on a shared machine disturb less than wall time; and per rank
+the bytes the snapshots hold (Snapshots.bytes_held: the files of its
+folder, two steps of its own and of its mirror's, the staged copy and the
+mirror's receive buffer)
+against the partition they copy, and the process's peak resident memory.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import zerocore
+import cpu_ranks
+from zerocore.examples.gpt import GPT, GPTConfig
+
+
+def _engine(args, **snapshots):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=args.vocab, n_layer=args.layers, n_head=8, d_model=args.dim, seq_len=args.seq))
+    return zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), {"stage": args.stage, **snapshots})
+
+
+def _step(engine, idx):
+    engine.backward(engine(idx[:, :-1], idx[:, 1:])["loss"])
+    engine.optimizer.step()
+    engine.optimizer.zero_grad()
+
+
+def _timed_steps(engine, args, times, cpu):
+    """args.steps steps: each one's wall time (the slowest rank's) into
+    `times`; the CPU time this process spent on the whole block, its
+    snapshots' thread included (waited for at the end), per step, into `cpu`."""
+    cpu_start = time.process_time()
+    for _ in range(args.steps):
+        idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
+        dist.barrier()
+        start = time.perf_counter()
+        _step(engine, idx)
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    if engine.snapshots:
+        engine.snapshots.wait()
+    cpu.append((time.process_time() - cpu_start) / args.steps)
+
+
+def _measure(rank, port, args, root):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
+                            timeout=datetime.timedelta(minutes=10))
+    torch.set_num_threads(1)
+    plain = _engine(args)
+    snapshotting = _engine(args, snapshot="memory", snapshot_every=args.every, snapshot_dir=root,
+                           snapshot_run_id="bench")
+    times, cpu = {"plain": [], "snapshot": []}, {"plain": [], "snapshot": []}
+    for engine in (plain, snapshotting):  # warm-up: the first steps allocate
+        _step(engine, torch.randint(0, args.vocab, (args.batch, args.seq + 1)))
+    for _ in range(args.rounds):
+        _timed_steps(plain, args, times["plain"], cpu["plain"])
+        _timed_steps(snapshotting, args, times["snapshot"], cpu["snapshot"])
+    snapshots = snapshotting.snapshots
+    snapshots.wait()
+    owned = sum(t.numel() * t.element_size() for t in snapshots._staged.values())
+    row = (owned, snapshots.bytes_held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           statistics.median(cpu["plain"]), statistics.median(cpu["snapshot"]))
+    rows = [None] * args.world
+    dist.all_gather_object(rows, row)
+    dist.destroy_process_group()
+    return plain.num_trainable_params, times, rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--every", type=int, default=1, help="Config.snapshot_every")
+    parser.add_argument("--steps", type=int, default=5, help="steps of each engine per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--dir", default="/dev/shm", help="where the snapshot folder goes")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(dir=args.dir, prefix="zerocore-snapshot-bench-")
+    try:
+        numel, times, rows = cpu_ranks.run(_measure, args.world, args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    plain, snap = statistics.median(times["plain"]), statistics.median(times["snapshot"])
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{datetime.date.today()}")
+    print(f"# GPT {args.layers} x {args.dim}, {numel / 1e6:.1f}M params, stage {args.stage}, {args.world} ranks, "
+          f"batch {args.batch} x {args.seq} per rank, a snapshot every {args.every} step(s), one mirror; "
+          f"median of {len(times['plain'])} steps each")
+    print(f"step without snapshots {plain * 1e3:8.1f} ms")
+    print(f"step with snapshots    {snap * 1e3:8.1f} ms   ratio {snap / plain:.3f} (target <= 1.1)")
+    for r, (owned, held, rss, cpu_plain, cpu_snap) in enumerate(rows):
+        print(f"rank {r}: CPU per step {cpu_plain * 1e3:.1f} ms without, {cpu_snap * 1e3:.1f} ms with snapshots "
+              f"(their thread's included): ratio {cpu_snap / cpu_plain:.3f}")
+    for r, (owned, held, rss, *_) in enumerate(rows):
+        print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
+              f"({held / owned:.2f}x: two steps of its own file and its mirror's, the staged copy, "
+              f"the receive buffer); peak RSS {rss / 2**20:.0f} MiB (both engines)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""In-memory snapshots with peer mirrors (Config(snapshot="memory"),
+docs/snapshots.md), under torchrun (python -m torch.distributed.run) on
+gloo ranks: a rank killed with SIGKILL in step 5 (at a place drawn afresh
+each run: its forward, backward, step, or the snapshot written behind it),
+with its snapshot folder lost too, a second launch at fewer ranks, two
+neighbours lost, a corrupt snapshot. Every job that finishes is compared,
+bitwise, with an uninterrupted run of snapshot_job.train on dist_harness's
+ranks without snapshots (the same reduction order: the same bits). The
+runs share one set-up: the 4-rank run that dies and its 3-rank relaunch,
+whose snapshots the last two cases copy and damage.
+"""
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import snapshot_job
+import zerocore
+from dist_harness import run_ranks
+
+STEPS = 7
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_job.py")
+PLACES = ("forward", "backward", "step", "snapshot")
+
+
+def _launch(tmp, ranks, run_id, *job_args, restarts=1, steps=STEPS):
+    """The job under torchrun; (torchrun's exit code and output, each rank's report, its output folder)."""
+    out = tmp / f"out-{run_id}-{len(list(tmp.glob(f'out-{run_id}-*')))}"
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               f"--max-restarts={restarts}", "--monitor-interval=0.2", JOB, "--steps", str(steps),
+               "--dir", str(tmp / "shm"), "--run-id", run_id, "--out", str(out), *job_args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    reports = []
+    for r in range(ranks):
+        path = out / f"rank-{r}.json"
+        assert path.exists(), f"rank {r} wrote no report:\n{output[-6000:]}"
+        reports.append(json.loads(path.read_text()))
+    return proc.returncode, output, reports, out
+
+
+def _assert_bitwise(out, reference, output):
+    assert (out / "params.pt").exists(), f"the job did not finish:\n{output[-6000:]}"
+    got = torch.load(out / "params.pt")
+    assert got.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(got[name], value), f"{name} differs from the uninterrupted run"
+
+
+def _restored(reports, output, restart):
+    """The step every rank restored (the same on each), after `restart` restarts."""
+    assert [r.get("restart") for r in reports] == [restart] * len(reports), output[-6000:]
+    steps = {r["restored_step"] for r in reports}
+    assert len(steps) == 1, f"ranks restored different steps: {reports}"
+    return steps.pop()
+
+
+@pytest.fixture(scope="module")
+def reference3():
+    """3 ranks, STEPS steps, never interrupted."""
+    return run_ranks(snapshot_job.train, 3, STEPS)[0][0]
+
+
+def _reference_4_then_3(tmp, step):
+    """4 ranks up to `step`, a checkpoint, loaded at 3 ranks, on to STEPS."""
+    ckpt = str(tmp / f"ckpt-{step}")
+    run_ranks(snapshot_job.train, 4, STEPS, (step, ckpt))
+    return run_ranks(snapshot_job.train, 3, STEPS, None, (step, ckpt))[0][0]
+
+
+@pytest.fixture(scope="module")
+def relaunched(tmp_path_factory):
+    """A 4-rank run (a disk checkpoint after step 2) whose rank 3 dies in
+    step 5 with no restart, then the same run id at 3 ranks, each rank on a
+    node of its own (rank 3's partition comes from the mirror on rank 0,
+    and each rank fetches the files holding its new partition from the
+    others): (tmp folder,
+    its report, output and output folder, the step restored, the 4 -> 3
+    reference)."""
+    tmp = tmp_path_factory.mktemp("snapshots")
+    code, output, _, first = _launch(tmp, 4, "shrink", "--kill", "3:5:step", "--save-at", "2", "--node-per-rank",
+                                     restarts=0)
+    assert code != 0, "the 4-rank run was to die"
+    code, output, reports, out = _launch(tmp, 3, "shrink", "--node-per-rank")
+    assert code == 0, output[-6000:]
+    step = _restored(reports, output, 0)
+    return tmp, reports, output, out, step, _reference_4_then_3(tmp, step), first / "checkpoint"
+
+
+@pytest.mark.parametrize("lose_dir", [False, True], ids=["own-snapshot", "node-lost-peer-mirror"])
+def test_killed_rank_restarts_and_finishes_bitwise(tmp_path, reference3, lose_dir):
+    """Rank 1 killed with SIGKILL at a random place of step 5 (lose_dir: each
+    rank on a node of its own, rank 1's snapshot folder gone with it, so its
+    partition comes from rank 2's mirror, sent over the group); torchrun
+    restarts every rank, which restore the newest step every partition has,
+    at most the step in flight and the one before it lost, and finish equal
+    to the uninterrupted run."""
+    place = random.choice(PLACES)
+    kill = f"1:{4 if place == 'snapshot' else 5}:{place}"  # step 4's snapshot is written during step 5
+    code, output, reports, out = _launch(tmp_path, 3, "kill", "--kill", kill,
+                                         *(["--lose-dir", "--node-per-rank"] if lose_dir else []))
+    assert code == 0, f"killed at {place}:\n{output[-6000:]}"
+    step = _restored(reports, output, 1)
+    assert 3 <= step <= 4, f"killed at {place}: restored step {step}"
+    if lose_dir:  # rank 1 held nothing: its own file came from rank 2's mirror, rank 0's from rank 0
+        assert {0, 1} <= set(reports[1]["fetched"]), reports
+    _assert_bitwise(out, reference3, output)
+    for report in reports:  # memory_report counts the snapshots: two steps of its own partition and a mirror's
+        memory = report["memory_report"]
+        held = memory["by_device"]["host"]["snapshots"]
+        assert memory["snapshots"] == held > 3 * (memory["param"] + memory["optim"])
+
+
+def test_fewer_ranks_after_a_four_rank_run_died(relaunched):
+    """The 3-rank launch resharded the 4-rank snapshots: equal to a 4-rank
+    run loaded from a checkpoint at 3 ranks."""
+    _, reports, output, out, step, reference, _ = relaunched
+    assert 3 <= step <= 4
+    assert any(r["fetched"] for r in reports), "no rank fetched a file from another node"
+    _assert_bitwise(out, reference, output)
+
+
+def _copy_run(tmp, run_id):
+    """The relaunched run's snapshots, on every node, under another run id; [run folder of node r]."""
+    for node in sorted((tmp / "shm").glob("node-*")):
+        shutil.copytree(node / "shrink", node / run_id)
+    return [tmp / "shm" / f"node-{r}" / run_id for r in range(3)]
+
+
+def test_two_neighbours_lost_with_one_copy_raise_on_every_rank(relaunched):
+    """Ranks 1 and 2's nodes gone: rank 1's snapshot and its one mirror
+    (on rank 2) are lost; every rank raises at wrap naming rank 1 and the
+    run's disk checkpoint."""
+    tmp, *_, checkpoint = relaunched
+    runs = _copy_run(tmp, "neighbours")
+    shutil.rmtree(runs[1])
+    shutil.rmtree(runs[2])
+    code, output, reports, _ = _launch(tmp, 3, "neighbours", "--node-per-rank", restarts=0)
+    assert code != 0
+    for rank, report in enumerate(reports):
+        assert "rank(s) [1] (of 3)" in report.get("error", ""), f"rank {rank}: {report}"
+        assert str(checkpoint) in report["error"], report["error"]
+
+
+def test_corrupt_snapshot_is_refused(relaunched):
+    """One bit of rank 1's newest snapshot flipped, its mirror removed: the
+    checksum refuses it (a warning names it), every rank restores the step
+    before, and the job ends as the run it copies."""
+    tmp, _, _, _, _, reference, _ = relaunched
+    runs = _copy_run(tmp, "corrupt")
+    newest = sorted((runs[1] / "rank-00001").glob("*.rank-00001-of-00003.safetensors"))[-1]
+    data = bytearray(newest.read_bytes())
+    data[-5] ^= 0x10
+    newest.write_bytes(bytes(data))
+    (runs[2] / "rank-00002" / newest.name).unlink()
+    code, output, reports, out = _launch(tmp, 3, "corrupt", "--node-per-rank", restarts=0)
+    assert code == 0, output[-6000:]
+    assert _restored(reports, output, 0) == STEPS - 1
+    assert f"{newest}: checksum mismatch" in output
+    _assert_bitwise(out, reference, output)
+
+
+@pytest.mark.parametrize("fields", [{"stage": 0}, {"stage": 1}, {"stage": 2, "dtype": "bf16"},
+                                    {"stage": 3, "offload_optimizer": "cpu", "delayed_update": True,
+                                     "delayed_update_warmup": 1}],
+                         ids=["stage0", "stage1", "stage2-bf16", "stage3-offload-delayed"])
+def test_restored_in_process_equals_the_uninterrupted_run(tmp_path, fields):
+    """Without torchrun, on dist_harness's 2 ranks: a run of 3 steps with
+    snapshots, then another wrap of the same run id restoring step 3 and
+    going on to STEPS, equal bitwise to STEPS steps uninterrupted, at other
+    stages, in bf16, and with the optimizer offloaded and its update
+    delayed. That one's reference takes snapshots too: a snapshot lets the
+    delayed update land first (as engine.save does), so the steps it
+    follows are not delayed, and a run with snapshots is not one without."""
+    snapshots = {**fields, "snapshot": "memory", "snapshot_dir": str(tmp_path), "snapshot_run_id": "r"}
+    uninterrupted = {**snapshots, "snapshot_run_id": "other"} if fields.get("delayed_update") else fields
+    reference = run_ranks(snapshot_job.train, 2, STEPS, None, None, uninterrupted)[0][0]
+    run_ranks(snapshot_job.train, 2, 3, None, None, snapshots)
+    state, restored = run_ranks(snapshot_job.train, 2, STEPS, None, None, snapshots)[0]
+    assert restored == 3
+    for name, value in reference.items():
+        assert torch.equal(state[name], value), f"{name} differs from the uninterrupted run"
+
+
+def test_two_copies_survive_two_neighbours_lost(tmp_path, reference3):
+    """snapshot_copies=2 on 3 ranks, each a node of its own: with ranks 1
+    and 2's nodes lost, rank 1's partition is restored from its second
+    mirror, on rank 0, and rank 2's from its first; equal bitwise to the
+    uninterrupted run."""
+    snapshots = {"snapshot": "memory", "snapshot_copies": 2, "snapshot_dir": str(tmp_path / "node-{rank}"),
+                 "snapshot_run_id": "r"}
+    run_ranks(snapshot_job.train, 3, 3, None, None, snapshots)
+    for lost in (1, 2):
+        shutil.rmtree(tmp_path / f"node-{lost}")
+    state, restored = run_ranks(snapshot_job.train, 3, STEPS, None, None, snapshots)[0]
+    assert restored == 3
+    for name, value in reference3.items():
+        assert torch.equal(state[name], value), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize("fields, named", [({"snapshot": "disk"}, "snapshot='disk'"),
+                                           ({"snapshot": "memory", "snapshot_every": 0}, "snapshot_every=0"),
+                                           ({"snapshot": "memory", "snapshot_copies": 0}, "snapshot_copies=0"),
+                                           ({"snapshot": "memory", "snapshot_dir": ""}, "snapshot_dir=''")])
+def test_config_refuses_bad_snapshot_fields(fields, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        zerocore.Config(**fields)
+
+
+def test_snapshots_need_a_run_id(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    model, opt = snapshot_job.model_and_optimizer()
+    with pytest.raises(ValueError, match="needs the run's id"):
+        zerocore.wrap(model, opt, {"stage": 0, "snapshot": "memory"})
+
+
+def test_naming_a_scheduler_needs_snapshots():
+    model, opt = snapshot_job.model_and_optimizer()
+    engine = zerocore.wrap(model, opt, {"stage": 0})
+    with pytest.raises(ValueError, match="takes no snapshots"):
+        engine.snapshot_lr_scheduler(snapshot_job.scheduler(opt))
