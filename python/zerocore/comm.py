@@ -59,7 +59,8 @@ _CONTROL = _native.CONTROL_GROUP  # the key group of control-plane collectives
 _PURPOSES = {ControlPurpose.ROUND: "stage 3's round", ControlPurpose.NORMS: "the step's norm exchange",
              ControlPurpose.AGREEMENT: "the ranks' agreement (at wrap, load or save)",
              ControlPurpose.BROADCASTS: "a broadcast of buffers or params",
-             ControlPurpose.MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)"}
+             ControlPurpose.MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)",
+             ControlPurpose.EXACT_GRADS: "the exact sum of the grads (Config(deterministic=True))"}
 MICRO_BATCHES = ControlPurpose.MICRO_BATCHES  # the engine's meeting (Training._meet)
 
 
@@ -200,6 +201,31 @@ class Communicator:
         """Every rank's int, in rank order; purpose: what it is for (_PURPOSES), named if it fails;
         after_compute=False: it waits for no device work (a host number), as stage 3's rounds do not."""
         return [row[0] for row in self._gather_rows([value], torch.int64, purpose, after_compute)]
+
+    def gather_floats(self, values, purpose=ControlPurpose.AGREEMENT) -> list:
+        """Every rank's list of floats (all of one length), in rank order."""
+        return self._gather_rows(values, torch.float64, purpose)
+
+    def sum_int64(self, t: torch.Tensor, purpose, chunk: int = 1 << 20) -> int:
+        """t (int64) <- its sum over ranks, in place; returns the bytes this
+        rank sent and received. Integer sums are exact in any order, but the
+        queue moves bytes, not int64 sums: each chunk of `chunk` elements is
+        all-gathered on the control queue and added up here."""
+        if self.world_size == 1:
+            return 0
+        host = t.reshape(-1).cpu()
+        moved = 0
+        for start in range(0, host.numel(), chunk):
+            part = host[start:start + chunk]
+            out = torch.empty(self.world_size * part.numel(), dtype=torch.int64)
+            rows = _as_halves(out)
+            key = (CollectiveKind.ALL_GATHER, _CONTROL, purpose, rows.numel())
+            self.control_queue.all_gather(key, _as_halves(part.clone()), rows).wait()
+            torch.sum(out.view(self.world_size, -1), dim=0, out=part)
+            moved += out.numel() * 8
+        if host.data_ptr() != t.data_ptr():
+            t.copy_(host.view(t.shape))
+        return moved
 
     def raise_together(self, error, others: str, error_type=ValueError):
         """Where any rank failed, every rank raises instead of waiting for it

@@ -130,6 +130,10 @@ class Config:
         comm queue's native threads call directly: zerocore/nccl.py). The
         control plane stays on gloo either way. "native" needs a CUDA
         module and zerocore built with the transport (nccl.h at build time).
+    deterministic: the same bits at any world size (docs/deterministic.md):
+        each engine.backward takes its micro-batch's own loss, unscaled, and
+        the step's gradient is the mean over every micro-batch of every
+        rank, summed exactly on a fixed-point grid. Stages 0 and 1 for now.
     """
 
     stage: int = 3
@@ -147,6 +151,7 @@ class Config:
     delayed_update_warmup: int = 40
     timeout: Optional[Union[datetime.timedelta, float]] = None
     nccl: str = "torch"
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -174,6 +179,7 @@ class Config:
             raise ValueError(f"zerocore.Config: nccl={self.nccl!r}; use \"torch\" (torch.distributed's NCCL) or "
                              "\"native\" (zerocore's own NCCL transport)")
         self._check_offload()
+        self._check_deterministic()
 
     @property
     def coalesce_limit(self) -> int:
@@ -195,6 +201,13 @@ class Config:
         if self.delayed_update and not self.offload_optimizer:
             raise ValueError("zerocore.Config: delayed_update=True needs offload_optimizer=\"cpu\": the delayed "
                              "update hides the host step behind the device's next forward and backward")
+
+    def _check_deterministic(self):
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"zerocore.Config: deterministic={self.deterministic!r}; use True or False")
+        if self.deterministic and self.stage > 1:
+            raise ValueError(f"zerocore.Config: deterministic=True is built for stages 0 and 1 so far (got "
+                             f"stage={self.stage}); docs/deterministic.md says what stages 2-3 need")
 
     @classmethod
     def from_any(cls, config) -> "Config":

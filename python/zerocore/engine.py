@@ -42,6 +42,7 @@ from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_p
 from zerocore.engine_reports import Reports
 from zerocore.engine_state_io import StateIO
 from zerocore.engine_training import Training
+from zerocore.exact_grads import ExactGradSum
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.grouping import build_groups, param_names
@@ -135,8 +136,12 @@ class Engine(Training, StateIO, Reports):
             self.comm.queue, CollectiveKind.ALL_GATHER,
             [g.store.group_buffer(g.tag, "full") for g in gathered]) if gathered else None
         self.scheduler = None
+        # Config(deterministic=True): the grads' exact sums replace stages 0-1's float reduction.
+        self.exact = None
         if not placement.partitions_grads:
             self.reducer = FullGradReducer(self.groups, self.comm, placement)
+            if cfg.deterministic:
+                self.exact = ExactGradSum(self.groups, self.comm)
         else:
             self.reducer = StagedReducer(self.groups, self.comm, staging_buffers(self.groups, self.units),
                                          on_request=placement.partitions_params)
@@ -162,7 +167,7 @@ class Engine(Training, StateIO, Reports):
         self.zero_step = ZeroStep(
             self.comm.queue, self.comm.control_queue, None if offload else self.update.runs,
             partitioned=placement.partitions_optimizer,
-            grad_reduce=None if placement.partitions_grads else self.reducer.collectives,
+            grad_reduce=None if placement.partitions_grads or self.exact else self.reducer.collectives,
             param_gather=self.param_gather, units=self.scheduler.native if self.scheduler else None,
             loss_scaler=self.scaler.native, host_update=self.update.host if offload else None)
         if placement.partitions_grads:

@@ -164,11 +164,15 @@ StepResult ZeroStep::step(const StepOptions& options) {
   }
   StepResult out;
   LossScaler* scaler = parts_.loss_scaler;
-  double grad_scale = 1.0 / (parts_.data->world_size() * loss_scale());
-  out.norm = std::sqrt(agreed.sum_of_squares) * grad_scale;
-  out.applied = std::isfinite(agreed.sum_of_squares);
+  const double sum_of_squares = options.exact ? options.exact->sum_of_squares : agreed.sum_of_squares;
+  double grad_scale = 1.0 / ((options.exact ? 1 : parts_.data->world_size()) * loss_scale());
+  out.norm = std::sqrt(sum_of_squares) * grad_scale;
+  const bool finite = std::isfinite(sum_of_squares);
+  out.applied = finite && !(options.exact && options.exact->regrid);
   if (!out.applied) {
-    if (scaler == nullptr || !scaler->dynamic()) {
+    if (finite) {
+      // A finite grad outside the exact sum's grid: no loss scale to back off.
+    } else if (scaler == nullptr || !scaler->dynamic()) {
       // options.step counts this step too (Adam's bias correction); the user's engine.step_count does not.
       throw NonFiniteGradients(
           "zerocore: gradients hold inf/NaN, so this step was not applied (engine.step_count stays " +
@@ -177,8 +181,9 @@ StepResult ZeroStep::step(const StepOptions& options) {
           "check this step's batches (bad data, an empty or all-padding batch, a log of 0) and the loss; "
           "engine.zero_grad() on every rank gives the step up, and training can go on with the next batch. If "
           "16-bit grads overflowed, fp16 with dynamic loss scaling (dtype='fp16') skips such steps instead.");
+    } else {
+      scaler->update(true);  // backs off; throws at the minimum scale
     }
-    scaler->update(true);  // backs off; throws at the minimum scale
     // The next forward reads a pending update's params (and, in stages 1-2,
     // every rank's); stage 3's end-of-step round below releases any unit
     // gathered from the shards they replace.
