@@ -8,15 +8,19 @@ optimizer state, the loss scale, each step's result and clip norm, bitwise
 bf16 and fp16 (dynamic loss scale, with an overflow that skips a step);
 AdamW, SGD with momentum; clipping; an optimizer offloaded to the host;
 grads that fall outside the first step's grid (a skipped step, a wider
-grid). A checkpoint saved at 4 ranks continues at 3 with the same bits.
+grid). A checkpoint saved at 4 ranks continues at 3 with the same bits,
+and docs/deterministic.md's example gives the same bits at 1 and 3 ranks.
 The world-1 job's SGD case is checked against single-process torch in
 float64 (the mean of the micro-batches' grads)."""
+from pathlib import Path
+
 import pytest
 import torch
 
 import zerocore
 from dist_harness import run_ranks
 from models import TinyLM, lm_batch, lm_loss
+from readme import blocks
 
 M = 12  # micro-batches a step: every world size 1-4 divides it
 STEPS = 3
@@ -189,3 +193,14 @@ def test_mean_of_micro_batches_against_float64(zerocore_seed):
     assert len(params) == len(list(model.parameters()))
     for name in params:
         torch.testing.assert_close(got[("param", name)].double(), want[name].reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_docs_example(tmp_path):
+    """docs/deterministic.md's example, as written: the same bits at 1 and 3 ranks."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "deterministic.md").read_text()
+    (example,) = blocks(text, "python")
+    namespace = {}
+    exec(compile(example, "docs/deterministic.md", "exec"), namespace)
+    one, three = run_ranks(namespace["train"], 1)[0], run_ranks(namespace["train"], 3)
+    for state in three:
+        assert state.keys() == one.keys() and all(torch.equal(state[k], one[k]) for k in one)
