@@ -4,11 +4,12 @@ run at world sizes 1, 2, 3 and 4, each with two assignments of the
 micro-batches to ranks (contiguous blocks run backwards; a random deal),
 against the job at world size 1 in plain order: the fp32 params, every
 optimizer state, the loss scale, each step's result and clip norm, bitwise
-(torch.equal), assembled from every rank. Cases: stages 0 and 1; fp32,
-bf16 and fp16 (dynamic loss scale, with an overflow that skips a step);
-AdamW, SGD with momentum; clipping; an optimizer offloaded to the host;
-grads that fall outside the first step's grid (a skipped step, a wider
-grid). A checkpoint saved at 4 ranks continues at 3 with the same bits,
+(torch.equal), assembled from every rank. Cases: stages 0-3; fp32, bf16
+and fp16 (dynamic loss scale, with an overflow that skips a step); AdamW,
+SGD with momentum; clipping (max_grad_norm and clip_grad_norm_); buckets
+that straddle ranks; stage 3's persist_threshold; the optimizer, and at
+stage 3 the params, offloaded to the host; grads that fall outside the
+first step's grid (a skipped step, a wider grid). A checkpoint saved at 4 ranks continues at 3 with the same bits,
 and docs/deterministic.md's example gives the same bits at 1 and 3 ranks.
 The world-1 job's SGD case is checked against single-process torch in
 float64 (the mean of the micro-batches' grads)."""
@@ -43,7 +44,15 @@ CASES = {
                              lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0, None),
     "stage1-fp32-regrid": (dict(stage=1), _sgd, lambda step, micro: 2.0**40 if step == 0 else 1.0, None),
     "stage1-fp32-offload": (dict(stage=1, offload_optimizer="cpu"), _adamw, None, 1.0),
+    "stage2-fp32-sgd-clip": (dict(stage=2, max_grad_norm=0.5, bucket_bytes=1024), _sgd, None, None),
+    "stage2-fp16-overflow": (dict(stage=2, dtype="fp16", loss_scale=zerocore.DynamicLossScale(initial=2.0**10)),
+                             _adamw, lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0, None),
+    "stage2-fp32-offload": (dict(stage=2, offload_optimizer="cpu"), _adamw, None, None),
+    "stage3-bf16-adamw-clip": (dict(stage=3, dtype="bf16"), _adamw, None, 0.5),
+    "stage3-fp32-persist": (dict(stage=3, persist_threshold=100, bucket_bytes=1024), _adamw, None, None),
+    "stage3-fp32-offload-params": (dict(stage=3, offload_optimizer="cpu", offload_params="cpu"), _sgd, None, 1.0),
 }
+OVERFLOWS = ("stage0-fp16-overflow", "stage2-fp16-overflow")  # an inf loss in step 1: skipped, the scale halved
 
 
 def assignments(world, seed):
@@ -161,11 +170,12 @@ def test_expected_skips(zerocore_seed):
     """The cases skip the steps they are built to skip, and train the rest."""
     ref = reference(zerocore_seed)
     applied = {case: [r[0] for r in ref[case][0]] for case in CASES}
-    assert applied["stage0-fp16-overflow"] == [True, False, True]
+    for case in OVERFLOWS:
+        assert applied[case] == [True, False, True], case
+        scales = [r[2] for r in ref[case][0]]
+        assert scales[1] == scales[0] / 2, case  # the overflow halved the loss scale
     assert applied["stage1-fp32-regrid"] == [False, True, True]
-    assert all(applied[c] == [True] * STEPS for c in CASES if c not in ("stage0-fp16-overflow", "stage1-fp32-regrid"))
-    scales = [r[2] for r in ref["stage0-fp16-overflow"][0]]
-    assert scales[1] == scales[0] / 2  # the overflow halved the loss scale
+    assert all(applied[c] == [True] * STEPS for c in CASES if c not in OVERFLOWS + ("stage1-fp32-regrid",))
 
 
 def test_resume_from_4_ranks_at_3(tmp_path, zerocore_seed):
@@ -204,3 +214,10 @@ def test_docs_example(tmp_path):
     one, three = run_ranks(namespace["train"], 1)[0], run_ranks(namespace["train"], 3)
     for state in three:
         assert state.keys() == one.keys() and all(torch.equal(state[k], one[k]) for k in one)
+
+
+def test_config_refuses_what_is_not_built():
+    with pytest.raises(ValueError, match="delayed_update"):
+        zerocore.Config(stage=2, offload_optimizer="cpu", delayed_update=True, deterministic=True)
+    with pytest.raises(ValueError, match="deterministic"):
+        zerocore.Config(deterministic=1)

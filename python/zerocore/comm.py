@@ -202,9 +202,9 @@ class Communicator:
         after_compute=False: it waits for no device work (a host number), as stage 3's rounds do not."""
         return [row[0] for row in self._gather_rows([value], torch.int64, purpose, after_compute)]
 
-    def gather_floats(self, values, purpose=ControlPurpose.AGREEMENT) -> list:
-        """Every rank's list of floats (all of one length), in rank order."""
-        return self._gather_rows(values, torch.float64, purpose)
+    def gather_int_rows(self, values, purpose=ControlPurpose.AGREEMENT) -> list:
+        """Every rank's list of ints (int64, all of one length), in rank order."""
+        return self._gather_rows(values, torch.int64, purpose)
 
     def sum_int64(self, t: torch.Tensor, purpose, chunk: int = 1 << 20) -> int:
         """t (int64) <- its sum over ranks, in place; returns the bytes this

@@ -133,7 +133,8 @@ class Config:
     deterministic: the same bits at any world size (docs/deterministic.md):
         each engine.backward takes its micro-batch's own loss, unscaled, and
         the step's gradient is the mean over every micro-batch of every
-        rank, summed exactly on a fixed-point grid. Stages 0 and 1 for now.
+        rank, summed exactly on a fixed-point grid (not yet with
+        delayed_update).
     """
 
     stage: int = 3
@@ -205,9 +206,9 @@ class Config:
     def _check_deterministic(self):
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"zerocore.Config: deterministic={self.deterministic!r}; use True or False")
-        if self.deterministic and self.stage > 1:
-            raise ValueError(f"zerocore.Config: deterministic=True is built for stages 0 and 1 so far (got "
-                             f"stage={self.stage}); docs/deterministic.md says what stages 2-3 need")
+        if self.deterministic and self.delayed_update:
+            raise ValueError("zerocore.Config: deterministic=True with delayed_update=True is not built yet "
+                             "(docs/deterministic.md); use one of them")
 
     @classmethod
     def from_any(cls, config) -> "Config":

@@ -136,15 +136,13 @@ class Engine(Training, StateIO, Reports):
             self.comm.queue, CollectiveKind.ALL_GATHER,
             [g.store.group_buffer(g.tag, "full") for g in gathered]) if gathered else None
         self.scheduler = None
-        # Config(deterministic=True): the grads' exact sums replace stages 0-1's float reduction.
-        self.exact = None
+        # Config(deterministic=True): the grads' exact sums replace the float reduction's.
+        self.exact = ExactGradSum(self.groups, self.comm, placement.partitions_grads) if cfg.deterministic else None
         if not placement.partitions_grads:
             self.reducer = FullGradReducer(self.groups, self.comm, placement)
-            if cfg.deterministic:
-                self.exact = ExactGradSum(self.groups, self.comm)
         else:
             self.reducer = StagedReducer(self.groups, self.comm, staging_buffers(self.groups, self.units),
-                                         on_request=placement.partitions_params)
+                                         on_request=placement.partitions_params, exact=self.exact)
         if placement.partitions_params:
             # The rounds run on a host process group of their own, so that none waits
             # behind the data collectives queued before it, nor the step's

@@ -215,7 +215,7 @@ class Training:
         self.compute_stream.check("engine.clip_grad_norm_")
         total = self._reduce_grads()
         if self.exact:  # the exact mean's, the same at any world size
-            norm = math.sqrt(self.exact.sum_of_squares) / self.scaler.scale
+            norm = math.sqrt(self.exact.squares) / self.scaler.scale
         else:
             norm = math.sqrt(total) / (self.comm.world_size * self.scaler.scale)
         self._clip_norm = max_norm if self._clip_norm is None else min(self._clip_norm, max_norm)
@@ -311,7 +311,7 @@ class Training:
         native step takes instead of the exchange's (called once they are)."""
         if not self.exact:
             return {}
-        return {"exact_sum_of_squares": self.exact.sum_of_squares, "regrid": self.exact.regrid}
+        return {"exact_sum_of_squares": self.exact.squares, "regrid": self.exact.regrid}
 
     def finish_update(self):
         """Offload with a delayed update: the update still running on the

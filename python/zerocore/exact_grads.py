@@ -3,25 +3,34 @@ micro-batch's grads over every rank, summed exactly, so it has the same
 bits at any world size, whichever rank ran which micro-batch and in which
 order (docs/deterministic.md).
 
-After each micro-batch's backward, its grads (the flat grad buffers of
-stages 0-1, which hold that micro-batch's alone) go onto one grid fixed for
-the step, multiples of 2**exponent, as int64 (rounded to nearest, ties to
-even), and add into int64 sums; the buffers are zeroed for the next one.
-Integer sums are exact, so associative: no order of adding, on a rank or
-across ranks, changes them. At the step the ranks agree on their largest
-|grad| in grid units (a maximum is order-independent too) and add their
-sums, chunk by chunk on the control queue. If count * (largest + 1) is
-below 2**62, no partial sum in any order can have overflowed int64, and the
-mean, sum * 2**exponent / count (formed in float64 from the integer sum,
-then rounded into the buffers' dtype), replaces the grads; otherwise the
-step is skipped on every rank, as an fp16 overflow is, and the grid widens.
-Every next grid comes from the step before's largest grad and count, with
+Each micro-batch's grads go onto one grid fixed for the step, multiples of
+2**exponent, as int64 (rounded to nearest, ties to even), and add into
+int64 sums. Integer sums are exact, so associative: no order of adding, on
+a rank or across ranks, changes them. Stages 0-1 (`partitioned` False):
+the flat grad buffers hold one micro-batch's grads after its backward;
+they are added into whole sums here and zeroed, and at the step the ranks'
+sums are all-gathered, chunk by chunk on the control queue, and added up.
+Stages 2-3: gradient reduction (the native BucketReducer, in int64) stages
+each param's grad as quantize() gives it, reduce-scatters its buckets as
+integers and adds each rank's block into the partition's sums here.
+
+At the step the ranks agree on their largest |grad| in grid units (a
+maximum is order-independent too). If count * (largest + 1) is below
+2**62, no partial sum in any order can have overflowed int64, and the mean,
+sum * 2**exponent / count (formed in float64 from the integer sum, then
+rounded into the grad buffers' dtype), becomes the grads the update reads;
+otherwise the step is skipped on every rank, as an fp16 overflow is, and
+the grid widens. The norm is the exact mean's: the squares of the integer
+sums, added exactly (in 21-bit limbs) and across ranks as integers. Every
+next grid comes from the step before's largest grad and count, with
 HEADROOM bits for grads to grow: the same numbers on every rank and at
 every world size, so the same grid.
 """
 from __future__ import annotations
 
 import math
+import struct
+from fractions import Fraction
 
 import torch
 
@@ -32,6 +41,8 @@ LIMIT_BITS = 62  # count * (largest |grad| in grid units + 1) below 2**62: no in
 FIRST_BOUND = 2.0**16  # the first step's assumed largest |grad| times its count
 # Every value of the dtype is a multiple of 2**this: a finer grid keeps nothing more.
 _FINEST = {torch.float16: -24, torch.bfloat16: -133, torch.float32: -149}
+_LIMB, _LIMB_CHUNK = 21, 1 << 20  # squares in 21-bit limbs, summed 2**20 at a time: below 2**63
+_WORDS = 8  # 32-bit words of a rank's exact sum of squares in the exchange (below 2**256)
 
 
 def grid_exponent(bound: float, dtype: torch.dtype) -> int:
@@ -40,71 +51,105 @@ def grid_exponent(bound: float, dtype: torch.dtype) -> int:
     return max(_FINEST[dtype], math.frexp(bound)[1] + HEADROOM - LIMIT_BITS)
 
 
-class ExactGradSum:
-    """The exact sums of the trainable groups' grads (stages 0-1: their
-    grad_full buffers), one int64 per element, on this rank."""
+def sum_of_squares(sums: torch.Tensor) -> int:
+    """The exact sum of the squares of int64 `sums` (|x| < 2**62), as a
+    Python int: each x = a * 2**42 + b * 2**21 + c with b, c in [0, 2**21),
+    and the six limb products summed in int64 2**20 elements at a time."""
+    total = 0
+    low = (1 << _LIMB) - 1
+    for x in sums.reshape(-1).split(_LIMB_CHUNK):
+        a, b, c = x >> (2 * _LIMB), (x >> _LIMB) & low, x & low
+        s = [int(t.sum().item()) for t in (a * a, a * b, a * c, b * b, b * c, c * c)]
+        total += (s[0] << 84) + (s[1] << 64) + ((2 * s[2] + s[3]) << 42) + (s[4] << 22) + s[5]
+    return total
 
-    def __init__(self, groups, comm):
+
+class ExactGradSum:
+    """The exact sums of the trainable groups' grads on this rank, one
+    int64 per element: whole (stages 0-1) or the rank's partition."""
+
+    def __init__(self, groups, comm, partitioned: bool):
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
-        self.dtype = self.groups[0].reduce_dtype if self.groups else torch.float32
+        self.partitioned = partitioned
+        self.dtype = self.groups[0].dtype if self.groups else torch.float32
         self.exponent = grid_exponent(FIRST_BOUND, self.dtype)  # this step's grid: multiples of 2**exponent
-        self.sums = [torch.zeros(g.grad_full.numel(), dtype=torch.int64, device=g.grad_full.device)
+        self.sums = [torch.zeros(self._grads(g).numel(), dtype=torch.int64, device=self._grads(g).device)
                      for g in self.groups]
-        self.bytes_moved = 0  # of the ranks' sums and maxima, sent and received, since wrap
+        self._index = {id(g): i for i, g in enumerate(self.groups)}
+        self.bytes_moved = 0  # of the ranks' sums (stages 0-1) and agreements, received, since wrap
         self._reset()
+
+    def _grads(self, group) -> torch.Tensor:
+        """The buffer the update reads the group's grads from."""
+        return group.grad_part if self.partitioned else group.grad_full
+
+    def sums_of(self, group) -> torch.Tensor:
+        return self.sums[self._index[id(group)]]
 
     def _reset(self):
         for s in self.sums:
             s.zero_()
         self.largest = 0.0  # this rank's largest |grad| in grid units this step (inf: one was not finite)
         self.next_exponent = None  # once reduced: the next step's grid
-        self.sum_of_squares = None  # once reduced: of the mean grads (inf: not finite)
+        self.squares = None  # once reduced: the exact mean's sum of squares (inf: not finite)
         self.regrid = False  # once reduced: a grad fell outside the grid, the step is skipped
 
+    def quantize(self, grad: torch.Tensor) -> torch.Tensor:
+        """grad on this step's grid, as int64, its largest noted."""
+        units = grad.double().mul_(2.0**-self.exponent).round_()  # a power of two: exact, then one rounding
+        peak = units.abs().amax().item() if units.numel() else 0.0
+        self.largest = max(self.largest, math.inf if math.isnan(peak) else peak)
+        return units.to(torch.int64)  # out of range only where the step skips anyway
+
     def add_micro_batch(self):
-        """After a micro-batch's backward: its grads onto the grid, into the
-        sums; the grad buffers zeroed for the next one."""
-        scale = 2.0**-self.exponent
+        """Stages 0-1, after a micro-batch's backward: its grads into the
+        sums, the grad buffers zeroed for the next one."""
+        if self.partitioned:
+            return
         for g, total in zip(self.groups, self.sums):
-            units = g.grad_full.double().mul_(scale).round_()  # a power of two: exact, then one rounding
-            peak = units.abs().amax().item() if units.numel() else 0.0
-            self.largest = max(self.largest, math.inf if math.isnan(peak) else peak)
-            total.add_(units.to(torch.int64))  # out of range only where the step skips anyway
+            total.add_(self.quantize(g.grad_full))
             g.grad_full.zero_()
 
     def reduce(self, count: int):
-        """Once a step, after the ranks met: every rank's sums added into
-        this rank's, the mean of the `count` micro-batches into the grad
-        buffers, its sum of squares and whether the step is skipped."""
-        rows = self.comm.gather_floats([self.largest], ControlPurpose.EXACT_GRADS)
-        self.bytes_moved += 8 * 2 * len(rows)
-        largest = max(row[0] for row in rows)
+        """Once a step, after the ranks met and every reduction completed:
+        the ranks' sums added (stages 0-1), the mean of the `count`
+        micro-batches into the grad buffers, its sum of squares and whether
+        the step is skipped."""
+        mine = []
+        if self.partitioned:  # every rank's part of the norm rides with its largest, in 32-bit words
+            total = sum(sum_of_squares(s) for s in self.sums)
+            mine = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)]
+        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + mine,
+                                          ControlPurpose.EXACT_GRADS)
+        self.bytes_moved += 8 * len(rows) * len(rows[0])
+        largest = max(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
         if not math.isfinite(largest):  # the step decides as for any non-finite grad
-            self.sum_of_squares, self.next_exponent = math.inf, self.exponent
+            self.squares, self.next_exponent = math.inf, self.exponent
             return
         self.next_exponent = grid_exponent(count * largest * 2.0**self.exponent, self.dtype)
         if count * (int(largest) + 1) >= 2**LIMIT_BITS:
-            self.regrid, self.sum_of_squares = True, 0.0
+            self.regrid, self.squares = True, 0.0
             return
-        for total in self.sums:
-            self.bytes_moved += self.comm.sum_int64(total, ControlPurpose.EXACT_GRADS)
-        squares = 0.0
-        for g, total in zip(self.groups, self.sums):
-            g.grad_full.copy_(total.double().mul_(2.0**self.exponent).div_(count))
-            # Per param, in plan order: its view has the same shape at every
-            # world size (the flat buffer's padding does not).
-            for i in range(len(g.params)):
-                squares += g.grad_view(i).double().square().sum().item()
-        self.sum_of_squares = squares
+        if self.partitioned:
+            total = sum(sum(w << (32 * i) for i, w in enumerate(row[1:])) for row in rows)
+        else:
+            for s in self.sums:
+                self.bytes_moved += self.comm.sum_int64(s, ControlPurpose.EXACT_GRADS)
+            total = sum(sum_of_squares(s) for s in self.sums)
+        for g, s in zip(self.groups, self.sums):
+            self._grads(g).copy_(s.double().mul_(2.0**self.exponent).div_(count))
+        # (sum * 2**e / count)**2, summed: exact as a fraction, rounded once.
+        self.squares = math.ldexp(float(Fraction(total, count * count)), 2 * self.exponent)
 
     def end_step(self):
         """The step ended (applied, skipped, or its grads dropped): the next
         one starts from zero on the grid this one chose."""
         if self.next_exponent is not None:
             self.exponent = self.next_exponent
-        for g in self.groups:
-            g.grad_full.zero_()
+        if not self.partitioned:
+            for g in self.groups:
+                g.grad_full.zero_()
         self._reset()
 
     def state_dict(self) -> dict:
