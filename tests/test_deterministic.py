@@ -42,17 +42,19 @@ CASES = {
     "stage1-bf16-adamw-clip": (dict(stage=1, dtype="bf16", max_grad_norm=0.5), _adamw, None, None),
     "stage0-fp16-overflow": (dict(stage=0, dtype="fp16", loss_scale=zerocore.DynamicLossScale(initial=2.0**10, window=2)), _adamw,
                              lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0, None),
-    "stage1-fp32-regrid": (dict(stage=1), _sgd, lambda step, micro: 2.0**40 if step == 0 else 1.0, None),
     "stage1-fp32-offload": (dict(stage=1, offload_optimizer="cpu"), _adamw, None, 1.0),
-    "stage2-fp32-sgd-clip": (dict(stage=2, max_grad_norm=0.5, bucket_bytes=1024), _sgd, None, None),
-    "stage2-fp16-overflow": (dict(stage=2, dtype="fp16", loss_scale=zerocore.DynamicLossScale(initial=2.0**10)),
-                             _adamw, lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0, None),
-    "stage2-fp32-offload": (dict(stage=2, offload_optimizer="cpu"), _adamw, None, None),
+    "stage2-fp32-sgd-clip-regrid": (dict(stage=2, max_grad_norm=0.5, bucket_bytes=1024), _sgd,
+                                    lambda step, micro: 2.0**40 if step == 0 else 1.0, None),
+    "stage2-fp16-offload-overflow": (dict(stage=2, dtype="fp16", offload_optimizer="cpu",
+                                          loss_scale=zerocore.DynamicLossScale(initial=2.0**10)),
+                                     _adamw, lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0,
+                                     None),
     "stage3-bf16-adamw-clip": (dict(stage=3, dtype="bf16"), _adamw, None, 0.5),
     "stage3-fp32-persist": (dict(stage=3, persist_threshold=100, bucket_bytes=1024), _adamw, None, None),
     "stage3-fp32-offload-params": (dict(stage=3, offload_optimizer="cpu", offload_params="cpu"), _sgd, None, 1.0),
 }
-OVERFLOWS = ("stage0-fp16-overflow", "stage2-fp16-overflow")  # an inf loss in step 1: skipped, the scale halved
+REGRID = "stage2-fp32-sgd-clip-regrid"  # step 0's grads beyond the first grid: skipped, the grid widened
+OVERFLOWS = ("stage0-fp16-overflow", "stage2-fp16-offload-overflow")  # an inf loss in step 1: skipped, the scale halved
 
 
 def assignments(world, seed):
@@ -174,8 +176,8 @@ def test_expected_skips(zerocore_seed):
         assert applied[case] == [True, False, True], case
         scales = [r[2] for r in ref[case][0]]
         assert scales[1] == scales[0] / 2, case  # the overflow halved the loss scale
-    assert applied["stage1-fp32-regrid"] == [False, True, True]
-    assert all(applied[c] == [True] * STEPS for c in CASES if c not in OVERFLOWS + ("stage1-fp32-regrid",))
+    assert applied[REGRID] == [False, True, True]
+    assert all(applied[c] == [True] * STEPS for c in CASES if c not in OVERFLOWS + (REGRID,))
 
 
 def test_resume_from_4_ranks_at_3(tmp_path, zerocore_seed):
