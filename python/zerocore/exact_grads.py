@@ -98,8 +98,10 @@ class ExactGradSum:
     def quantize(self, grad: torch.Tensor) -> torch.Tensor:
         """grad on this step's grid, as int64, its largest noted."""
         units = grad.double().mul_(2.0**-self.exponent).round_()  # a power of two: exact, then one rounding
-        peak = units.abs().amax().item() if units.numel() else 0.0
-        self.largest = max(self.largest, math.inf if math.isnan(peak) else peak)
+        if units.numel():
+            low, high = (x.item() for x in torch.aminmax(units))  # one pass (abs() would copy first)
+            peak = math.inf if math.isnan(low) or math.isnan(high) else max(-low, high)
+            self.largest = max(self.largest, peak)
         return units.to(torch.int64)  # out of range only where the step skips anyway
 
     def add_micro_batch(self):
