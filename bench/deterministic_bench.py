@@ -13,8 +13,9 @@ lowest of R medians (the modes interleave). Memory is memory_report()'s
 model states (params + grads + optimizer states; in deterministic mode the
 int64 sums count as grads) and its comm buffers (stages 2-3: the staging,
 int64 in deterministic mode). Bytes per collective: comm_stats()'s elements
-times their size for the data plane, and the exact sums' all-gathers and
-maxima (control plane) for deterministic mode, per step on one rank.
+times their size for the data plane (int64 for the grads' reductions in
+deterministic mode), and deterministic mode's agreements (control plane),
+per step on one rank.
 Targets (the issue's, at stage 3): time <= 1.25x and memory <= 1.1x the
 default's.
 """
@@ -64,10 +65,11 @@ def _rank(rank, args, stage, deterministic, store_path, out):
     stats = engine.comm_stats()
     data = {k: v * ELEMENT_BYTES[args.dtype] / args.steps for k, v in stats.items()
             if isinstance(v, (int, float)) and k in ("all_reduce", "reduce_scatter", "all_gather")}
-    if engine.exact:  # the reduce-scatters of stages 2-3 move int64: 8 bytes an element, not the dtype's
-        if "reduce_scatter" in data:
-            data["reduce_scatter"] *= 8 / ELEMENT_BYTES[args.dtype]
-        data["exact sums and agreements (control all-gathers)"] = (engine.exact.bytes_moved - moved_before) / args.steps
+    if engine.exact:  # the grads' reductions move int64: 8 bytes an element, not the dtype's
+        for kind in ("all_reduce", "reduce_scatter"):
+            if kind in data:
+                data[kind] *= 8 / ELEMENT_BYTES[args.dtype]
+        data["agreements (control all-gathers)"] = (engine.exact.bytes_moved - moved_before) / args.steps
     if rank == 0:
         out.put((statistics.median(times[args.warmup:]), report["param"] + report["grad"] + report["optim"],
                  report["comm_buffers"], data))
@@ -122,7 +124,8 @@ def main():
               f"{m1 / 2**20:.1f} MiB ({m1 / m0:.2f}x, target <= 1.1x: {'PASS' if m1 / m0 <= 1.1 else 'MISS'}); "
               f"comm buffers {b0 / 2**20:.1f} -> {b1 / 2**20:.1f} MiB")
         for label, data in (("default", d0), ("deterministic", d1)):
-            moved = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in data.items() if v)
+            moved = ", ".join(f"{k} {v / 2**20:.1f} MiB" if v >= 2**16 else f"{k} {v:.0f} B"
+                              for k, v in data.items() if v)
             print(f"  bytes per step, rank 0, {label}: {moved or 'none'}")
 
 

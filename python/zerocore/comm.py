@@ -206,27 +206,6 @@ class Communicator:
         """Every rank's list of ints (int64, all of one length), in rank order."""
         return self._gather_rows(values, torch.int64, purpose)
 
-    def sum_int64(self, t: torch.Tensor, purpose, chunk: int = 1 << 20) -> int:
-        """t (int64) <- its sum over ranks, in place; returns the bytes this
-        rank sent and received. Integer sums are exact in any order, but the
-        queue moves bytes, not int64 sums: each chunk of `chunk` elements is
-        all-gathered on the control queue and added up here."""
-        if self.world_size == 1:
-            return 0
-        host = t.reshape(-1).cpu()
-        moved = 0
-        for start in range(0, host.numel(), chunk):
-            part = host[start:start + chunk]
-            out = torch.empty(self.world_size * part.numel(), dtype=torch.int64)
-            rows = _as_halves(out)
-            key = (CollectiveKind.ALL_GATHER, _CONTROL, purpose, rows.numel())
-            self.control_queue.all_gather(key, _as_halves(part.clone()), rows).wait()
-            torch.sum(out.view(self.world_size, -1), dim=0, out=part)
-            moved += out.numel() * 8
-        if host.data_ptr() != t.data_ptr():
-            t.copy_(host.view(t.shape))
-        return moved
-
     def raise_together(self, error, others: str, error_type=ValueError):
         """Where any rank failed, every rank raises instead of waiting for it
         in the next collective: this rank its own `error` (an exception; None

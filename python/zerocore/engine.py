@@ -137,9 +137,9 @@ class Engine(Training, StateIO, Reports):
             [g.store.group_buffer(g.tag, "full") for g in gathered]) if gathered else None
         self.scheduler = None
         # Config(deterministic=True): the grads' exact sums replace the float reduction's.
-        self.exact = ExactGradSum(self.groups, self.comm, placement.partitions_grads) if cfg.deterministic else None
+        self.exact = ExactGradSum(self.groups, self.comm, placement) if cfg.deterministic else None
         if not placement.partitions_grads:
-            self.reducer = FullGradReducer(self.groups, self.comm, placement)
+            self.reducer = FullGradReducer(self.groups, self.comm, placement, exact=self.exact)
         else:
             self.reducer = StagedReducer(self.groups, self.comm, staging_buffers(self.groups, self.units),
                                          on_request=placement.partitions_params, exact=self.exact)

@@ -245,6 +245,8 @@ class Training:
             self._meet("step")
             self.update.count_grads(self._backward_calls)
             if self.exact:
+                if not self.placement.partitions_grads:  # stages 0-1: the int64 sums, not the grads, reduced
+                    self.reducer.collectives.run()
                 self.exact.reduce(self._backward_calls * self.comm.world_size)  # as many on every rank (_meet)
         try:
             return call()

@@ -6,17 +6,20 @@ order (docs/deterministic.md).
 Each micro-batch's grads go onto one grid fixed for the step, multiples of
 2**exponent, as int64 (rounded to nearest, ties to even), and add into
 int64 sums. Integer sums are exact, so associative: no order of adding, on
-a rank or across ranks, changes them. Stages 0-1 (`partitioned` False):
-the flat grad buffers hold one micro-batch's grads after its backward;
-they are added into whole sums here and zeroed, and at the step the ranks'
-sums are all-gathered, chunk by chunk on the control queue, and added up.
-Stages 2-3: gradient reduction (the native BucketReducer, in int64) stages
-each param's grad as quantize() gives it, reduce-scatters its buckets as
-integers and adds each rank's block into the partition's sums here.
+a rank or across ranks, changes them. Stages 0-1: the flat grad buffers
+hold one micro-batch's grads after its backward; they are added into
+whole-size sums here and zeroed, and at the step the engine all-reduces
+(stage 0) or reduce-scatters (stage 1) the sums as int64 where it would
+have reduced the grads (grad_reducer.FullGradReducer's collectives), before
+the step's exchange, whose copies to the host (offload) then take the
+mean. Stages 2-3: gradient reduction (the native BucketReducer, in int64)
+stages each param's grad as quantize() gives it, reduce-scatters its
+buckets as integers and adds each rank's block into the partition's sums.
 
-At the step the ranks agree on their largest |grad| in grid units (a
-maximum is order-independent too). If count * (largest + 1) is below
-2**62, no partial sum in any order can have overflowed int64, and the mean,
+Then the ranks agree on their largest |grad| in grid units (a maximum is
+order-independent too) and, where each holds a part of the grads, on
+their parts of the norm. If count * (largest + 1) is below 2**62, no
+partial sum in any order can have overflowed int64, and the mean,
 sum * 2**exponent / count (formed in float64 from the integer sum, then
 rounded into the grad buffers' dtype), becomes the grads the update reads;
 otherwise the step is skipped on every rank, as an fp16 overflow is, and
@@ -66,18 +69,20 @@ def sum_of_squares(sums: torch.Tensor) -> int:
 
 class ExactGradSum:
     """The exact sums of the trainable groups' grads on this rank, one
-    int64 per element: whole (stages 0-1) or the rank's partition."""
+    int64 per element: whole (stages 0-1, in the grad_full layout) or the
+    rank's partition (stages 2-3)."""
 
-    def __init__(self, groups, comm, partitioned: bool):
+    def __init__(self, groups, comm, placement):
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
-        self.partitioned = partitioned
+        self.partitioned = placement.partitions_grads  # the sums are the partition's
+        self.shared = placement.partitions_optimizer  # each rank holds a part of the mean: the norm is summed
         self.dtype = self.groups[0].dtype if self.groups else torch.float32
         self.exponent = grid_exponent(FIRST_BOUND, self.dtype)  # this step's grid: multiples of 2**exponent
         self.sums = [torch.zeros(self._grads(g).numel(), dtype=torch.int64, device=self._grads(g).device)
                      for g in self.groups]
         self._index = {id(g): i for i, g in enumerate(self.groups)}
-        self.bytes_moved = 0  # of the ranks' sums (stages 0-1) and agreements, received, since wrap
+        self.bytes_moved = 0  # of the agreements (control plane), received, since wrap
         self._reset()
 
     def _grads(self, group) -> torch.Tensor:
@@ -86,6 +91,16 @@ class ExactGradSum:
 
     def sums_of(self, group) -> torch.Tensor:
         return self.sums[self._index[id(group)]]
+
+    def _mine(self):
+        """(sums, grads) of each stretch of this rank's: its partition, or
+        at stages 0-1 its block of every bucket (all of it at stage 0)."""
+        for g, s in zip(self.groups, self.sums):
+            if self.partitioned:
+                yield s, g.grad_part
+            else:
+                for b in range(len(g.buckets)):
+                    yield g.view(s, "shard", b, g.rank), g.view(g.grad_full, "shard", b, g.rank)
 
     def _reset(self):
         for s in self.sums:
@@ -114,13 +129,12 @@ class ExactGradSum:
             g.grad_full.zero_()
 
     def reduce(self, count: int):
-        """Once a step, after the ranks met and every reduction completed:
-        the ranks' sums added (stages 0-1), the mean of the `count`
-        micro-batches into the grad buffers, its sum of squares and whether
-        the step is skipped."""
+        """Once a step, after the ranks met and the sums were reduced: the
+        mean of the `count` micro-batches into the grad buffers, its sum of
+        squares and whether the step is skipped."""
+        total = sum(sum_of_squares(s) for s, _ in self._mine())
         mine = []
-        if self.partitioned:  # every rank's part of the norm rides with its largest, in 32-bit words
-            total = sum(sum_of_squares(s) for s in self.sums)
+        if self.shared:  # every rank's part of the norm rides with its largest, in 32-bit words
             mine = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)]
         rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + mine,
                                           ControlPurpose.EXACT_GRADS)
@@ -133,14 +147,10 @@ class ExactGradSum:
         if count * (int(largest) + 1) >= 2**LIMIT_BITS:
             self.regrid, self.squares = True, 0.0
             return
-        if self.partitioned:
+        if self.shared:
             total = sum(sum(w << (32 * i) for i, w in enumerate(row[1:])) for row in rows)
-        else:
-            for s in self.sums:
-                self.bytes_moved += self.comm.sum_int64(s, ControlPurpose.EXACT_GRADS)
-            total = sum(sum_of_squares(s) for s in self.sums)
-        for g, s in zip(self.groups, self.sums):
-            self._grads(g).copy_(s.double().mul_(2.0**self.exponent).div_(count))
+        for s, grads in self._mine():
+            grads.copy_(s.double().mul_(2.0**self.exponent).div_(count))
         # (sum * 2**e / count)**2, summed: exact as a fraction, rounded once.
         self.squares = math.ldexp(float(Fraction(total, count * count)), 2 * self.exponent)
 

@@ -64,7 +64,10 @@ def _hook_each(params, method):
 
 
 class FullGradReducer:
-    def __init__(self, groups, comm: Communicator, placement):
+    """exact: Config(deterministic=True)'s exact_grads.ExactGradSum,
+    whose int64 sums the step's collectives reduce instead of the grads."""
+
+    def __init__(self, groups, comm: Communicator, placement, exact=None):
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
         self.placement = placement
@@ -77,8 +80,10 @@ class FullGradReducer:
         ref = weakref.ref(self)
         self.hooks += _guard_each([p for g in self.groups for p in g.params], lambda: ref() is None or ref().running)
         kind = CollectiveKind.REDUCE_SCATTER if placement.partitions_optimizer else CollectiveKind.ALL_REDUCE
-        self.collectives = BucketCollectives(comm.queue, kind,
-                                             [g.store.group_buffer(g.tag, "grad_full") for g in self.groups])
+        buffers = [g.store.group_buffer(g.tag, "grad_full") for g in self.groups]
+        if exact:
+            buffers = [b.with_buffer(exact.sums_of(g)) for b, g in zip(buffers, self.groups)]
+        self.collectives = BucketCollectives(comm.queue, kind, buffers)
 
     def before_backward(self):
         self.running = True
