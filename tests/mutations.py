@@ -49,7 +49,7 @@ class Mutation:
 
 TRAINING = "python/zerocore/engine_training.py"
 STEP = "cpp/src/step/zero_step.cpp"
-GRAD_SCALE = "double grad_scale = 1.0 / (parts_.data->world_size() * loss_scale());"
+GRAD_SCALE = "double grad_scale = 1.0 / ((options.exact ? 1 : parts_.data->world_size()) * loss_scale());"
 # Stage 3's end-of-step round: the next forward's first units, gathered
 # from the updated shards once the exchange's flags say which.
 END_STEP = "  if (parts_.units != nullptr) parts_.units->end_step(agreed.unit_flags);"
@@ -68,7 +68,7 @@ MUTATIONS = [
              ((TRAINING, "        self.reducer.before_backward()\n",
                "        self.zero_grad()\n        self.reducer.before_backward()\n"),)),
     Mutation("skip-unscale", "the loss scale is not divided out of the grads",
-             ((STEP, GRAD_SCALE, "double grad_scale = 1.0 / parts_.data->world_size();"),)),
+             ((STEP, GRAD_SCALE, "double grad_scale = 1.0 / (options.exact ? 1 : parts_.data->world_size());"),)),
     Mutation("round-master", "the fp32 master is rounded to the 16-bit dtype after each update",
              ((TRAINING, "        self.step_count += applied\n",
                "        self.step_count += applied\n        for g in self.groups:\n"
@@ -99,7 +99,7 @@ MUTATIONS = [
               ("cpp/src/kernels/optim.cpp", "return SgdCoefs{float(grad_scale), float(o.weight_decay),",
                "return SgdCoefs{float(grad_scale), float(-o.weight_decay),"))),
     Mutation("skip-overflow-check", "fp16: an inf/NaN grad is applied instead of skipping the step",
-             ((STEP, "  out.applied = on_device || std::isfinite(agreed.sum_of_squares);", "  out.applied = true;"),)),
+             ((STEP, "  out.applied = finite && !(options.exact && options.exact->regrid);", "  out.applied = true;"),)),
 ]
 
 

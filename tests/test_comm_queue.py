@@ -118,7 +118,7 @@ def test_bad_keys_and_tensors_name_the_problem():
     with pytest.raises(TypeError, match=r"tuple \(kind, group, bucket, numel\)"):
         q.all_reduce((ALL_REDUCE, 0), t)
     with pytest.raises(TypeError, match="tensor must be float32"):
-        q.all_reduce((ALL_REDUCE, 0, 0, 4), torch.zeros(4, dtype=torch.int64))
+        q.all_reduce((ALL_REDUCE, 0, 0, 4), torch.zeros(4, dtype=torch.float64))
     q.close()
     with pytest.raises(RuntimeError, match="closed"):
         q.all_reduce((ALL_REDUCE, 0, 0, 4), t)

@@ -20,7 +20,7 @@ PAGES = ["README.md", "tests/README.md", "bench/README.md",
 
 # Pages whose examples the tests of their features run (through readme.py).
 RUN_ELSEWHERE = {"docs/estimate.md": "test_estimate.py", "docs/deepspeed.md": "test_deepspeed_config.py",
-                 "docs/hf-trainer.md": "test_hf_trainer.py"}
+                 "docs/hf-trainer.md": "test_hf_trainer.py", "docs/deterministic.md": "test_deterministic.py"}
 
 GROUP = 'import torch, zerocore\ntorch.distributed.init_process_group("gloo")\n'
 TINY_MODEL = ("torch.manual_seed(0)\n"

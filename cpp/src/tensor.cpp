@@ -13,6 +13,7 @@ const char* dtype_name(DType t) {
     case DType::kFloat32: return "float32";
     case DType::kFloat16: return "float16";
     case DType::kBFloat16: return "bfloat16";
+    case DType::kInt64: return "int64";
   }
   return "unknown";
 }

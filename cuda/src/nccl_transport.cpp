@@ -54,6 +54,8 @@ ncclDataType_t nccl_dtype(DType dtype) {
       return ncclFloat16;
     case DType::kBFloat16:
       return ncclBfloat16;
+    case DType::kInt64:
+      return ncclInt64;
   }
   throw InvalidArgument("NCCL transport: unknown dtype");
 }

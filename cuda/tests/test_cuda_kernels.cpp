@@ -139,6 +139,7 @@ void randomize(const Tensor& t, std::mt19937& rng, float stddev) {
       case DType::kFloat32: t.data_as<float>()[i] = x; break;
       case DType::kBFloat16: t.data_as<uint16_t>()[i] = float_to_bf16(x); break;
       case DType::kFloat16: t.data_as<uint16_t>()[i] = float_to_fp16(x); break;
+      case DType::kInt64: t.data_as<int64_t>()[i] = int64_t(x); break;  // (no kernel test draws int64)
     }
   }
 }

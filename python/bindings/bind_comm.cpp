@@ -127,7 +127,8 @@ void bind_comm(nb::module_& m) {
       .value("NORMS", ControlPurpose::kNorms)
       .value("AGREEMENT", ControlPurpose::kAgreement)
       .value("BROADCASTS", ControlPurpose::kBroadcasts)
-      .value("MICRO_BATCHES", ControlPurpose::kMicroBatches);
+      .value("MICRO_BATCHES", ControlPurpose::kMicroBatches)
+      .value("EXACT_GRADS", ControlPurpose::kExactGrads);
   m.attr("CONTROL_GROUP") = kControlGroup;
   nb::class_<CollectiveKey>(m, "CollectiveKey",
                             "What a collective moves: kind (0 all_gather, 1 reduce_scatter, 2 all_reduce, "

@@ -175,18 +175,23 @@ void bind_step(nb::module_& m) {
       .def(
           "step",
           [](ZeroStep& self, const std::string& kind, const nb::list& groups, int64_t step,
-             std::optional<double> max_norm, int64_t changes) {
-            const StepOptions options = step_options(kind, groups, step, max_norm, changes);
+             std::optional<double> max_norm, int64_t changes, std::optional<double> exact_sum_of_squares,
+             bool regrid) {
+            StepOptions options = step_options(kind, groups, step, max_norm, changes);
+            if (exact_sum_of_squares) options.exact = StepOptions::Exact{*exact_sum_of_squares, regrid};
             nb::gil_scoped_release release;
             const StepResult out = self.step(options);
             return std::make_tuple(out.applied, out.norm, out.grad_scale);
           },
           "kind"_a, "groups"_a, nb::kw_only(), "step"_a, "max_norm"_a.none(), "changes"_a,
+          "exact_sum_of_squares"_a.none() = nb::none(), "regrid"_a = false,
           "(applied, norm, grad_scale): the update when the grads are finite, a skipped step (applied False) "
           "with dynamic loss scaling otherwise; raises NonFiniteGradientError, CollectiveOrderDiverged or "
-          "TrainabilityChanged with nothing changed. Decided on the device (no dynamic scaling, clipping or "
-          "offload), norm is NaN and a refused step raises NonFiniteGradientError at a later step (see "
-          "refused_step).")
+          "TrainabilityChanged with nothing changed. exact_sum_of_squares (Config(deterministic=True)): the "
+          "grad buffers hold the mean over every micro-batch of every rank, whose sum of squares this is; "
+          "regrid: skip the step (a grad fell outside the exact sum's grid). Decided on the device (no dynamic "
+          "scaling, clipping, offload or exact sum), norm is NaN and a refused step raises "
+          "NonFiniteGradientError at a later step (see refused_step).")
       .def(
           "settle",
           [](ZeroStep& self) {

@@ -56,7 +56,13 @@ void bind_store(nb::module_& m) {
                               "flat_group_buffer.h): what UnitSchedule, BucketReducer and BucketCollectives take.")
       .def_ro("tag", &FlatGroupBuffer::tag)
       .def_ro("plan", &FlatGroupBuffer::plan)
-      .def_prop_ro("buffer", [](const FlatGroupBuffer& b) { return tensor_to_ndarray(b.buffer); });
+      .def_prop_ro("buffer", [](const FlatGroupBuffer& b) { return tensor_to_ndarray(b.buffer); })
+      .def(
+          "with_buffer",
+          [](const FlatGroupBuffer& b, nb::handle buffer) {
+            return FlatGroupBuffer{b.tag, b.plan, tensor_from_dlpack(buffer, "FlatGroupBuffer.with_buffer")};
+          },
+          nb::arg("buffer"), "The same group and layout over another buffer (Config(deterministic=True)'s int64 grad sums).");
 
   nb::class_<PartitionStore>(m, "PartitionStore", "A flat group's buffers and views (see partition_store.h).")
       .def(

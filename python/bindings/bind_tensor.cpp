@@ -17,7 +17,8 @@ DType parse_dtype(const std::string& s) {
   if (s == "float32" || s == "fp32") return DType::kFloat32;
   if (s == "bfloat16" || s == "bf16") return DType::kBFloat16;
   if (s == "float16" || s == "fp16") return DType::kFloat16;
-  throw InvalidArgument("unknown dtype '" + s + "'; expected float32, bfloat16 or float16");
+  if (s == "int64") return DType::kInt64;  // Config(deterministic=True)'s exact grad sums
+  throw InvalidArgument("unknown dtype '" + s + "'; expected float32, bfloat16, float16 or int64");
 }
 
 namespace {

@@ -17,6 +17,10 @@ DType dtype_from_dlpack(const nb::dlpack::dtype& dt, const char* name) {
     if (dt.code == uint8_t(nb::dlpack::dtype_code::Float) && dt.bits == 32) return DType::kFloat32;
     if (dt.code == uint8_t(nb::dlpack::dtype_code::Float) && dt.bits == 16) return DType::kFloat16;
     if (dt.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && dt.bits == 16) return DType::kBFloat16;
+    // int64: Config(deterministic=True)'s exact grad sums, for integer adds
+    // and collectives only (every float kernel refuses it), so not offered
+    // in the message below.
+    if (dt.code == uint8_t(nb::dlpack::dtype_code::Int) && dt.bits == 64) return DType::kInt64;
   }
   throw TypeMismatch(std::string(name) + " must be float32, bfloat16 or float16 (DLPack type code " +
                      std::to_string(dt.code) + ", " + std::to_string(dt.bits) + " bits)");
@@ -27,6 +31,7 @@ nb::dlpack::dtype dtype_to_dlpack(DType t) {
     case DType::kFloat32: return nb::dtype<float>();
     case DType::kFloat16: return {uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
     case DType::kBFloat16: return {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+    case DType::kInt64: return nb::dtype<int64_t>();
   }
   return nb::dtype<float>();
 }

@@ -60,7 +60,8 @@ _CONTROL = _native.CONTROL_GROUP  # the key group of control-plane collectives
 _PURPOSES = {ControlPurpose.ROUND: "stage 3's round", ControlPurpose.NORMS: "the step's norm exchange",
              ControlPurpose.AGREEMENT: "the ranks' agreement (at wrap, load or save)",
              ControlPurpose.BROADCASTS: "a broadcast of buffers or params",
-             ControlPurpose.MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)"}
+             ControlPurpose.MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)",
+             ControlPurpose.EXACT_GRADS: "the exact sum of the grads (Config(deterministic=True))"}
 MICRO_BATCHES = ControlPurpose.MICRO_BATCHES  # the engine's meeting (Training._meet)
 
 
@@ -202,6 +203,10 @@ class Communicator:
         """Every rank's int, in rank order; purpose: what it is for (_PURPOSES), named if it fails;
         after_compute=False: it waits for no device work (a host number), as stage 3's rounds do not."""
         return [row[0] for row in self._gather_rows([value], torch.int64, purpose, after_compute)]
+
+    def gather_int_rows(self, values, purpose=ControlPurpose.AGREEMENT) -> list:
+        """Every rank's list of ints (int64, all of one length), in rank order."""
+        return self._gather_rows(values, torch.int64, purpose)
 
     def raise_together(self, error, others: str, error_type=ValueError):
         """Where any rank failed, every rank raises instead of waiting for it

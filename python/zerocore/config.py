@@ -146,6 +146,11 @@ class Config:
         it may differ from node to node);
         snapshot_run_id: the run they belong to (default: torchrun's
         TORCHELASTIC_RUN_ID).
+    deterministic: the same bits at any world size (docs/deterministic.md):
+        each engine.backward takes its micro-batch's own loss, unscaled, and
+        the step's gradient is the mean over every micro-batch of every
+        rank, summed exactly on a fixed-point grid (not yet with
+        delayed_update).
     """
 
     stage: int = 3
@@ -169,6 +174,7 @@ class Config:
     snapshot_copies: int = 1
     snapshot_dir: Optional[str] = None
     snapshot_run_id: Optional[str] = None
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -206,6 +212,7 @@ class Config:
             if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
                 raise ValueError(f"zerocore.Config: {name}={getattr(self, name)!r}; use a non-empty string or None")
         self._check_offload()
+        self._check_deterministic()
 
     @property
     def coalesce_limit(self) -> int:
@@ -227,6 +234,13 @@ class Config:
         if self.delayed_update and not self.offload_optimizer:
             raise ValueError("zerocore.Config: delayed_update=True needs offload_optimizer=\"cpu\": the delayed "
                              "update hides the host step behind the device's next forward and backward")
+
+    def _check_deterministic(self):
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"zerocore.Config: deterministic={self.deterministic!r}; use True or False")
+        if self.deterministic and self.delayed_update:
+            raise ValueError("zerocore.Config: deterministic=True with delayed_update=True is not built yet "
+                             "(docs/deterministic.md); use one of them")
 
     @classmethod
     def from_any(cls, config) -> "Config":

@@ -44,6 +44,7 @@ from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_p
 from zerocore.engine_reports import Reports
 from zerocore.engine_state_io import StateIO
 from zerocore.engine_training import Training
+from zerocore.exact_grads import ExactGradSum
 from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.grouping import build_groups, param_names
@@ -82,6 +83,9 @@ class Engine(Training, StateIO, Reports):
                                [(name, b.device) for name, b in module.named_buffers()], backend, device)
         self.device, self.backend = where.device, where.backend
         self.compute_stream = compute_stream.of(self.backend)  # torch's current stream, followed between steps
+        if cfg.deterministic and devices.is_cuda(self.backend):  # the same on every rank: before any collective
+            raise ValueError("zerocore.wrap: Config(deterministic=True) is built for CPU ranks so far (the CUDA "
+                             "kernels have no int64 sums yet, docs/deterministic.md); train on the CPU or without it")
         process_group = training_process_group(group, placement, where)
         # The control plane (agreements, the step's exchange, stage 3's
         # rounds) runs on host process groups beside the data's, so agreeing
@@ -148,14 +152,16 @@ class Engine(Training, StateIO, Reports):
         # stream and process group, as FSDP2's reduce-scatter stream), so no
         # gather waits behind a reduction queued before it.
         self.reduce_comm = None
+        # Config(deterministic=True): the grads' exact sums replace the float reduction's.
+        self.exact = ExactGradSum(self.groups, self.comm, placement) if cfg.deterministic else None
         if not placement.partitions_grads:
-            self.reducer = FullGradReducer(self.groups, self.comm, placement)
+            self.reducer = FullGradReducer(self.groups, self.comm, placement, exact=self.exact)
         else:
             self.reduce_comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.comm,
                                             control=self.control, backend=self.backend, nccl=cfg.nccl,
                                             names=self.comm.names, positions=self.positions, name="reductions")
             self.reducer = StagedReducer(self.groups, self.reduce_comm, staging_buffers(self.groups, self.units),
-                                         on_request=placement.partitions_params)
+                                         on_request=placement.partitions_params, exact=self.exact)
         if placement.partitions_params:
             # The rounds run on a host process group of their own, so that none waits
             # behind the data collectives queued before it, nor the step's
@@ -179,7 +185,7 @@ class Engine(Training, StateIO, Reports):
         self.zero_step = ZeroStep(
             self.comm.queue, self.comm.control_queue, None if offload else self.update.runs,
             partitioned=placement.partitions_optimizer,
-            grad_reduce=None if placement.partitions_grads else self.reducer.collectives,
+            grad_reduce=None if placement.partitions_grads or self.exact else self.reducer.collectives,
             param_gather=self.param_gather, units=self.scheduler.native if self.scheduler else None,
             loss_scaler=self.scaler.native, host_update=self.update.host if offload else None,
             reductions=self.reduce_comm.queue if self.reduce_comm else None)

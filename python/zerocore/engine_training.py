@@ -190,6 +190,8 @@ class Training:
                     self.scheduler.end_backward(failed)
             finally:
                 self.reducer.after_backward()
+        if self.exact:
+            self.exact.add_micro_batch()
         self._backward_calls += 1
         for g in self.groups:
             if g.trainable:
@@ -225,7 +227,11 @@ class Training:
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ValueError(f"engine.clip_grad_norm_: max_norm={max_norm!r}; use a positive number")
         self.compute_stream.check("engine.clip_grad_norm_")
-        norm = math.sqrt(self._reduce_grads()) / (self.comm.world_size * self.scaler.scale)
+        total = self._reduce_grads()
+        if self.exact:  # the exact mean's, the same at any world size
+            norm = math.sqrt(self.exact.squares) / self.scaler.scale
+        else:
+            norm = math.sqrt(total) / (self.comm.world_size * self.scaler.scale)
         self._clip_norm = max_norm if self._clip_norm is None else min(self._clip_norm, max_norm)
         return torch.tensor(norm, device=self.device)
 
@@ -252,6 +258,10 @@ class Training:
                 self.scheduler.close_passes()
             self._meet("step")
             self.update.count_grads(self._backward_calls)
+            if self.exact:
+                if not self.placement.partitions_grads:  # stages 0-1: the int64 sums, not the grads, reduced
+                    self.reducer.collectives.run()
+                self.exact.reduce(self._backward_calls * self.comm.world_size)  # as many on every rank (_meet)
         try:
             return call()
         except _native.CollectiveOrderDiverged as e:
@@ -304,7 +314,8 @@ class Training:
             try:
                 applied, _, _ = self._agreeing(lambda: self.zero_step.step(
                     self.kind, self.optimizer.param_groups, step=self.step_count + 1,
-                    max_norm=min(bounds) if bounds else None, changes=len(self._trainability_changed)))
+                    max_norm=min(bounds) if bounds else None, changes=len(self._trainability_changed),
+                    **self._exact_options()))
             except NonFiniteGradientError:  # nothing was updated; a pending offload update lands
                 self._count_refused()
                 self.finish_update()
@@ -312,6 +323,13 @@ class Training:
             self.step_count += applied
             self._end_step()
         return applied
+
+    def _exact_options(self) -> dict:
+        """Config(deterministic=True): the exact sum's numbers, which the
+        native step takes instead of the exchange's (called once they are)."""
+        if not self.exact:
+            return {}
+        return {"exact_sum_of_squares": self.exact.squares, "regrid": self.exact.regrid}
 
     def finish_update(self):
         """Offload with a delayed update: the update still running on the
@@ -366,4 +384,6 @@ class Training:
         self.compute_stream.end_step()
         self._clip_norm = None
         self.zero_step.forget()
+        if self.exact:
+            self.exact.end_step()
         self._trainability_changed = set()  # names of this rank's params whose requires_grad changed

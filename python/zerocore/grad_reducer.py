@@ -64,7 +64,10 @@ def _hook_each(params, method):
 
 
 class FullGradReducer:
-    def __init__(self, groups, comm: Communicator, placement):
+    """exact: Config(deterministic=True)'s exact_grads.ExactGradSum,
+    whose int64 sums the step's collectives reduce instead of the grads."""
+
+    def __init__(self, groups, comm: Communicator, placement, exact=None):
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
         self.placement = placement
@@ -77,8 +80,10 @@ class FullGradReducer:
         ref = weakref.ref(self)
         self.hooks += _guard_each([p for g in self.groups for p in g.params], lambda: ref() is None or ref().running)
         kind = CollectiveKind.REDUCE_SCATTER if placement.partitions_optimizer else CollectiveKind.ALL_REDUCE
-        self.collectives = BucketCollectives(comm.queue, kind,
-                                             [g.store.group_buffer(g.tag, "grad_full") for g in self.groups])
+        buffers = [g.store.group_buffer(g.tag, "grad_full") for g in self.groups]
+        if exact:
+            buffers = [b.with_buffer(exact.sums_of(g)) for b, g in zip(buffers, self.groups)]
+        self.collectives = BucketCollectives(comm.queue, kind, buffers)
 
     def before_backward(self):
         self.running = True
@@ -120,8 +125,11 @@ class StagedReducer:
     after_backward drops it: no .grad the user sees outlives the backward as
     a view of reused memory."""
 
-    def __init__(self, groups, comm: Communicator, staging_buffers: int, on_request=False):
+    def __init__(self, groups, comm: Communicator, staging_buffers: int, on_request=False, exact=None):
         self.comm = comm
+        # Config(deterministic=True): the exact_grads.ExactGradSum whose int64
+        # sums the native reducer adds into, each grad on its grid.
+        self.exact = exact
         self.staging_buffers = staging_buffers
         self.on_request = on_request
         self.step = None  # the native step that agrees on and reduces late grads (late_grads_to)
@@ -142,6 +150,9 @@ class StagedReducer:
         self.where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g.params)}
         reduce_dtype = NATIVE_NAMES[groups[0].reduce_dtype] if groups else "float32"
         grad_parts = [g.store.group_buffer(g.tag, "grad_part") for g in groups]
+        if self.exact:
+            reduce_dtype = "int64"
+            grad_parts = [part.with_buffer(self.exact.sums_of(g)) for part, g in zip(grad_parts, groups)]
         self.native = BucketReducer(self.comm.queue, grad_parts, reduce_dtype, self.staging_buffers, self.on_request)
         self.targets = [g.grad_part for g in groups]
         self._connect()
@@ -184,10 +195,10 @@ class StagedReducer:
         self.running = True
         for g in self.groups:
             g.drop_hidden_grads()
-        if any(t is not g.grad_part for t, g in zip(self.targets, self.groups)):
+        if not self.exact and any(t is not g.grad_part for t, g in zip(self.targets, self.groups)):
             self.targets = [g.grad_part for g in self.groups]
             self.native.set_grad_partitions(self.targets)
-        if not self.on_request and all(g.reduce_dtype == g.dtype for g in self.groups):
+        if not self.on_request and self._views():
             self._attach_handed(self.native.begin_backward())
 
     def attach_grad_views(self, group):
@@ -195,10 +206,15 @@ class StagedReducer:
         view into its bucket's staging buffer (one native call a group).
         Params that straddle buckets, and buckets already reduced, keep the
         copy path."""
-        if group.reduce_dtype != group.dtype:
+        if not self._views():
             return
         for p, shape, view in zip(group.params, group.shapes, self.native.grad_views(self.index[id(group)])):
             self._attach(p, shape, view)
+
+    def _views(self) -> bool:
+        """Whether autograd may accumulate into the staging (grad views):
+        it holds the grads' dtype (not int64 sums, nor another reduce dtype)."""
+        return not self.exact and all(g.reduce_dtype == g.dtype for g in self.groups)
 
     def _attach(self, p, shape, view):
         """p's .grad becomes `view` (a zerocore.Tensor of its staging, or
@@ -228,7 +244,8 @@ class StagedReducer:
             else:
                 view.copy_(p.grad)
             p.grad = view
-        views = self.native.grad_ready(i, j, p.grad.reshape(-1))
+        grad = p.grad.reshape(-1)
+        views = self.native.grad_ready(i, j, self.exact.quantize(grad) if self.exact else grad)
         p.grad = None
         self._attach_handed(views)
 

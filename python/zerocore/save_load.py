@@ -84,6 +84,7 @@ def manifest_of(engine, save_id, sizes, lr_scheduler, extra) -> dict:
         "world_size": engine.comm.world_size, "stage": engine.config.stage, "dtype": engine.config.dtype,
         "step": engine.step_count,
         "loss_scale": engine.scaler.state_dict(),
+        "exact_grads": engine.exact.state_dict() if engine.exact else None,  # Config(deterministic=True)'s grid
         "optimizer": {"kind": engine.kind, "states": list(engine.state_names),
                       "param_groups": [_hyper(g) for g in engine.optimizer.param_groups]},
         "params": [{"names": names, "shape": list(p.shape), "trainable": p.requires_grad,
@@ -255,6 +256,8 @@ def _apply(engine, ckpt, loads, lr_scheduler):
             torch.cuda.set_rng_state(state, int(key.rsplit("/", 1)[1]))
     engine.step_count = m["step"]
     engine.scaler.load_state_dict(m["loss_scale"])
+    if engine.exact and m.get("exact_grads"):
+        engine.exact.load_state_dict(m["exact_grads"])
     set_hyperparameters(engine.optimizer, m["optimizer"]["param_groups"])
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(m["lr_scheduler"])

@@ -158,7 +158,38 @@ void check_sgd(DType gd, const Tensor& copy0, bool nesterov, int64_t step) {
 
 }  // namespace
 
+// Config(deterministic=True)'s exact sums: int64 adds into int64 exactly
+// (values past float64's 53 bits included), fill zeroes them, and the float
+// kernels and a float source refuse int64.
+void check_int64() {
+  Tensor dst = Tensor::empty({3}, DType::kInt64), src = Tensor::empty({3}, DType::kInt64);
+  const int64_t big = (int64_t(1) << 61) + 1;  // not a float64
+  const int64_t d0[] = {big, -7, 0}, s0[] = {big, 5, -(int64_t(1) << 62)};
+  std::memcpy(dst.data(), d0, sizeof d0);
+  std::memcpy(src.data(), s0, sizeof s0);
+  accumulate(dst, src);
+  CHECK(dst.data_as<int64_t>()[0] == 2 * big && dst.data_as<int64_t>()[1] == -2 &&
+        dst.data_as<int64_t>()[2] == -(int64_t(1) << 62));
+  fill(dst, 0.0f);
+  CHECK(dst.data_as<int64_t>()[0] == 0 && dst.data_as<int64_t>()[2] == 0);
+  bool refused = false;
+  try {
+    accumulate(dst, make(DType::kFloat32, {1.0f, 2.0f, 3.0f}));
+  } catch (const TypeMismatch&) {
+    refused = true;
+  }
+  CHECK(refused);
+  refused = false;
+  try {
+    sum_of_squares({dst});
+  } catch (const TypeMismatch&) {
+    refused = true;
+  }
+  CHECK(refused);
+}
+
 int main() {
+  check_int64();
   const DType dtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
   for (DType gd : dtypes) {
     for (DType cd : dtypes) {

@@ -5,10 +5,13 @@
 
 namespace zerocore {
 
-enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16 };
+// kInt64: Config(deterministic=True)'s exact grad sums (python/zerocore/
+// exact_grads.py), which gradient reduction stages, reduce-scatters and adds
+// as integers; the float kernels refuse it.
+enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt64 };
 
-constexpr size_t dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
-const char* dtype_name(DType t);  // "float32", "float16", "bfloat16"
+constexpr size_t dtype_size(DType t) { return t == DType::kInt64 ? 8 : t == DType::kFloat32 ? 4 : 2; }
+const char* dtype_name(DType t);  // "float32", "float16", "bfloat16", "int64"
 
 enum class DeviceType : uint8_t { kCPU, kCUDA };
 

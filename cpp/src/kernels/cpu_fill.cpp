@@ -1,5 +1,6 @@
 #include "zerocore/kernels/cpu_fill.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "zerocore/error.h"
@@ -14,6 +15,10 @@ namespace {
 
 void fill(const Tensor& dst, float value) {
   if (dst.device().type != DeviceType::kCPU) throw TypeMismatch("fill: the tensor must be on the host");
+  if (dst.dtype() == DType::kInt64) {  // exact sums: integers
+    std::fill_n(static_cast<int64_t*>(dst.data()), dst.numel(), int64_t(value));
+    return;
+  }
   kernels::with_element_type(dst.dtype(), [&](auto d_type) {
     using D = decltype(d_type);
     D* d = static_cast<D*>(dst.data());

@@ -219,7 +219,7 @@ const Exchanged& ZeroStep::take_grads(int64_t changes, bool with_sum) {
 
 bool ZeroStep::decides_on_device(const StepOptions& options) const {
   const bool dynamic = parts_.loss_scaler != nullptr && parts_.loss_scaler->dynamic();
-  return parts_.host_update == nullptr && !options.max_norm && !dynamic;
+  return parts_.host_update == nullptr && !options.max_norm && !dynamic && !options.exact;
 }
 
 void ZeroStep::refuse(int64_t first, int64_t last, bool found_now) {
@@ -256,9 +256,12 @@ StepResult ZeroStep::step(const StepOptions& options) {
   }
   StepResult out;
   LossScaler* scaler = parts_.loss_scaler;
-  double grad_scale = 1.0 / (parts_.data->world_size() * loss_scale());
-  out.norm = on_device ? std::nan("") : std::sqrt(agreed.sum_of_squares) * grad_scale;
-  out.applied = on_device || std::isfinite(agreed.sum_of_squares);
+  // Deterministic mode (options.exact) brings its own sum: of the mean over every rank's micro-batches.
+  const double sum_of_squares = options.exact ? options.exact->sum_of_squares : agreed.sum_of_squares;
+  double grad_scale = 1.0 / ((options.exact ? 1 : parts_.data->world_size()) * loss_scale());
+  out.norm = on_device ? std::nan("") : std::sqrt(sum_of_squares) * grad_scale;
+  const bool finite = on_device || std::isfinite(sum_of_squares);
+  out.applied = finite && !(options.exact && options.exact->regrid);
   Backend& b = backend();
   if (on_device) {
     verdict_.count(reduced_late_ ? parts_.grad_reducer->partitions() : grads_);
@@ -268,8 +271,13 @@ StepResult ZeroStep::step(const StepOptions& options) {
     }
   }
   if (!out.applied) {
-    if (scaler == nullptr || !scaler->dynamic()) refuse(options.step, options.step, true);
-    scaler->update(true);  // backs off; throws at the minimum scale
+    if (finite) {
+      // A finite grad outside the exact sum's grid: no loss scale to back off.
+    } else if (scaler == nullptr || !scaler->dynamic()) {
+      refuse(options.step, options.step, true);
+    } else {
+      scaler->update(true);  // backs off; throws at the minimum scale
+    }
     // The next forward reads a pending update's params (and, in stages 1-2,
     // every rank's); stage 3's end-of-step round below releases any unit
     // gathered from the shards they replace.

@@ -18,6 +18,7 @@ enum class ControlPurpose : int32_t {
   kAgreement = 2,   // the ranks' agreements at wrap, load or save (Python)
   kBroadcasts = 3,  // a broadcast of buffers or params (Python)
   kMicroBatches = 4,  // the ranks' places in their step, before a micro-batch's collectives and at the step (Python)
+  kExactGrads = 5,  // Config(deterministic=True): the grads' grid and integer sums at the step (Python)
 };
 
 inline CollectiveKey control_key(CollectiveKind kind, ControlPurpose purpose, int64_t numel) {

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "zerocore/dtype.h"
+#include "zerocore/error.h"
 #include "zerocore/kernels/optim.h"
 
 #if defined(__CUDACC__)
@@ -38,13 +39,15 @@ struct Fp16 {
 };
 struct NoCopy {};
 
-// Calls f(T{}) with T the element type of `dtype`: float, Bf16 or Fp16.
+// Calls f(T{}) with T the element type of `dtype`: float, Bf16 or Fp16;
+// int64 (the exact grad sums) has no float kernel.
 template <class F>
 inline void with_element_type(DType dtype, F&& f) {
   switch (dtype) {
     case DType::kFloat32: f(float{}); break;
     case DType::kBFloat16: f(Bf16{}); break;
     case DType::kFloat16: f(Fp16{}); break;
+    case DType::kInt64: throw TypeMismatch("a float kernel was given int64 elements");
   }
 }
 

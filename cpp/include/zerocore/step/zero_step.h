@@ -82,6 +82,15 @@ struct StepOptions {
   int64_t step = 1;               // the optimizer step this one becomes, if applied
   std::optional<double> max_norm; // clip to this global L2 norm (the smaller of the caller's bounds)
   int64_t changes = 0;            // this rank's trainability changes (the exchange's, if step() runs it)
+  // Config(deterministic=True) (python/zerocore/exact_grads.py): the caller
+  // summed the grads exactly and left their mean over every micro-batch of
+  // every rank in the grad buffers, so the update does not divide by the
+  // world size, and these replace what the exchange summed.
+  struct Exact {
+    double sum_of_squares = 0.0;  // of the mean (loss-scaled) grads, the same at any world size
+    bool regrid = false;          // a grad fell outside the step's grid: skipped on every rank
+  };
+  std::optional<Exact> exact;
 };
 
 // What the exchange agreed, the same on every rank.

@@ -1,0 +1,171 @@
+"""Config(deterministic=True): the step's gradient is the mean of every
+micro-batch's grads over every rank, summed exactly, so it has the same
+bits at any world size, whichever rank ran which micro-batch and in which
+order (docs/deterministic.md).
+
+Each micro-batch's grads go onto one grid fixed for the step, multiples of
+2**exponent, as int64 (rounded to nearest, ties to even), and add into
+int64 sums. Integer sums are exact, so associative: no order of adding, on
+a rank or across ranks, changes them. Stages 0-1: the flat grad buffers
+hold one micro-batch's grads after its backward; they are added into
+whole-size sums here and zeroed, and at the step the engine all-reduces
+(stage 0) or reduce-scatters (stage 1) the sums as int64 where it would
+have reduced the grads (grad_reducer.FullGradReducer's collectives), before
+the step's exchange, whose copies to the host (offload) then take the
+mean. Stages 2-3: gradient reduction (the native BucketReducer, in int64)
+stages each param's grad as quantize() gives it, reduce-scatters its
+buckets as integers and adds each rank's block into the partition's sums.
+
+Then the ranks agree on their largest |grad| in grid units (a maximum is
+order-independent too) and, where each holds a part of the grads, on
+their parts of the norm. If count * (largest + 1) is below 2**62, no
+partial sum in any order can have overflowed int64, and the mean,
+sum * 2**exponent / count (formed in float64 from the integer sum, then
+rounded into the grad buffers' dtype), becomes the grads the update reads;
+otherwise the step is skipped on every rank, as an fp16 overflow is, and
+the grid widens. The norm is the exact mean's: the squares of the integer
+sums, added exactly (in 21-bit limbs) and across ranks as integers. Every
+next grid comes from the step before's largest grad and count, with
+HEADROOM bits for grads to grow: the same numbers on every rank and at
+every world size, so the same grid.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from fractions import Fraction
+
+import torch
+
+from zerocore.comm import ControlPurpose
+
+HEADROOM = 8  # bits a step's largest grad (times the count) may grow over the last one's before a skip
+LIMIT_BITS = 62  # count * (largest |grad| in grid units + 1) below 2**62: no int64 partial sum overflows
+FIRST_BOUND = 2.0**16  # the first step's assumed largest |grad| times its count
+# Every value of the dtype is a multiple of 2**this: a finer grid keeps nothing more.
+_FINEST = {torch.float16: -24, torch.bfloat16: -133, torch.float32: -149}
+_LIMB, _LIMB_CHUNK = 21, 1 << 20  # squares in 21-bit limbs, summed 2**20 at a time: below 2**63
+_WORDS = 8  # 32-bit words of a rank's exact sum of squares in the exchange (below 2**256)
+
+
+def grid_exponent(bound: float, dtype: torch.dtype) -> int:
+    """The grid for grads whose largest |grad| times the count is `bound`,
+    with HEADROOM bits to spare: bound / 2**exponent < 2**(62 - HEADROOM)."""
+    return max(_FINEST[dtype], math.frexp(bound)[1] + HEADROOM - LIMIT_BITS)
+
+
+def sum_of_squares(sums: torch.Tensor) -> int:
+    """The exact sum of the squares of int64 `sums` (|x| < 2**62), as a
+    Python int: each x = a * 2**42 + b * 2**21 + c with b, c in [0, 2**21),
+    and the six limb products summed in int64 2**20 elements at a time."""
+    total = 0
+    low = (1 << _LIMB) - 1
+    for x in sums.reshape(-1).split(_LIMB_CHUNK):
+        a, b, c = x >> (2 * _LIMB), (x >> _LIMB) & low, x & low
+        s = [int(t.sum().item()) for t in (a * a, a * b, a * c, b * b, b * c, c * c)]
+        total += (s[0] << 84) + (s[1] << 64) + ((2 * s[2] + s[3]) << 42) + (s[4] << 22) + s[5]
+    return total
+
+
+class ExactGradSum:
+    """The exact sums of the trainable groups' grads on this rank, one
+    int64 per element: whole (stages 0-1, in the grad_full layout) or the
+    rank's partition (stages 2-3)."""
+
+    def __init__(self, groups, comm, placement):
+        self.groups = [g for g in groups if g.trainable]
+        self.comm = comm
+        self.partitioned = placement.partitions_grads  # the sums are the partition's
+        self.shared = placement.partitions_optimizer  # each rank holds a part of the mean: the norm is summed
+        self.dtype = self.groups[0].dtype if self.groups else torch.float32
+        self.exponent = grid_exponent(FIRST_BOUND, self.dtype)  # this step's grid: multiples of 2**exponent
+        self.sums = [torch.zeros(self._grads(g).numel(), dtype=torch.int64, device=self._grads(g).device)
+                     for g in self.groups]
+        self._index = {id(g): i for i, g in enumerate(self.groups)}
+        self.bytes_moved = 0  # of the agreements (control plane), received, since wrap
+        self._reset()
+
+    def _grads(self, group) -> torch.Tensor:
+        """The buffer the update reads the group's grads from."""
+        return group.grad_part if self.partitioned else group.grad_full
+
+    def sums_of(self, group) -> torch.Tensor:
+        return self.sums[self._index[id(group)]]
+
+    def _mine(self):
+        """(sums, grads) of each stretch of this rank's: its partition, or
+        at stages 0-1 its block of every bucket (all of it at stage 0)."""
+        for g, s in zip(self.groups, self.sums):
+            if self.partitioned:
+                yield s, g.grad_part
+            else:
+                for b in range(len(g.buckets)):
+                    yield g.view(s, "shard", b, g.rank), g.view(g.grad_full, "shard", b, g.rank)
+
+    def _reset(self):
+        for s in self.sums:
+            s.zero_()
+        self.largest = 0.0  # this rank's largest |grad| in grid units this step (inf: one was not finite)
+        self.next_exponent = None  # once reduced: the next step's grid
+        self.squares = None  # once reduced: the exact mean's sum of squares (inf: not finite)
+        self.regrid = False  # once reduced: a grad fell outside the grid, the step is skipped
+
+    def quantize(self, grad: torch.Tensor) -> torch.Tensor:
+        """grad on this step's grid, as int64, its largest noted."""
+        units = grad.double().mul_(2.0**-self.exponent).round_()  # a power of two: exact, then one rounding
+        if units.numel():
+            low, high = (x.item() for x in torch.aminmax(units))  # one pass (abs() would copy first)
+            peak = math.inf if math.isnan(low) or math.isnan(high) else max(-low, high)
+            self.largest = max(self.largest, peak)
+        return units.to(torch.int64)  # out of range only where the step skips anyway
+
+    def add_micro_batch(self):
+        """Stages 0-1, after a micro-batch's backward: its grads into the
+        sums, the grad buffers zeroed for the next one."""
+        if self.partitioned:
+            return
+        for g, total in zip(self.groups, self.sums):
+            total.add_(self.quantize(g.grad_full))
+            g.grad_full.zero_()
+
+    def reduce(self, count: int):
+        """Once a step, after the ranks met and the sums were reduced: the
+        mean of the `count` micro-batches into the grad buffers, its sum of
+        squares and whether the step is skipped."""
+        total = sum(sum_of_squares(s) for s, _ in self._mine())
+        mine = []
+        if self.shared:  # every rank's part of the norm rides with its largest, in 32-bit words
+            mine = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)]
+        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + mine,
+                                          ControlPurpose.EXACT_GRADS)
+        self.bytes_moved += 8 * len(rows) * len(rows[0])
+        largest = max(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
+        if not math.isfinite(largest):  # the step decides as for any non-finite grad
+            self.squares, self.next_exponent = math.inf, self.exponent
+            return
+        self.next_exponent = grid_exponent(count * largest * 2.0**self.exponent, self.dtype)
+        if count * (int(largest) + 1) >= 2**LIMIT_BITS:
+            self.regrid, self.squares = True, 0.0
+            return
+        if self.shared:
+            total = sum(sum(w << (32 * i) for i, w in enumerate(row[1:])) for row in rows)
+        for s, grads in self._mine():
+            grads.copy_(s.double().mul_(2.0**self.exponent).div_(count))
+        # (sum * 2**e / count)**2, summed: exact as a fraction, rounded once.
+        self.squares = math.ldexp(float(Fraction(total, count * count)), 2 * self.exponent)
+
+    def end_step(self):
+        """The step ended (applied, skipped, or its grads dropped): the next
+        one starts from zero on the grid this one chose."""
+        if self.next_exponent is not None:
+            self.exponent = self.next_exponent
+        if not self.partitioned:
+            for g in self.groups:
+                g.grad_full.zero_()
+        self._reset()
+
+    def state_dict(self) -> dict:
+        return {"exponent": self.exponent}
+
+    def load_state_dict(self, state: dict):
+        self.exponent = int(state["exponent"])

@@ -1,0 +1,225 @@
+"""Config(deterministic=True): the same bits at any world size
+(docs/deterministic.md). One training job of M = 12 micro-batches a step,
+run at world sizes 1, 2, 3 and 4, each with two assignments of the
+micro-batches to ranks (contiguous blocks run backwards; a random deal),
+against the job at world size 1 in plain order: the fp32 params, every
+optimizer state, the loss scale, each step's result and clip norm, bitwise
+(torch.equal), assembled from every rank. Cases: stages 0-3; fp32, bf16
+and fp16 (dynamic loss scale, with an overflow that skips a step); AdamW,
+SGD with momentum; clipping (max_grad_norm and clip_grad_norm_); buckets
+that straddle ranks; stage 3's persist_threshold; the optimizer, and at
+stage 3 the params, offloaded to the host; grads that fall outside the
+first step's grid (a skipped step, a wider grid). A checkpoint saved at 4 ranks continues at 3 with the same bits,
+and docs/deterministic.md's example gives the same bits at 1 and 3 ranks.
+The world-1 job's SGD case is checked against single-process torch in
+float64 (the mean of the micro-batches' grads)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerocore
+from dist_harness import run_ranks
+from models import TinyLM, lm_batch, lm_loss
+from readme import blocks
+
+M = 12  # micro-batches a step: every world size 1-4 divides it
+STEPS = 3
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+# name: (Config fields, optimizer, loss factor (step, micro) -> float, clip_grad_norm_ bound)
+CASES = {
+    "stage0-fp32-adamw-clip": (dict(stage=0), _adamw, None, 0.3),
+    "stage1-fp32-sgd": (dict(stage=1), _sgd, None, None),
+    "stage1-bf16-adamw-clip": (dict(stage=1, dtype="bf16", max_grad_norm=0.5), _adamw, None, None),
+    "stage0-fp16-overflow": (dict(stage=0, dtype="fp16", loss_scale=zerocore.DynamicLossScale(initial=2.0**10, window=2)), _adamw,
+                             lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0, None),
+    "stage1-fp32-offload": (dict(stage=1, offload_optimizer="cpu"), _adamw, None, 1.0),
+    "stage2-fp32-sgd-clip-regrid": (dict(stage=2, max_grad_norm=0.5, bucket_bytes=1024), _sgd,
+                                    lambda step, micro: 2.0**40 if step == 0 else 1.0, None),
+    "stage2-fp16-offload-overflow": (dict(stage=2, dtype="fp16", offload_optimizer="cpu",
+                                          loss_scale=zerocore.DynamicLossScale(initial=2.0**10)),
+                                     _adamw, lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0,
+                                     None),
+    "stage3-bf16-adamw-clip": (dict(stage=3, dtype="bf16"), _adamw, None, 0.5),
+    "stage3-fp32-persist": (dict(stage=3, persist_threshold=100, bucket_bytes=1024), _adamw, None, None),
+    "stage3-fp32-offload-params": (dict(stage=3, offload_optimizer="cpu", offload_params="cpu"), _sgd, None, 1.0),
+}
+REGRID = "stage2-fp32-sgd-clip-regrid"  # step 0's grads beyond the first grid: skipped, the grid widened
+OVERFLOWS = ("stage0-fp16-overflow", "stage2-fp16-offload-overflow")  # an inf loss in step 1: skipped, the scale halved
+
+
+def assignments(world, seed):
+    """Two assignments of the M micro-batches to ranks, as each rank's list
+    in the order it runs them: contiguous blocks backwards, and a random deal."""
+    per = M // world
+    blocks = [list(range(r * per, (r + 1) * per))[::-1] for r in range(world)]
+    deal = torch.randperm(M, generator=torch.Generator().manual_seed(seed)).tolist()
+    return {"blocks-backwards": blocks, "random-deal": [deal[r::world] for r in range(world)]}
+
+
+def _states(engine) -> dict:
+    """This rank's stretches of the fp32 params and optimizer states: {(kind, name): [(first, values)]}."""
+    out = {}
+    for g in engine.groups:
+        for kind, buf in {"param": g.fp32_partition(), **g.state}.items():
+            for index, first, values in g.owned_stretches(buf):
+                out.setdefault((kind, g.names[index][0]), []).append((first, values.clone()))
+    return out
+
+
+def _assemble(per_rank) -> dict:
+    """Every rank's stretches, whole: {(kind, name): flat tensor}."""
+    pieces = {}
+    for states in per_rank:
+        for key, stretches in states.items():
+            for first, values in stretches:
+                pieces.setdefault(key, {})[first] = values
+    return {key: torch.cat([v for _, v in sorted(by_first.items())]) for key, by_first in pieces.items()}
+
+
+def _train(engine, rank, order, case, steps, first_step=0):
+    """`steps` steps; this rank runs the micro-batches order[rank] of each.
+    Returns what the step returned and the clip norm, per step."""
+    _, _, factor, clip = CASES[case]
+    results = []
+    for step in range(first_step, first_step + steps):
+        for micro in order[rank]:
+            x, y = lm_batch(step, micro, 1)
+            loss = lm_loss(engine(x), y) * (factor(step, micro) if factor else 1.0)
+            engine.backward(loss)
+        norm = float(engine.clip_grad_norm_(clip)) if clip else None
+        results.append((engine.step(), norm, engine.loss_scale))
+        engine.zero_grad()
+    return results
+
+
+def _wrap(case, seed):
+    fields, make_opt, _, _ = CASES[case]
+    torch.manual_seed(seed)
+    model = TinyLM()
+    return zerocore.wrap(model, make_opt(model.parameters()), zerocore.Config(deterministic=True, **fields))
+
+
+def _run_cases(rank, world, order, seed, checkpoint=None, resume=None):
+    """Every case on these ranks; checkpoint: save after STEPS - 1 steps
+    there and stop; resume: load from there and run the last step."""
+    out = {}
+    for case in CASES:
+        engine = _wrap(case, seed)
+        if resume is not None:
+            engine.load(f"{resume}/{case}")
+            results = _train(engine, rank, order, case, 1, first_step=STEPS - 1)
+        elif checkpoint is not None:
+            results = _train(engine, rank, order, case, STEPS - 1)
+            engine.save(f"{checkpoint}/{case}")
+        else:
+            results = _train(engine, rank, order, case, STEPS)
+        out[case] = (results, _states(engine), engine.step_count)
+        engine.close()
+    return out
+
+
+def _jobs(world, order, seed, **kw):
+    """{case: (per-step results, assembled states, step count)} of the job on `world` ranks."""
+    per_rank = run_ranks(lambda rank, w: _run_cases(rank, w, order, seed, **kw), world, timeout=120)
+    out = {}
+    for case in CASES:
+        results = [r[case][0] for r in per_rank]
+        assert all(res == results[0] for res in results), f"{case}: ranks disagree on the steps: {results}"
+        out[case] = (results[0], _assemble([r[case][1] for r in per_rank]), per_rank[0][case][2])
+    return out
+
+
+def _assert_same_bits(got, ref, what):
+    for case in CASES:
+        assert got[case][0][-len(ref[case][0]):] == ref[case][0][-len(got[case][0]):], \
+            f"{what} {case}: step results {got[case][0]} != {ref[case][0]}"
+        assert got[case][2] == ref[case][2], f"{what} {case}: step count"
+        states, ref_states = got[case][1], ref[case][1]
+        assert states.keys() == ref_states.keys(), f"{what} {case}"
+        for key in ref_states:
+            assert torch.equal(states[key], ref_states[key]), \
+                f"{what} {case} {key}: {(states[key] - ref_states[key]).abs().max()} off"
+
+
+_reference = {}
+
+
+def reference(seed):
+    """The job at world size 1, micro-batches in plain order."""
+    if seed not in _reference:
+        _reference[seed] = _jobs(1, [list(range(M))], seed)
+    return _reference[seed]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_same_bits_at_any_world_size(world, zerocore_seed):
+    ref = reference(zerocore_seed)
+    for name, order in assignments(world, zerocore_seed).items():
+        _assert_same_bits(_jobs(world, order, zerocore_seed), ref, f"world {world}, {name}:")
+
+
+def test_expected_skips(zerocore_seed):
+    """The cases skip the steps they are built to skip, and train the rest."""
+    ref = reference(zerocore_seed)
+    applied = {case: [r[0] for r in ref[case][0]] for case in CASES}
+    for case in OVERFLOWS:
+        assert applied[case] == [True, False, True], case
+        scales = [r[2] for r in ref[case][0]]
+        assert scales[1] == scales[0] / 2, case  # the overflow halved the loss scale
+    assert applied[REGRID] == [False, True, True]
+    assert all(applied[c] == [True] * STEPS for c in CASES if c not in OVERFLOWS + (REGRID,))
+
+
+def test_resume_from_4_ranks_at_3(tmp_path, zerocore_seed):
+    ref = reference(zerocore_seed)
+    orders = assignments(4, zerocore_seed)["random-deal"], assignments(3, zerocore_seed)["blocks-backwards"]
+    _jobs(4, orders[0], zerocore_seed, checkpoint=str(tmp_path))
+    _assert_same_bits(_jobs(3, orders[1], zerocore_seed, resume=str(tmp_path)), ref, "saved at 4, resumed at 3:")
+
+
+def test_mean_of_micro_batches_against_float64(zerocore_seed):
+    """The world-1 job's SGD case against torch in float64: the step's
+    gradient is the mean of its micro-batches' (each loss unscaled)."""
+    torch.manual_seed(zerocore_seed)
+    model = TinyLM().double()
+    opt = _sgd(model.parameters())
+    for step in range(STEPS):
+        for micro in range(M):
+            x, y = lm_batch(step, micro, 1)
+            (lm_loss(model(x), y) / M).backward()
+        opt.step()
+        opt.zero_grad()
+    got = reference(zerocore_seed)["stage1-fp32-sgd"][1]
+    want = model.state_dict()
+    params = [name for kind, name in got if kind == "param"]
+    assert len(params) == len(list(model.parameters()))
+    for name in params:
+        torch.testing.assert_close(got[("param", name)].double(), want[name].reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_docs_example(tmp_path):
+    """docs/deterministic.md's example, as written: the same bits at 1 and 3 ranks."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "deterministic.md").read_text()
+    (example,) = blocks(text, "python")
+    namespace = {}
+    exec(compile(example, "docs/deterministic.md", "exec"), namespace)
+    one, three = run_ranks(namespace["train"], 1)[0], run_ranks(namespace["train"], 3)
+    for state in three:
+        assert state.keys() == one.keys() and all(torch.equal(state[k], one[k]) for k in one)
+
+
+def test_config_refuses_what_is_not_built():
+    with pytest.raises(ValueError, match="delayed_update"):
+        zerocore.Config(stage=2, offload_optimizer="cpu", delayed_update=True, deterministic=True)
+    with pytest.raises(ValueError, match="deterministic"):
+        zerocore.Config(deterministic=1)
