@@ -11,7 +11,8 @@ one GPU (2.30 and later; skipped naming the version otherwise). So the code
 that runs only at world size > 1 on a GPU runs here: rank offsets into
 device buffers, real cross-rank sums in device memory, stage 3's rounds at
 world 2 and 4, the lend path, a dead peer, a checkpoint saved at one world
-size and loaded at another. tests/gpu.sh runs them under
+size and loaded at another, accumulation with clipping, and partitioned
+activation checkpoints over the ranks' group. tests/gpu.sh runs them under
 ZEROCORE_CUDA_POISON=1 (released memory reads as NaN), which the spawned
 ranks inherit. References: single-process torch on the same GPU, as in the
 CPU suite. What one GPU cannot show: device-index bugs (every rank is
@@ -22,6 +23,8 @@ import functools
 import pytest
 import torch
 
+import test_activation_checkpoint
+import test_grad_scale
 import zerocore
 import zerocore.cuda
 from dist_harness import run_ranks
@@ -129,6 +132,61 @@ def test_offload_matches_torch(plane):
     for rank, states in enumerate(run_ranks(_train, 2, configs, timeout=TIMEOUT, start="spawn", group=plane.group)):
         for config, state in zip(configs, states):
             assert_state_close(state, ref, rtol=1e-5, atol=1e-6, what=f"rank {rank}, {config}")
+
+
+CLIP = test_grad_scale.MAX_NORM  # the first steps' grad norms exceed it, the later ones' do not
+
+
+def _clipped(rank, world, configs):
+    """SGD (each param moves by its grad, so a clipping coefficient lost or
+    added shows) with accumulation, at each Config; the full states."""
+    device = _gpu()
+    out = []
+    for config in configs:
+        model = make().to(device)
+        engine = zerocore.wrap(model, test_grad_scale.sgd(model.parameters()),
+                               zerocore.Config(bucket_bytes=256, **config))
+        out.append(_cpu(engine_train(engine, rank, world, test_grad_scale.STEPS, ACCUM, batch=_on(device))))
+        engine.close()
+    return out
+
+
+def test_accumulation_and_clipping_match_torch(plane):
+    configs = [dict(stage=s, max_grad_norm=CLIP, **plane.config) for s in STAGES]
+    # test_grad_scale.py's reference: torch's clip_grad_norm_ between backward and the step, on the host.
+    ref, initial, _, _ = test_grad_scale._reference(test_grad_scale.sgd, test_grad_scale.STEPS, ACCUM, 2, clip=CLIP)
+    for rank, states in enumerate(run_ranks(_clipped, 2, configs, timeout=TIMEOUT, start="spawn", group=plane.group)):
+        for config, state in zip(configs, states):
+            assert_moved_like(state, ref, initial, test_grad_scale.BOUND, what=f"rank {rank}, {config}")
+
+
+def _checkpointed_blocks(rank, world):
+    """test_activation_checkpoint.py's tensor-parallel GPT on cuda:0 over the
+    ranks' group, without checkpointing and with zerocore.checkpoint (Pa,
+    and Pa+cpu): each one's grads after two backwards, and the RNG's next
+    draw (dropout replayed in the recomputation)."""
+    device = _gpu()
+    group = torch.distributed.group.WORLD
+    out = {}
+    for mode, offload in (("none", None), ("zerocore", None), ("zerocore", "cpu")):
+        model = test_activation_checkpoint._model(group, mode, offload).to(device)
+        for step in range(2):
+            x, y = (t.to(device) for t in lm_batch(step, 0, 1))
+            model(x, y)["loss"].backward()
+        out[(mode, offload)] = ({n: p.grad.cpu() for n, p in model.named_parameters()},
+                                torch.rand(4, device=device).cpu())
+    return out
+
+
+def test_partitioned_activation_checkpoints_match_no_checkpointing(plane):
+    for rank, out in enumerate(run_ranks(_checkpointed_blocks, 2, timeout=TIMEOUT, start="spawn", group=plane.group)):
+        grads, rng = out[("none", None)]
+        for variant in (("zerocore", None), ("zerocore", "cpu")):
+            got, got_rng = out[variant]
+            for name in grads:
+                torch.testing.assert_close(got[name], grads[name], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"rank {rank} {variant} {name}: {m}")
+            assert torch.equal(got_rng, rng), f"rank {rank} {variant}: the RNG after backward differs"
 
 
 def _routed_train(rank, world, plane_config):

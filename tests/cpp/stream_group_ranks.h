@@ -75,6 +75,7 @@ inline float round_to(DType dtype, float x) {
     case DType::kBFloat16: return bf16_to_float(float_to_bf16(x));
     case DType::kFloat16: return fp16_to_float(float_to_fp16(x));
     case DType::kFloat32: return x;
+    case DType::kInt64: break;  // the cases sum float elements only
   }
   return x;
 }

@@ -57,12 +57,13 @@ class StreamGroupRank final : public StreamGroupTransport {
 
   Completion reduce_scatter(const CollectiveKey& key, const Tensor& input, const Tensor& shard) override {
     const int64_t n = shard.numel();
-    return run(key, input, shard, blocks_error("input", input, shard), 0,
-               [&](const Peers& p) { return sum(p, rank_ * n, n); });
+    std::string error = blocks_error("input", input, shard);
+    if (error.empty()) error = sum_error(input);
+    return run(key, input, shard, std::move(error), 0, [&](const Peers& p) { return sum(p, rank_ * n, n); });
   }
 
   Completion all_reduce(const CollectiveKey& key, const Tensor& tensor) override {
-    return run(key, tensor, tensor, std::string(), 0, [&](const Peers& p) { return sum(p, 0, tensor.numel()); });
+    return run(key, tensor, tensor, sum_error(tensor), 0, [&](const Peers& p) { return sum(p, 0, tensor.numel()); });
   }
 
   Completion broadcast(const CollectiveKey& key, const Tensor& tensor, int root) override {
@@ -88,6 +89,12 @@ class StreamGroupRank final : public StreamGroupTransport {
     if (full.numel() == block.numel() * world_size()) return std::string();
     return std::string(name) + " holds " + std::to_string(full.numel()) + " elements, not world_size x " +
            std::to_string(block.numel());
+  }
+
+  // The sums are fp32's: an int64 tensor (Config(deterministic=True)'s
+  // exact sums) would lose bits, so it is refused, on every rank.
+  static std::string sum_error(const Tensor& t) {
+    return t.dtype() == DType::kInt64 ? "a stream group sums float elements only, not int64" : "";
   }
 
   // Elements [lo, lo + n) of every rank's input summed in rank order, in
