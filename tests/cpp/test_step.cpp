@@ -244,15 +244,22 @@ class BlindBackend : public CheckingCpuBackend {
 // GPU's, CheckingOptions::compute_inline), rank 0 blind: step 2 returns (the
 // device skipped its update), and step 3's exchange carries rank 1's
 // reading: every rank throws there, before updating, refused_step 2; after
-// forget(), step 4 applies. The params against the steps that applied, and
+// forget(), step 4 applies. Lagging with both ranks blind and step 3
+// clipped (the host reads the norm, waiting for the device): step 3 reads
+// every verdict left first and throws the same, rather than apply an update
+// after a refused one. The params against the steps that applied, and
 // settle() at the end reads every verdict left, finding none refused.
-void test_refused_on_the_device(bool lagging) {
+enum class Verdicts { kInline, kOneBlind, kBlindThenClipped };
+
+void test_refused_on_the_device(Verdicts verdicts) {
+  const bool lagging = verdicts != Verdicts::kInline;
   std::atomic<int> bad{0}, threw{0};
   InProcessGroup data_group(kWorld, late_completion_from_env()), control_group(kWorld, late_completion_from_env());
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
-      BlindBackend backend(CheckingOptions{uint64_t(11 + r), 0, 300, true, !lagging}, lagging && r == 0);
+      const bool blind = verdicts == Verdicts::kBlindThenClipped || (verdicts == Verdicts::kOneBlind && r == 0);
+      BlindBackend backend(CheckingOptions{uint64_t(11 + r), 0, 300, true, !lagging}, blind);
       CommQueue data(data_group.transport(r), backend), control(control_group.transport(r), backend);
       const Tensor param = Tensor::empty({8}, DType::kFloat32, backend, MemoryKind::kDevice, "param");
       const Tensor grad = Tensor::empty({8}, DType::kFloat32, backend, MemoryKind::kDevice, "grad");
@@ -265,7 +272,8 @@ void test_refused_on_the_device(bool lagging) {
         const float g = s == 2 && r == 1 ? std::numeric_limits<float>::infinity() : float(r + 1);
         backend.declare_access(backend.compute_stream(), Access::write(grad), "the test writes the grads");
         std::fill(grad.data_as<float>(), grad.data_as<float>() + 8, g);
-        StepOptions options = sgd();
+        const bool clipped = s == 3 && verdicts == Verdicts::kBlindThenClipped;  // by a bound above the norm
+        StepOptions options = sgd(clipped ? std::optional<double>(1e9) : std::nullopt);
         options.step = step_count + 1;
         try {
           if (!step.step(options).applied) ++bad;
@@ -599,8 +607,10 @@ int main() {
   zerocore::test_exchange_then_step();
   zerocore::test_overflow_on_every_rank(/*dynamic=*/true);
   zerocore::test_overflow_on_every_rank(/*dynamic=*/false);
-  zerocore::test_refused_on_the_device(/*lagging=*/false);
-  zerocore::test_refused_on_the_device(/*lagging=*/true);
+  for (auto verdicts : {zerocore::Verdicts::kInline, zerocore::Verdicts::kOneBlind,
+                        zerocore::Verdicts::kBlindThenClipped}) {
+    zerocore::test_refused_on_the_device(verdicts);
+  }
   zerocore::test_dynamic_scale_over_steps();
   zerocore::test_late_grads_in_the_exchange();
   zerocore::test_order_mismatch_throws_on_every_rank();

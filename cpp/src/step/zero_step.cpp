@@ -189,7 +189,10 @@ const Exchanged& ZeroStep::take_grads(int64_t changes, bool with_sum) {
   // Stage 3's end-of-step round rides on the exchange: its flags do not
   // change before the round settles, after the update.
   unit_flags_ = parts_.units ? parts_.units->step_round_flags() : std::vector<float>{};
-  const int64_t seen = verdict_.read(false);
+  // With the sum the host waits for the device anyway: it reads every
+  // verdict left first, so that an update it applies (without the flag)
+  // never follows a step the device refused.
+  const int64_t seen = verdict_.read(with_sum);
   if (seen != 0 && (verdict_read_ == 0 || seen < verdict_read_)) verdict_read_ = seen;
   Mailbox& box = *row_;
   if (with_sum && parts_.host_update != nullptr) {  // offload: the host's own sum of its host grads
