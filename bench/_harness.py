@@ -7,7 +7,8 @@ interleaved, and the tail that prints ratios against targets, writes
 A benchmark's script is both the driver and, run with --worker NAME, one
 rank of one configuration (`dispatch`). The driver starts the ranks with
 `worker_command` and `run_ranks`; a worker joins its group with
-`init_group` and ends with `send_result`."""
+`init_group` and ends with `send_result`. A benchmark whose ranks share
+the driver's set-up forks them instead (`fork_ranks`)."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,9 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
+
+import torch.multiprocessing as mp
 
 RESULT_TAG = "BENCH_RESULT "
 
@@ -51,6 +55,34 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _forked_rank(measure, rank, port, args, results):
+    try:
+        result = measure(rank, port, *args)
+        if rank == 0:
+            results.put(("ok", result))
+    except BaseException:  # noqa: BLE001 - the driver reports it instead of waiting forever
+        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+def fork_ranks(measure, world: int, *args):
+    """measure(rank, port, *args) on `world` forked processes (port: a free
+    one of 127.0.0.1 for their tcp:// init); returns what rank 0's returns.
+    A rank that raises ends the run with its traceback."""
+    port = free_port()
+    ctx = mp.get_context("fork")
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_forked_rank, args=(measure, r, port, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    status, result = results.get()
+    for p in procs:
+        p.join() if status == "ok" else p.kill()
+    if status != "ok":
+        sys.exit(result)
+    return result
 
 
 def worker_command(script: str, name: str, python: str = None) -> list:

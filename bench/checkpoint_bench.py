@@ -29,8 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import _harness as harness
 import zerocore
-import cpu_ranks
 from zerocore.examples.gpt import GPT, GPTConfig
 
 
@@ -93,7 +93,7 @@ def main():
     args = parser.parse_args()
     root = tempfile.mkdtemp(dir=args.dir, prefix="zerocore-ckpt-bench-")
     try:
-        numel, rows = cpu_ranks.run(_measure, args.world, args, root)
+        numel, rows = harness.fork_ranks(_measure, args.world, args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gb = rows[0][3] / 1e9

@@ -26,23 +26,22 @@ import datetime
 import os
 import platform
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import _harness as harness
 import zerocore
 from zerocore.examples.gpt import GPT, GPTConfig
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def _rank(rank, args, stage, deterministic, store_path, out):
+def _measure(rank, port, args, stage, deterministic):
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, args.ranks), rank=rank,
-                           world_size=args.ranks, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks,
+                            timeout=datetime.timedelta(seconds=300))
     model = GPT(GPTConfig(vocab=256, n_layer=args.layers, n_head=8, d_model=args.d_model, seq_len=args.seq_len))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine = zerocore.wrap(model, opt, zerocore.Config(stage=stage, dtype=args.dtype, deterministic=deterministic))
@@ -70,25 +69,14 @@ def _rank(rank, args, stage, deterministic, store_path, out):
             if kind in data:
                 data[kind] *= 8 / ELEMENT_BYTES[args.dtype]
         data["agreements (control all-gathers)"] = (engine.exact.bytes_moved - moved_before) / args.steps
-    if rank == 0:
-        out.put((statistics.median(times[args.warmup:]), report["param"] + report["grad"] + report["optim"],
-                 report["comm_buffers"], data))
     engine.close()
     dist.destroy_process_group()
+    return (statistics.median(times[args.warmup:]), report["param"] + report["grad"] + report["optim"],
+            report["comm_buffers"], data)
 
 
 def run(args, stage, deterministic):
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, args, stage, deterministic, os.path.join(tmp, "store"), out))
-                 for r in range(args.ranks)]
-        for p in procs:
-            p.start()
-        result = out.get(timeout=args.timeout)
-        for p in procs:
-            p.join(timeout=60)
-    return result
+    return harness.fork_ranks(_measure, args.ranks, args, stage, deterministic)
 
 
 def main():
@@ -105,7 +93,6 @@ def main():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args()
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
           f"{torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {args.ranks} "

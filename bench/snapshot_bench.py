@@ -37,8 +37,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import _harness as harness
 import zerocore
-import cpu_ranks
 from zerocore.examples.gpt import GPT, GPTConfig
 
 
@@ -112,7 +112,7 @@ def main():
     args = parser.parse_args()
     root = tempfile.mkdtemp(dir=args.dir, prefix="zerocore-snapshot-bench-")
     try:
-        numel, times, rows = cpu_ranks.run(_measure, args.world, args, root)
+        numel, times, rows = harness.fork_ranks(_measure, args.world, args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     plain, snap = statistics.median(times["plain"]), statistics.median(times["snapshot"])
