@@ -337,7 +337,9 @@ class Training:
         rank), so the module and the engine hold the latest params. Reading
         or saving the model calls it first; nothing to do otherwise. Call
         it on every rank. Before it, writes the user made to params held
-        whole reach the fp32 masters (FlatGroup.carry_param_writes)."""
+        whole reach the fp32 masters (FlatGroup.carry_param_writes), and the
+        device's verdicts not read yet are (a step it refused raises
+        NonFiniteGradientError here, on every rank)."""
         self._carry_param_writes()
         try:  # a step the device refused and no exchange has named yet (ZeroStep.settle)
             self.zero_step.settle()
