@@ -140,6 +140,8 @@ double* kernel_pointer(double* p) {
 }
 
 // The sum kernel's launch over xs; `nonfinite`: a device counter, or null.
+// sum and finite null: the stream's scratch takes them (no caller reads
+// them; the counter is what it reads).
 void launch_sum_of_squares(const std::vector<Tensor>& xs, int device, double* sum, double* finite, float* nonfinite,
                            void* stream) {
   const Device cuda{DeviceType::kCUDA, device};
@@ -163,8 +165,9 @@ void launch_sum_of_squares(const std::vector<Tensor>& xs, int device, double* su
   const Scratch scratch = scratch_for(device, cu_stream, max_blocks);
   const auto* table =
       static_cast<const Segment*>(cuda_detail::device_table(device, segs.data(), segs.size() * sizeof(Segment)));
-  double* const sum_at = kernel_pointer(sum);
-  double* const finite_at = kernel_pointer(finite);
+  const bool to_scratch = sum == nullptr;
+  double* const sum_at = to_scratch ? scratch.result : kernel_pointer(sum);
+  double* const finite_at = to_scratch ? scratch.result + 1 : kernel_pointer(finite);
   const bool direct = sum_at && finite_at;
   sum_of_squares_kernel<<<cuda_detail::grid_size(device, chunks), kThreads, 0, cu_stream>>>(
       table, int(segs.size()), chunks, scratch, direct ? sum_at : scratch.result, direct ? finite_at : scratch.result + 1,
@@ -189,9 +192,7 @@ void cuda_count_nonfinite(const std::vector<Tensor>& xs, int device, const Tenso
       counter.device() != Device{DeviceType::kCUDA, device}) {
     throw TypeMismatch("cuda_count_nonfinite: the counter must be one fp32 element on cuda:" + std::to_string(device));
   }
-  // The sum and flag go to the stream's scratch (device memory); the counter is what the caller reads.
-  const Scratch scratch = scratch_for(device, static_cast<cudaStream_t>(stream), cuda_detail::grid_size(device, INT64_MAX));
-  launch_sum_of_squares(xs, device, scratch.result, scratch.result + 1, counter.data_as<float>(), stream);
+  launch_sum_of_squares(xs, device, nullptr, nullptr, counter.data_as<float>(), stream);
 }
 
 }  // namespace zerocore
