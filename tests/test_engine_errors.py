@@ -187,16 +187,17 @@ def test_nan_loss_raises_on_every_rank_and_changes_nothing(stage, dtype):
         assert r["applied_next"] is True
 
 
-def _refused_later(rank, world, stage):
+def _refused_later(rank, world, config):
     """As on a GPU (the checking backend's compute_inline=False), a NaN loss
-    on rank 1 at step 2 is refused on the device and named at step 3's
-    exchange; then a NaN at step 5 (the last) is named by full_state_dict.
-    Returns each error, the step counts, and the params against a twin that
-    trained only the batches that applied (1 and 4), on the plain backend."""
+    on rank 1 at step 2 is refused on the device (offloaded: on the host
+    update's stream) and named at step 3's exchange; then a NaN at step 5
+    (the last) is named by full_state_dict. Returns each error, the step
+    counts, and the params against a twin that trained only the batches
+    that applied (1 and 4), on the plain backend."""
     backend = _native.CheckingBackend(seed=rank, compute_inline=False)
     model, twin_model = make(), make()
-    engine = zerocore.wrap(model, adamw(model), {"stage": stage, "bucket_bytes": 512}, backend=backend)
-    twin = zerocore.wrap(twin_model, adamw(twin_model), {"stage": stage, "bucket_bytes": 512})
+    engine = zerocore.wrap(model, adamw(model), dict(config, bucket_bytes=512), backend=backend)
+    twin = zerocore.wrap(twin_model, adamw(twin_model), dict(config, bucket_bytes=512))
     out = {}
 
     def train_step(e, step, factor=1.0):
@@ -225,9 +226,10 @@ def _refused_later(rank, world, stage):
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_step_refused_on_the_device_is_named_later_on_every_rank(stage):
-    for r in run_ranks(_refused_later, 2, stage):
+@pytest.mark.parametrize("config", [{"stage": 1}, {"stage": 3}, {"stage": 1, "offload_optimizer": "cpu"},
+                                    {"stage": 3, "offload_optimizer": "cpu"}], ids=["1", "3", "1-offload", "3-offload"])
+def test_a_step_refused_on_the_device_is_named_later_on_every_rank(config):
+    for r in run_ranks(_refused_later, 2, config):
         assert set(r) == {"error at 3", "count after 3", "error at full_state_dict", "final count", "same"}, r
         assert "gradients of step 2 held inf/NaN" in r["error at 3"] and "back to 1" in r["error at 3"], r
         assert r["count after 3"] == 1

@@ -18,11 +18,12 @@ it): on CUDA each stalls the host until the GPU catches up, so the host
 cannot run ahead of it. Stage 3's rounds are control-plane collectives of
 host flags (none at world size 1, where there is nothing to agree on): a
 forward and a backward wait for no device work at any world size, stage,
-dtype or model. The step's exchange waits for the device (its decision reads the
+dtype, model or offload. The step's exchange waits for the device (its decision reads the
 sum of squares a kernel wrote) only where the host must read a number:
-fp16's overflow decision (dynamic loss scaling), clipping's norm, the
-offloaded update. Elsewhere (fp32 and bf16 without clipping) the step
-decides on the device (DeviceVerdict): no device wait in step() either."""
+fp16's overflow decision (dynamic loss scaling), clipping's norm.
+Elsewhere (fp32 and bf16 without clipping) the step decides on the device
+(DeviceVerdict), the offloaded update's too: no device wait in step()
+either."""
 import pytest
 import torch
 
@@ -93,16 +94,23 @@ def _moe_loss(engine, x, y):
     return engine(x % MOE["vocab"], y % MOE["vocab"])["loss"]
 
 
+# The offloaded update (Config fields), by the cases' names.
+OFFLOAD = {None: {}, "cpu": dict(offload_optimizer="cpu"),
+           "delayed": dict(offload_optimizer="cpu", delayed_update=True, delayed_update_warmup=0)}
+
+
 def _device_waits(rank, world, cases):
     """(forward, backward, step) device waits of each step after the first,
-    for each (stage, dtype, model) case, trained in turn on these ranks."""
+    for each (stage, dtype, model, offload) case, trained in turn on these
+    ranks."""
     out = {}
-    for stage, dtype, model_name in cases:
+    for case in cases:
+        stage, dtype, model_name, offload = case
         model = make(TinyLM) if model_name == "dense" else MoEGPT(MoEConfig(**MOE), seed=0)
         engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                               zerocore.Config(stage=stage, dtype=dtype))
+                               zerocore.Config(stage=stage, dtype=dtype, **OFFLOAD[offload]))
         loss_of = _moe_loss if model_name == "moe" else _dense_loss
-        out[(stage, dtype, model_name)] = _per_step(engine, rank, world, CHECKER.take_device_waits, loss_of)[1:]
+        out[case] = _per_step(engine, rank, world, CHECKER.take_device_waits, loss_of)[1:]
     return out
 
 
@@ -112,16 +120,24 @@ def _device_waits(rank, world, cases):
 DEVICE_WAITS = {"fp32": (0, 0, 0), "bf16": (0, 0, 0), "fp16": (0, 0, 1)}
 
 
+# Offload's update (stages 1-3) is decided the same way, its verdict on
+# the host update's stream: the training thread waits for none of it.
+OFFLOADED = [(s, d, "dense", o) for s in (1, 2, 3) for d in ("fp32", "bf16", "fp16") for o in ("cpu", "delayed")]
+
+
 @pytest.mark.parametrize("world, cases", [
-    (1, [(s, d, m) for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16") for m in ("dense", "moe")]),
-    (2, [(s, d, m) for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16") for m in ("dense", "moe")]),
-    (4, [(s, "bf16", m) for s in (0, 1, 2, 3) for m in ("dense", "moe")]),
+    (1, [(s, d, m, None) for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16") for m in ("dense", "moe")]
+     + OFFLOADED),
+    (2, [(s, d, m, None) for s in (0, 1, 2, 3) for d in ("fp32", "bf16", "fp16") for m in ("dense", "moe")]
+     + OFFLOADED),
+    (4, [(s, "bf16", m, None) for s in (0, 1, 2, 3) for m in ("dense", "moe")]
+     + [(s, "bf16", "dense", o) for s in (1, 2, 3) for o in ("cpu", "delayed")]),
 ], ids=["world1", "world2", "world4"])
 def test_forward_and_backward_wait_for_no_device_work(world, cases):
     for rank, counts in enumerate(run_ranks(_device_waits, world, cases, timeout=300)):
         for case, per_step in counts.items():
             assert per_step == [DEVICE_WAITS[case[1]]] * (STEPS - 1), \
-                f"rank {rank}, (stage, dtype, model) {case}: {per_step}"
+                f"rank {rank}, (stage, dtype, model, offload) {case}: {per_step}"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -122,12 +122,13 @@ void bind_step(nb::module_& m) {
            "swaps_grads: the host grads trade places with their spares at each step (stages 2-3, delayed); "
            "delays_from: the first step whose update is delayed, or None.")
       .def(
-          "params_up",
+          "finish",
           [](HostUpdate& self) {
             nb::gil_scoped_release release;
-            return self.params_up();
+            return self.finish();
           },
-          "Finishes a pending update and copies its params up; True when there was one.")
+          "A pending update's params go up, then the host waits for everything queued (it reads the master "
+          "params or states next); True when there was a pending update.")
       .def_prop_ro("pending", &HostUpdate::pending, "An update is queued whose params are not up yet.")
       .def_rw("serial", &HostUpdate::serial, "The params go up only once the whole update is done.")
       .def_prop_ro("grad_swaps", &HostUpdate::grad_swaps, "Swaps of the host grad buffers since construction.")

@@ -11,11 +11,12 @@ offload/offload_optimizer.h) over them through OffloadUpdate's HostUpdate
               the reducer adds each bucket's block into the host partition
               as soon as its reduce-scatter is done; stage 1 reduces at the
               step and copies the rank's blocks down then
-    step      the squared norm of the host grads -> the step's one control
-              all-reduce (clipping and overflow skipping stay exact: the
-              update waits for the global norm) -> the CPU optimizer updates
-              bucket after bucket on a native thread while the copy queue
-              sends each updated bucket's params up
+    step      the grads' verdict (finite or not, summed over ranks) or,
+              with clipping or fp16, their squared norm in the step's one
+              control all-reduce -> the CPU optimizer updates bucket after
+              bucket on a native thread while the copy queue sends each
+              updated bucket's params up; the training thread waits for
+              none of it (the next forward's compute waits for the params)
 
 Delayed update (Config(delayed_update=True)), from step
 delayed_update_warmup + 1 on: step() queues the update and returns at once,
@@ -112,9 +113,10 @@ class OffloadUpdate:
             self._swaps += 1
 
     def params_up(self) -> bool:
-        """Finishes a pending update and copies its params up; True when
-        there was one."""
-        return self.host.params_up()
+        """Copies a pending update's params up and waits for the update
+        queued (the host reads the master or states next); True when one
+        was pending."""
+        return self.host.finish()
 
     def stats(self) -> dict:
         sent = self.host.params_sent - self._params_sent_before

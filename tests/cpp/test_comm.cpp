@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
@@ -439,6 +440,29 @@ void test_unordered_collective_is_issued_and_raises() {
   CHECK(std::all_of(fingerprints.begin(), fingerprints.end(), [&](uint64_t f) { return f == fingerprints[0]; }));
 }
 
+// A collective comes after what its comm stream was made to wait for,
+// though a CPU transport moves the data on the queue's issuing thread: the
+// input is written late by a job on another stream (Backend::host_tail).
+void test_collective_after_what_its_stream_waits_for() {
+  std::atomic<int> bad{0};
+  test::on_ranks(2, [&](int r, CommQueue& q) {
+    Backend& backend = q.backend();
+    Stream& writer = backend.create_stream("late writer");
+    const Tensor t = Tensor::empty({4}, DType::kFloat32);
+    std::fill(t.data_as<float>(), t.data_as<float>() + 4, 0.0f);
+    backend.enqueue(writer, "late write", {Access::write(t)}, [t, r] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::fill(t.data_as<float>(), t.data_as<float>() + 4, float(r + 1));
+    });
+    backend.wait(q.stream(), *backend.record(writer));
+    backend.host_wait(*q.all_reduce(key(CollectiveKind::kAllReduce, 0, 4), t));
+    for (int i = 0; i < 4; ++i) {
+      if (t.data_as<float>()[i] != 3.0f) ++bad;
+    }
+  });
+  CHECK(bad == 0);
+}
+
 int main() {
   test_collectives(DType::kFloat32);
   test_collectives(DType::kBFloat16);
@@ -456,6 +480,7 @@ int main() {
   test_queue_on_the_checking_backend(Missing::kCommWaitsForCompute);
   test_queue_on_the_checking_backend(Missing::kHostWaitsForGather);
   test_unordered_collective_is_issued_and_raises();
+  test_collective_after_what_its_stream_waits_for();
   CHECK(describe(CollectiveKey{CollectiveKind::kReduceScatter, 2, 1, 1234567}) ==
         "reduce_scatter of group 2, bucket 1 (1,234,567 elements)");
   CHECK(describe(CollectiveKey{CollectiveKind::kAllGather, -1, 0, 16}) == "control-plane all_gather (16 elements)");

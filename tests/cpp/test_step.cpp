@@ -12,7 +12,7 @@
 // changes; the step's sum of squares and update run by its backend, on
 // the compute stream, ordered under the checking backend; the step driving ZeRO-Offload's host update (HostUpdate over
 // an OffloadOptimizer on the checking backend): overlapped, delayed, and a
-// skipped step landing the pending update.
+// skipped or refused step landing the pending update.
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -254,13 +254,12 @@ enum class Verdicts { kInline, kOneBlind, kBlindThenClipped };
 void test_refused_on_the_device(Verdicts verdicts) {
   const bool lagging = verdicts != Verdicts::kInline;
   std::atomic<int> bad{0}, threw{0};
-  InProcessGroup data_group(kWorld, late_completion_from_env()), control_group(kWorld, late_completion_from_env());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] {
-      const bool blind = verdicts == Verdicts::kBlindThenClipped || (verdicts == Verdicts::kOneBlind && r == 0);
-      BlindBackend backend(CheckingOptions{uint64_t(11 + r), 0, 300, true, !lagging}, blind);
-      CommQueue data(data_group.transport(r), backend), control(control_group.transport(r), backend);
+  auto make = [&](int r) {
+    const bool blind = verdicts == Verdicts::kBlindThenClipped || (verdicts == Verdicts::kOneBlind && r == 0);
+    return std::make_unique<BlindBackend>(CheckingOptions{uint64_t(11 + r), 0, 300, true, !lagging}, blind);
+  };
+  test::on_ranks_with_backends<BlindBackend>(
+      kWorld, make, [&](int r, BlindBackend& backend, CommQueue& data, CommQueue& control) {
       const Tensor param = Tensor::empty({8}, DType::kFloat32, backend, MemoryKind::kDevice, "param");
       const Tensor grad = Tensor::empty({8}, DType::kFloat32, backend, MemoryKind::kDevice, "grad");
       std::fill(param.data_as<float>(), param.data_as<float>() + 8, 1.0f);
@@ -292,8 +291,6 @@ void test_refused_on_the_device(Verdicts verdicts) {
       step.settle();
       if (step_count != 2 + (lagging ? 0 : 1) || !backend.violations().empty()) ++bad;
     });
-  }
-  for (auto& t : threads) t.join();
   CHECK(threw == kWorld);
   CHECK(bad == 0);
 }
@@ -460,12 +457,9 @@ void test_kernels_run_on_the_backend() {
   const int64_t total = plan.total_elems(), part = plan.partition_elems();
   constexpr int kSteps = 4;
   std::atomic<int> bad{0};
-  InProcessGroup data_group(kWorld, late_completion_from_env()), control_group(kWorld, late_completion_from_env());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] {
-      KernelCountingBackend backend(CheckingOptions{uint64_t(3 + r), 0, 300, true});
-      CommQueue data(data_group.transport(r), backend), control(control_group.transport(r), backend);
+  auto make = [](int r) { return std::make_unique<KernelCountingBackend>(CheckingOptions{uint64_t(3 + r), 0, 300, true}); };
+  test::on_ranks_with_backends<KernelCountingBackend>(
+      kWorld, make, [&](int r, KernelCountingBackend& backend, CommQueue& data, CommQueue& control) {
       std::vector<float> init(static_cast<size_t>(total));
       for (int64_t i = 0; i < total; ++i) init[size_t(i)] = param_value(i);
       const Tensor full = Tensor::empty({total}, DType::kFloat32, backend, MemoryKind::kDevice, "full");
@@ -513,8 +507,6 @@ void test_kernels_run_on_the_backend() {
       }
       if (!backend.violations().empty()) ++bad;
     });
-  }
-  for (auto& t : threads) t.join();
   CHECK(bad == 0);
 }
 
@@ -526,13 +518,17 @@ void test_kernels_run_on_the_backend() {
 // rank 1 (skipped on every rank; the pending update's params go up, the
 // scale halves), step 4 delayed again (pending until params_up). After each,
 // the device params against the SGD steps computed directly, the norm
-// against the ranks' grads, and no ordering violation.
-void test_host_update() {
+// against the ranks' grads, and no ordering violation. With a fixed scale
+// the step decides on the device (the verdict on the host update's
+// stream): step 3 throws NonFiniteGradients on every rank at once (the
+// CPU backends), with the pending update landed and step 3's not applied.
+void test_host_update(bool dynamic) {
   constexpr int64_t n = 300;
   const std::vector<bool> overflow = {false, false, true, false};
-  std::atomic<int> bad{0};
-  test::on_ranks_with_rounds(kWorld, [&](int r, CommQueue& data, CommQueue& control) {
-    CheckingCpuBackend backend(CheckingOptions{uint64_t(7 + r), 0, 300, true});
+  std::atomic<int> bad{0}, threw{0};
+  auto make = [](int r) { return std::make_unique<CheckingCpuBackend>(CheckingOptions{uint64_t(7 + r), 0, 300, true}); };
+  test::on_ranks_with_backends<CheckingCpuBackend>(
+      kWorld, make, [&](int r, CheckingCpuBackend& backend, CommQueue& data, CommQueue& control) {
     auto buffer = [&](MemoryKind kind, const char* name, const std::vector<float>& values) {
       Tensor t = backend.allocate(kind, size_t(n) * sizeof(float), name)->view(0, DType::kFloat32, {n});
       std::memcpy(t.data(), values.data(), t.nbytes());
@@ -552,13 +548,13 @@ void test_host_update() {
     HostUpdate host(optimizer, /*swaps_grads=*/false, /*delays_from=*/2);
     LossScaler scaler(DynamicScale{4.0, 2000, 1, 1.0, false, false});
     ZeroStep::Parts parts{&data, &control, {}, true};
-    parts.loss_scaler = &scaler;
+    parts.loss_scaler = dynamic ? &scaler : nullptr;
     parts.host_update = &host;
     ZeroStep step(std::move(parts));
     std::vector<double> want(init.begin(), init.end()), on_device = want;  // the master, the device's params
     int64_t applied = 0;
     for (size_t s = 0; s < overflow.size(); ++s) {
-      const double scale = 1.0 / (kWorld * scaler.scale());
+      const double scale = 1.0 / (kWorld * step.loss_scale());
       double sum_sq = 0.0;
       for (int q = 0; q < kWorld; ++q) {
         for (float g : grads_of(10 * int(s) + q, n)) sum_sq += double(g) * g;
@@ -568,13 +564,21 @@ void test_host_update() {
       std::memcpy(device_grads.data(), g.data(), device_grads.nbytes());
       StepOptions options = sgd();
       options.step = applied + 1;
-      const StepResult result = step.step(options);
-      if (result.applied == overflow[s]) ++bad;
+      StepResult result;
+      try {
+        result = step.step(options);
+        if (result.applied == overflow[s]) ++bad;
+      } catch (const NonFiniteGradients&) {
+        ++threw;
+        if (dynamic || !overflow[s] || step.refused_step() != options.step) ++bad;
+        step.forget();
+      }
       if (overflow[s]) {
         on_device = want;  // the pending update landed
-        if (host.pending()) ++bad;
+        // Decided on the device, step 3's update was queued and skipped: its params (unchanged) are pending.
+        if (host.pending() == dynamic) ++bad;
       } else {
-        if (!close(result.norm, std::sqrt(sum_sq) * scale)) ++bad;
+        if (dynamic && !close(result.norm, std::sqrt(sum_sq) * scale)) ++bad;
         ++applied;
         for (int64_t i = 0; i < n; ++i) want[size_t(i)] -= kLr * scale * g[size_t(i)];
         const bool delayed = options.step >= 2;
@@ -589,9 +593,10 @@ void test_host_update() {
     for (int64_t i = 0; i < n; ++i) {
       if (!close(device_params.data_as<float>()[i], want[size_t(i)])) ++bad;
     }
-    if (scaler.scale() != 2.0 || !backend.violations().empty()) ++bad;
+    if (scaler.scale() != (dynamic ? 2.0 : 4.0) || !backend.violations().empty()) ++bad;
   });
   CHECK(bad == 0);
+  CHECK(threw == (dynamic ? 0 : kWorld));
 }
 
 }  // namespace
@@ -615,6 +620,7 @@ int main() {
   zerocore::test_late_grads_in_the_exchange();
   zerocore::test_order_mismatch_throws_on_every_rank();
   zerocore::test_kernels_run_on_the_backend();
-  zerocore::test_host_update();
+  zerocore::test_host_update(/*dynamic=*/true);
+  zerocore::test_host_update(/*dynamic=*/false);
   return zerocore::test::finish("test_step");
 }

@@ -6,6 +6,7 @@
 // references then check that every reader waits for its collective.
 #pragma once
 #include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -33,5 +34,21 @@ inline void on_ranks_with_rounds(int world, const std::function<void(int, CommQu
     CommQueue rq(rounds.transport(r), q.backend());
     fn(r, q, rq);
   });
+}
+
+// Both queues of each rank on a backend of its own, made by make(rank) (a
+// std::unique_ptr<B>): the tests of what a step orders on its backend.
+template <class B, class Make>
+void on_ranks_with_backends(int world, Make make, const std::function<void(int, B&, CommQueue&, CommQueue&)>& fn) {
+  InProcessGroup data_group(world, late_completion_from_env()), control_group(world, late_completion_from_env());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      const std::unique_ptr<B> backend = make(r);
+      CommQueue data(data_group.transport(r), *backend), control(control_group.transport(r), *backend);
+      fn(r, *backend, data, control);
+    });
+  }
+  for (auto& t : threads) t.join();
 }
 }  // namespace zerocore::test

@@ -84,6 +84,11 @@ std::shared_ptr<StreamEvent> CpuBackend::record_done(Stream& stream, std::shared
   return std::make_shared<CpuEvent>(std::move(done), std::vector<uint64_t>{});
 }
 
+std::shared_ptr<Event> CpuBackend::host_tail(Stream& stream) {
+  const CpuStream& s = streams_.of(stream);
+  return s.last && !s.last->ready() ? s.last : nullptr;  // the compute stream's work ran inline
+}
+
 bool CpuBackend::query(const StreamEvent& event) { return cpu_event(event).done()->ready(); }
 
 void CpuBackend::enqueue(Stream& stream, const std::string&, const std::vector<Access>&, std::function<void()> body) {

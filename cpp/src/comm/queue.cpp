@@ -152,7 +152,15 @@ std::shared_ptr<StreamEvent> CommQueue::enqueue(const CollectiveKey& key, bool c
   // right after the issue) covers this collective and nothing issued after.
   auto done = std::make_shared<Event>();
   std::shared_ptr<StreamEvent> event = backend_.record_done(stream_, done);
-  s.issuing.enqueue([&s, work = std::move(work), transport = transport_.get(), done = std::move(done)]() mutable {
+  s.issuing.enqueue([&s, work = std::move(work), transport = transport_.get(), done = std::move(done),
+                     before = backend_.host_tail(stream_)]() mutable {
+    if (before) {  // what the stream waits for (the CPU backends): a failure there is the queue's
+      try {
+        before->wait();
+      } catch (...) {
+        s.fail(std::current_exception());
+      }
+    }
     s.issue(*transport, work, done);
   });
   if (unordered) std::rethrow_exception(unordered);

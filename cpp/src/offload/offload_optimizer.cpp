@@ -81,7 +81,6 @@ OffloadOptimizer::~OffloadOptimizer() {
 }
 
 void OffloadOptimizer::swap_grads() {
-  if (busy()) throw InvalidArgument("OffloadOptimizer.swap_grads: work is queued; wait() first");
   for (const OffloadBucket& b : buckets_) {
     if (b.spare_grads.empty() && !b.runs.empty()) {
       throw InvalidArgument("OffloadOptimizer.swap_grads: a bucket has no spare grads");
@@ -131,6 +130,21 @@ void OffloadOptimizer::copy_params() {
   if (ordered) last_copy_ = backend_.record(copy_);
 }
 
+void OffloadOptimizer::hand_to_compute() {
+  Stream& compute = backend_.compute_stream();
+  order(compute, update_);  // with the verdict's readbacks queued behind the update
+  order(compute, copy_);
+}
+
+Stream& OffloadOptimizer::after_grads() {
+  order(update_, backend_.compute_stream());  // the reducer's adds into the host grads (stages 2-3)
+  for (std::shared_ptr<StreamEvent>& down : grads_down_) {
+    if (down) backend_.wait(update_, *down);
+    down.reset();
+  }
+  return update_;
+}
+
 template <class Options, class Update>
 void OffloadOptimizer::update(const std::vector<Options>& groups, bool copy_params, Update update_bucket) {
   for (const OffloadBucket& b : buckets_) {
@@ -166,18 +180,18 @@ void OffloadOptimizer::update(const std::vector<Options>& groups, bool copy_para
 }
 
 void OffloadOptimizer::adam(const std::vector<AdamOptions>& groups, int64_t step, double grad_scale,
-                            bool copy_params) {
+                            bool copy_params, const Tensor& skip_if) {
   for (const AdamOptions& g : groups) adam_coefs(g, step, grad_scale);  // throws on a bad value, before queueing
   update(groups, copy_params, [&](const std::vector<FlatRun>& runs) {
-    backend_.adam_update_runs(update_, groups, step, grad_scale, runs, Tensor());
+    backend_.adam_update_runs(update_, groups, step, grad_scale, runs, skip_if);
   });
 }
 
 void OffloadOptimizer::sgd(const std::vector<SgdOptions>& groups, int64_t step, double grad_scale,
-                           bool copy_params) {
+                           bool copy_params, const Tensor& skip_if) {
   for (const SgdOptions& g : groups) sgd_coefs(g, step, grad_scale);
   update(groups, copy_params, [&](const std::vector<FlatRun>& runs) {
-    backend_.sgd_update_runs(update_, groups, step, grad_scale, runs, Tensor());
+    backend_.sgd_update_runs(update_, groups, step, grad_scale, runs, skip_if);
   });
 }
 
@@ -193,8 +207,6 @@ void OffloadOptimizer::wait() {
 bool OffloadOptimizer::busy() const {
   return (last_update_ && !backend_.query(*last_update_)) || (last_copy_ && !backend_.query(*last_copy_));
 }
-
-void OffloadOptimizer::wait_for_compute() { backend_.host_wait(*backend_.record(backend_.compute_stream())); }
 
 double OffloadOptimizer::grad_sum_of_squares() const {
   for (const Tensor& g : grads_) {

@@ -25,7 +25,7 @@ void BucketCollectives::run() {
   // What the compute stream (the host) did to the buffers is done before
   // the comm stream reads or writes them: the grads accumulated, the params
   // written by the update or copied up by offload's copy stream (which the
-  // host waited for).
+  // compute stream waited for).
   Backend& backend = comm_.backend();
   backend.wait(comm_.stream(), *backend.record(backend.compute_stream()));
   // The queue completes in issue order: the last event covers them all

@@ -5,45 +5,47 @@ namespace zerocore {
 HostUpdate::HostUpdate(OffloadOptimizer& optimizer, bool swaps_grads, std::optional<int64_t> delays_from)
     : optimizer_(optimizer), swaps_grads_(swaps_grads), delays_from_(delays_from) {}
 
-double HostUpdate::grad_sum_of_squares() {
-  optimizer_.wait_for_compute();  // stages 2-3: the reducer's adds into the host grads
+void HostUpdate::take_grads() {
   if (swaps_grads_) {
     // The grads just reduced become the update's, and the buffer a pending
-    // update reads (waited for) the next backward's.
-    optimizer_.wait();
+    // update reads the next backward's, which the compute stream runs
+    // behind that update's params up.
     optimizer_.swap_grads();
     ++grad_swaps_;
   } else {
-    optimizer_.copy_grads();  // behind a pending update, which reads the host grads
-    optimizer_.wait();
+    optimizer_.copy_grads();
   }
-  return optimizer_.grad_sum_of_squares();
 }
 
-void HostUpdate::apply(const StepOptions& options, double grad_scale) {
+void HostUpdate::apply(const StepOptions& options, double grad_scale, const Tensor& skip_if) {
   params_up();
   const bool delayed = delays_from_ && options.step >= *delays_from_;
   const bool overlap = !(delayed || serial);
   if (options.kind == OptimizerKind::kSgd) {
-    optimizer_.sgd(options.sgd, options.step, grad_scale, overlap);
+    optimizer_.sgd(options.sgd, options.step, grad_scale, overlap, skip_if);
   } else {
-    optimizer_.adam(options.adam, options.step, grad_scale, overlap);
+    optimizer_.adam(options.adam, options.step, grad_scale, overlap, skip_if);
   }
   params_sent_ += overlap;
   pending_ = !overlap;
-  if (!delayed) {
-    optimizer_.wait();
-    params_up();
-  }
+  // Serial: its params go up now, once the update is done. Delayed: at the
+  // next step boundary; until then the next forward reads the last ones.
+  if (!delayed && !params_up()) optimizer_.hand_to_compute();
 }
 
 bool HostUpdate::params_up() {
   if (!pending_) return false;
   optimizer_.copy_params();
-  optimizer_.wait();
+  optimizer_.hand_to_compute();
   pending_ = false;
   ++params_sent_;
   return true;
+}
+
+bool HostUpdate::finish() {
+  const bool had = params_up();
+  optimizer_.wait();
+  return had;
 }
 
 }  // namespace zerocore

@@ -57,7 +57,9 @@ const char* const kNonFiniteAdvice =
 
 }  // namespace
 
-ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)), verdict_(backend_of(parts_)) {
+ZeroStep::ZeroStep(Parts parts)
+    : parts_(std::move(parts)),
+      verdict_(backend_of(parts_), parts_.host_update ? &parts_.host_update->stream() : nullptr) {
   if (parts_.data->world_size() != parts_.control->world_size()) {
     throw InvalidArgument("ZeroStep: the data and control queues span different world sizes (" +
                           std::to_string(parts_.data->world_size()) + " and " +
@@ -70,6 +72,10 @@ ZeroStep::ZeroStep(Parts parts) : parts_(std::move(parts)), verdict_(backend_of(
   if (&parts_.data->backend() != &parts_.control->backend()) {
     throw InvalidArgument("ZeroStep: the data and control queues run on different backends; make both on the "
                           "engine's (the exchange reads a row the data queue's backend writes)");
+  }
+  if (parts_.host_update != nullptr && &parts_.host_update->backend() != &parts_.data->backend()) {
+    throw InvalidArgument("ZeroStep: the host update's optimizer runs on another backend than the queues; make its "
+                          "OffloadOptimizer on theirs (the step orders its streams with theirs)");
   }
   const CommQueue* reductions = parts_.reductions;
   if (reductions != nullptr && (reductions->world_size() != parts_.data->world_size() ||
@@ -104,7 +110,8 @@ void ZeroStep::size_row() {
   if (!row_ || row_->slots() != width) row_ = std::make_unique<Mailbox>(backend(), width, "the step's exchange row");
 }
 
-Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late, bool with_sum) {
+Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late, Stream* summed_on) {
+  const bool with_sum = summed_on != nullptr;
   Mailbox& box = *row_;
   const size_t width = size_t(box.slots());
   std::vector<uint64_t> bits(late_words(), 0);
@@ -120,10 +127,10 @@ Exchanged ZeroStep::exchange_rows(int64_t changes, std::vector<bool>& late, bool
   for (size_t w = 0; w < bits.size(); ++w) box.write(int(kHead + w), double(bits[w]));
   for (size_t i = 0; i < unit_flags_.size(); ++i) box.write(int(flags_at + i), double(unit_flags_[i]));
   Backend& b = backend();
-  // With the sum, the all-gather reads the row once the compute stream's
-  // work before it (the sum of squares) is done: on the device, not the
-  // host; the host's wait below is then a wait for the device.
-  if (with_sum) b.wait(parts_.control->stream(), *b.record(b.compute_stream()));
+  // With the sum, the all-gather reads the row once the stream that wrote
+  // the sum of squares there is done: on the device, not the host; the
+  // host's wait below is then a wait for the device.
+  if (with_sum) b.wait(parts_.control->stream(), *b.record(*summed_on));
   const int world = parts_.control->world_size();
   rows_.resize(size_t(world) * width);
   const Tensor gathered = as_halves(rows_.data(), rows_.size(), nullptr);
@@ -195,14 +202,18 @@ const Exchanged& ZeroStep::take_grads(int64_t changes, bool with_sum) {
   const int64_t seen = verdict_.read(with_sum);
   if (seen != 0 && (verdict_read_ == 0 || seen < verdict_read_)) verdict_read_ = seen;
   Mailbox& box = *row_;
-  if (with_sum && parts_.host_update != nullptr) {  // offload: the host's own sum of its host grads
-    const double mine = parts_.host_update->grad_sum_of_squares();
-    box.write(kSum, mine);
-    box.write(kFinite, std::isfinite(mine) ? 1.0 : 0.0);
+  Stream* summed_on = nullptr;
+  if (parts_.host_update != nullptr) {  // offload: the sum of the host grads, on the host update's stream
+    parts_.host_update->take_grads();
+    if (with_sum) {
+      summed_on = &parts_.host_update->after_grads();
+      backend().sum_of_squares(*summed_on, parts_.host_update->grads(), box, kSum, kFinite);
+    }
   } else if (with_sum) {
-    backend().sum_of_squares(backend().compute_stream(), grads_, box, kSum, kFinite);
+    summed_on = &backend().compute_stream();
+    backend().sum_of_squares(*summed_on, grads_, box, kSum, kFinite);
   }
-  Exchanged agreed = exchange_rows(changes, late, with_sum);
+  Exchanged agreed = exchange_rows(changes, late, summed_on);
   reduced_late_ = std::find(late.begin(), late.end(), true) != late.end();
   if (reduced_late_) {
     // Grads came after their bucket was reduced (reentrant checkpointing),
@@ -213,7 +224,7 @@ const Exchanged& ZeroStep::take_grads(int64_t changes, bool with_sum) {
     if (with_sum) {
       reducer->grad_sum_of_squares(box, kSum, kFinite);
       late.assign(late.size(), false);
-      agreed = exchange_rows(changes, late, true);
+      agreed = exchange_rows(changes, late, &backend().compute_stream());
     }
   }
   exchanged_ = agreed;
@@ -222,7 +233,7 @@ const Exchanged& ZeroStep::take_grads(int64_t changes, bool with_sum) {
 
 bool ZeroStep::decides_on_device(const StepOptions& options) const {
   const bool dynamic = parts_.loss_scaler != nullptr && parts_.loss_scaler->dynamic();
-  return parts_.host_update == nullptr && !options.max_norm && !dynamic && !options.exact;
+  return !options.max_norm && !dynamic && !options.exact;
 }
 
 void ZeroStep::refuse(int64_t first, int64_t last, bool found_now) {
@@ -267,10 +278,15 @@ StepResult ZeroStep::step(const StepOptions& options) {
   out.applied = finite && !(options.exact && options.exact->regrid);
   Backend& b = backend();
   if (on_device) {
-    verdict_.count(reduced_late_ ? parts_.grad_reducer->partitions() : grads_);
+    if (parts_.host_update != nullptr) {  // offload: the host grads, on the host update's stream
+      parts_.host_update->after_grads();
+      verdict_.count(parts_.host_update->grads());
+    } else {
+      verdict_.count(reduced_late_ ? parts_.grad_reducer->partitions() : grads_);
+    }
     if (parts_.partitioned && parts_.data->world_size() > 1) {  // every rank's count, summed
-      b.wait(parts_.data->stream(), *b.record(b.compute_stream()));
-      b.wait(b.compute_stream(), *parts_.data->all_reduce(kVerdictKey, verdict_.flag(), false));
+      b.wait(parts_.data->stream(), *b.record(verdict_.stream()));
+      b.wait(verdict_.stream(), *parts_.data->all_reduce(kVerdictKey, verdict_.flag(), false));
     }
   }
   if (!out.applied) {
@@ -289,7 +305,12 @@ StepResult ZeroStep::step(const StepOptions& options) {
     }
   } else {
     if (options.max_norm) grad_scale *= std::min(1.0, *options.max_norm / (out.norm + 1e-6));
-    const Tensor skip_if = on_device ? verdict_.flag() : Tensor();
+    Tensor skip_if;
+    if (on_device) {
+      skip_if = verdict_.skip_if();
+      verdict_.note(options.step);
+      last_step_ = options.step;
+    }
     if (!parts_.runs.empty()) {  // (offload's partition is the host update's, below)
       if (options.kind == OptimizerKind::kSgd) {
         b.sgd_update_runs(b.compute_stream(), options.sgd, options.step, grad_scale, parts_.runs, skip_if);
@@ -297,14 +318,10 @@ StepResult ZeroStep::step(const StepOptions& options) {
         b.adam_update_runs(b.compute_stream(), options.adam, options.step, grad_scale, parts_.runs, skip_if);
       }
     }
-    if (parts_.host_update != nullptr) parts_.host_update->apply(options, grad_scale);
+    if (parts_.host_update != nullptr) parts_.host_update->apply(options, grad_scale, skip_if);
     if (parts_.param_gather != nullptr) parts_.param_gather->run();
-    if (on_device) {
-      verdict_.note(options.step);
-      last_step_ = options.step;
-      // On the CPU backends the verdict is there at once, on every rank alike.
-      if (b.compute_runs_inline() && verdict_.read(false) != 0) refuse(options.step, options.step, true);
-    }
+    // On the CPU backends the verdict is there at once, on every rank alike.
+    if (on_device && b.compute_runs_inline() && verdict_.read(false) != 0) refuse(options.step, options.step, true);
     if (scaler != nullptr) scaler->update(false);
     out.grad_scale = grad_scale;
   }

@@ -129,15 +129,10 @@ void PartitionStore::swap_grads() {
 
 void PartitionStore::zero_grads() {
   for (const char* kind : {"grad_full", "grad_part"}) {
-    const BufferSpec* b = spec(kind);
-    if (b == nullptr) continue;
-    const Tensor grads = buffer(kind);
-    if (b->where == Where::kDevice) {
-      backend_->fill(backend_->compute_stream(), grads, 0.0f);
-    } else {
-      backend_->declare_host_access(Access::write(grads), "zero_grads");
-      std::memset(grads.data(), 0, grads.nbytes());
-    }
+    if (spec(kind) == nullptr) continue;
+    // Host grads too, in the compute stream's order: it waits for what
+    // reads them (the offloaded update; on CUDA a host function fills them).
+    backend_->fill(backend_->compute_stream(), buffer(kind), 0.0f);
   }
 }
 

@@ -120,6 +120,7 @@ class CudaBackend : public Backend {
   // CPU transport's: gloo's control plane, `done` set when its data has
   // moved) therefore costs a host block where a stream waits for it.
   std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) override;
+  std::shared_ptr<Event> host_tail(Stream&) override { return nullptr; }  // NCCL queues on the stream
 
   // Between any kinds: device tensors on this device, host tensors anywhere.
   void copy(Stream& stream, const Tensor& dst, const Tensor& src) override;

@@ -72,6 +72,14 @@ class Backend {
   // waits). On CUDA a collective is work on the stream (NCCL) and its
   // event is record's.
   virtual std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) = 0;
+  // Where host threads keep a stream's order (the CPU backends): a flag set
+  // once everything `stream` was given so far has run, its waits included,
+  // or nullptr when it has. A transport that moves the data when it is
+  // called (gloo, the in-process group) waits for it before it moves a
+  // collective's, so the collective comes after what its stream waits for.
+  // Always nullptr where the stream itself holds a transport's work back
+  // (CUDA: NCCL's kernels queue on it).
+  virtual std::shared_ptr<Event> host_tail(Stream& stream) = 0;
 
   // Work on `stream`, named in the checker's reports by what it is.
   // dst = src, byte for byte (same dtype and size), between any memory kinds.

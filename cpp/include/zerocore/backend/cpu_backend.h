@@ -49,6 +49,7 @@ class CpuBackend : public Backend {
   void host_wait(const StreamEvent& event) override;
   bool query(const StreamEvent& event) override;
   std::shared_ptr<StreamEvent> record_done(Stream& stream, std::shared_ptr<Event> done) override;
+  std::shared_ptr<Event> host_tail(Stream& stream) override;
 
   void copy(Stream& stream, const Tensor& dst, const Tensor& src) override;
   void fill(Stream& stream, const Tensor& dst, float value) override;

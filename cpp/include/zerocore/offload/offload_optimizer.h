@@ -79,13 +79,28 @@ class OffloadOptimizer {
   // Queues the update of every bucket, in order, on the update stream:
   // bucket k's behind the compute stream and its grads_down queued before;
   // with copy_params, each bucket's params_up follows its update on the copy
-  // stream. The options are checked here, before anything is queued
-  // (InvalidArgument).
-  void adam(const std::vector<AdamOptions>& groups, int64_t step, double grad_scale, bool copy_params);
-  void sgd(const std::vector<SgdOptions>& groups, int64_t step, double grad_scale, bool copy_params);
+  // stream. skip_if (host memory, or none): the update leaves everything as
+  // it is while that one fp32 element is not zero when the update stream
+  // reaches it (a step refused on the device, step/device_verdict.h). The
+  // options are checked here, before anything is queued (InvalidArgument).
+  void adam(const std::vector<AdamOptions>& groups, int64_t step, double grad_scale, bool copy_params,
+            const Tensor& skip_if = Tensor());
+  void sgd(const std::vector<SgdOptions>& groups, int64_t step, double grad_scale, bool copy_params,
+           const Tensor& skip_if = Tensor());
   // Queues every bucket's params_up, behind the updates queued before and
   // the compute stream (which read the params until now).
   void copy_params();
+  // The compute stream goes on after everything queued so far: what it
+  // runs next reads the params the copies write, and the next backward
+  // writes the host grads the update reads. A stream wait: the host goes on.
+  void hand_to_compute();
+  // The update stream, ordered behind the grads the next update reads (the
+  // compute stream's work so far and every grads_down queued): where work
+  // over the host grads goes before the update (its sum of squares, the
+  // finiteness verdict), so that the host never waits to read them.
+  Stream& after_grads();
+  Stream& update_stream() const { return update_; }
+  Backend& backend() const { return backend_; }
   // Returns once everything queued has run; rethrows the first error.
   // After an error every later call fails with it too.
   void wait();
@@ -93,16 +108,17 @@ class OffloadOptimizer {
   // Each run's grad and its spare trade places: the grads the last
   // backward reduced into the spares become the ones the next update
   // reads, without a copy, and the old ones are free for the next
-  // backward. Only when nothing is queued (InvalidArgument otherwise:
-  // wait() first) and every bucket has spares.
+  // backward. Work queued before keeps the buffers it was given: the
+  // caller orders what next writes the spares behind it (hand_to_compute,
+  // or the params' copy up that the next forward waits for). Every bucket
+  // must have spares (InvalidArgument).
   void swap_grads();
 
+  // Every run's host grad (after swap_grads: the ones the next update reads).
+  const std::vector<Tensor>& grads() const { return grads_; }
   // The sum of squares of the runs' host grads, in fp64: a host read
   // (after wait(); the checking backend names a read that did not wait).
   double grad_sum_of_squares() const;
-  // The host waits for the compute stream's work so far: where a reducer
-  // put the host grads of stages 2-3 (it orders its adds before it).
-  void wait_for_compute();
 
  private:
   template <class Options, class Update>

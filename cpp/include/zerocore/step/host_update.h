@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "zerocore/offload/offload_optimizer.h"
 #include "zerocore/step/zero_step.h"
@@ -22,18 +23,29 @@ class HostUpdate {
   // never. `optimizer` must outlive this.
   HostUpdate(OffloadOptimizer& optimizer, bool swaps_grads, std::optional<int64_t> delays_from);
 
-  // This step's grads become the update's (swapped in, or copied down
-  // behind a pending update, which reads the host grads); returns their
-  // sum of squares. Once a step, before the exchange.
-  double grad_sum_of_squares();
+  // This step's grads become the update's, without a host wait: swapped
+  // in, or queued down behind a pending update (which reads the host
+  // grads). Once a step, before the exchange.
+  void take_grads();
+  // The update stream, ordered behind the grads taken: where work over
+  // them goes before the update (their sum of squares, their finiteness).
+  Stream& after_grads() { return optimizer_.after_grads(); }
+  const std::vector<Tensor>& grads() const { return optimizer_.grads(); }
+  Stream& stream() { return optimizer_.update_stream(); }
+  Backend& backend() const { return optimizer_.backend(); }
   // The update of an applied step, after a pending update's params went
   // up: overlapped with its params' copies up, or, delayed (or serial),
   // queued with the params left for the next boundary (delayed) or copied
-  // up once it is done (serial).
-  void apply(const StepOptions& options, double grad_scale);
-  // Finishes a pending update and copies its params up; true when there
-  // was one (the caller then gathers them in stages 1-2).
+  // up once it is done (serial). skip_if: OffloadOptimizer::adam's. Not
+  // delayed, the compute stream then waits for the params up (the next
+  // forward reads them); the host never does.
+  void apply(const StepOptions& options, double grad_scale, const Tensor& skip_if);
+  // A pending update's params go up, the compute stream waiting for them;
+  // true when there was one (the caller then gathers them in stages 1-2).
   bool params_up();
+  // params_up(), then the host waits for everything queued: it reads the
+  // master params or the states next (a checkpoint, the final params).
+  bool finish();
 
   bool pending() const { return pending_; }
   // Serial: the params go up only once the whole update is done (the

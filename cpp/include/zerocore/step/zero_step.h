@@ -18,12 +18,12 @@
 // clip_grad_norm_ needs the norm before the step: exchange() runs the
 // reduction and the exchange once a step, and step() does not repeat it.
 //
-// Where the host must read the norm (dynamic loss scaling, clipping, a
-// host update), the sum of squares is a kernel on the compute stream into
-// this rank's row of the exchange, a mailbox the control queue's
-// all-gather reads once its stream waited for the compute stream: the
+// Where the host must read the norm (dynamic loss scaling, clipping), the
+// sum of squares is a kernel on the compute stream (offload: the host
+// update's) into this rank's row of the exchange, a mailbox the control
+// queue's all-gather reads once its stream waited for that stream: the
 // host waits for the device once a step. Elsewhere the step decides on the
-// device (DeviceVerdict): the exchange carries host facts only, the grads'
+// device (DeviceVerdict, offload's update included): the exchange carries host facts only, the grads'
 // finiteness is a flag the update kernels read, and a refused step is
 // answered at a later exchange, on every rank together (docs/runtime.md,
 // "The step").
@@ -129,10 +129,10 @@ class ZeroStep {
     UnitSchedule* units = nullptr;      // stage 3: its end-of-step round, carried by the exchange
     LossScaler* loss_scaler = nullptr;  // the loss scale and its bookkeeping; nullptr: none (1)
     // Offload (runs empty): the partition lives on the host. The step takes
-    // this rank's sum of squares from it once the reduction is done, and
-    // runs its update between the decision and the param gather; a skipped
-    // step lets a pending (delayed) update's params go up instead, since
-    // the next forward must read them.
+    // its grads once the reduction is done (their sum or verdict on its
+    // stream), and queues its update between the decision and the param
+    // gather; a skipped step lets a pending (delayed) update's params go up
+    // instead, since the next forward must read them.
     HostUpdate* host_update = nullptr;
     // Stages 2-3: the reducer's queue, where it is not `data` (reductions on
     // a stream and group of their own, so no gather waits behind one): its
@@ -185,16 +185,16 @@ class ZeroStep {
  private:
   Backend& backend() const { return parts_.data->backend(); }
   // (Re)allocates this rank's row for the reducer's buckets (one late bit
-  // each); its sum of squares is the caller's to write (in the compute
-  // stream's order) before exchange_rows.
+  // each); its sum of squares is the caller's to write (in some stream's
+  // order) before exchange_rows.
   void size_row();
   size_t late_words() const;  // the row's doubles of late-bucket bits
-  // One exchange of (sum of squares if with_sum, changes, fingerprint,
-  // verdicts read, late buckets, unit flags) rows; returns the agreed sums
-  // and sets `late` to the buckets late on any rank. Throws
-  // CollectiveOrderDiverged, and InvalidArgument where ranks differ on
-  // with_sum.
-  Exchanged exchange_rows(int64_t changes, std::vector<bool>& late, bool with_sum);
+  // One exchange of (sum of squares, written on `summed_on`, if given;
+  // changes, fingerprint, verdicts read, late buckets, unit flags) rows;
+  // returns the agreed sums and sets `late` to the buckets late on any
+  // rank. Throws CollectiveOrderDiverged, and InvalidArgument where ranks
+  // differ on whether they carry the sum.
+  Exchanged exchange_rows(int64_t changes, std::vector<bool>& late, Stream* summed_on);
   // exchange(), the sum taken and exchanged only `with_sum`.
   const Exchanged& take_grads(int64_t changes, bool with_sum);
   // The data queue's order fingerprint, folded with the reductions' queue's.
