@@ -128,18 +128,18 @@ class ExactGradSum:
             total.add_(self.quantize(g.grad_full))
             g.grad_full.zero_()
 
-    def reduce(self, count: int):
+    def reduce(self, count: int, reducer=None):
         """Once a step, after the ranks met and the sums were reduced: the
         mean of the `count` micro-batches into the grad buffers, its sum of
-        squares and whether the step is skipped."""
-        total = sum(sum_of_squares(s) for s, _ in self._mine())
-        mine = []
-        if self.shared:  # every rank's part of the norm rides with its largest, in 32-bit words
-            mine = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)]
-        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + mine,
-                                          ControlPurpose.EXACT_GRADS)
-        self.bytes_moved += 8 * len(rows) * len(rows[0])
-        largest = max(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
+        squares and whether the step is skipped. reducer: stages 2-3's
+        native BucketReducer, whose late grads (staged after their bucket
+        was reduced: reentrant checkpointing) the ranks agree on here and
+        reduce into the sums first, before any rank reads them."""
+        late = list(reducer.late()) if reducer is not None else []
+        largest, totals, late = self._agree(late)
+        if any(late):  # on some rank: every rank reduces those buckets, and the sums changed
+            reducer.reduce_late(late)
+            largest, totals, _ = self._agree([])
         if not math.isfinite(largest):  # the step decides as for any non-finite grad
             self.squares, self.next_exponent = math.inf, self.exponent
             return
@@ -147,12 +147,29 @@ class ExactGradSum:
         if count * (int(largest) + 1) >= 2**LIMIT_BITS:
             self.regrid, self.squares = True, 0.0
             return
-        if self.shared:
-            total = sum(sum(w << (32 * i) for i, w in enumerate(row[1:])) for row in rows)
         for s, grads in self._mine():
             grads.copy_(s.double().mul_(2.0**self.exponent).div_(count))
         # (sum * 2**e / count)**2, summed: exact as a fraction, rounded once.
-        self.squares = math.ldexp(float(Fraction(total, count * count)), 2 * self.exponent)
+        self.squares = math.ldexp(float(Fraction(sum(totals), count * count)), 2 * self.exponent)
+
+    def _agree(self, late: list) -> tuple:
+        """One control all-gather: (the ranks' largest |grad| in grid units,
+        their exact sums of squares of their stretches (this rank's alone
+        where each rank holds all of them), the buckets late on any rank),
+        every number in 32-bit words of int64 rows."""
+        total = sum(sum_of_squares(s) for s, _ in self._mine())
+        late_words = [sum(1 << b for b, flag in enumerate(late[w:w + 32]) if flag) for w in range(0, len(late), 32)]
+        norm_words = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)] if self.shared else []
+        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + late_words
+                                         + norm_words, ControlPurpose.EXACT_GRADS)
+        self.bytes_moved += 8 * len(rows) * len(rows[0])
+        largest = max(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
+        agreed = 0
+        for row in rows:
+            agreed |= sum(w << (32 * i) for i, w in enumerate(row[1:1 + len(late_words)]))
+        totals = [sum(w << (32 * i) for i, w in enumerate(row[1 + len(late_words):])) for row in rows] \
+            if self.shared else [total]
+        return largest, totals, [bool(agreed >> b & 1) for b in range(len(late))]
 
     def end_step(self):
         """The step ended (applied, skipped, or its grads dropped): the next
