@@ -236,6 +236,37 @@ def test_docs_example(tmp_path):
         assert state.keys() == one.keys() and all(torch.equal(state[k], one[k]) for k in one)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_to_grid_against_torch(dtype):
+    """The native grid kernel against torch's float64 round (ties to even):
+    random grads over 30 binades, exact ties, values past the fast path's
+    2**51 and past int64 (a skipped step), and non-finite ones."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    grads = (torch.randn(4099, generator=g) * 2.0 ** torch.randint(-20, 10, (4099,), generator=g)).to(dtype)
+    exponent = -12
+    grads[:8] = torch.tensor([0.5, 1.5, -2.5, -0.5, 3.5, 2.0**-13, -(2.0**-13), 0.0]).mul(2.0**exponent).to(dtype)
+    units = torch.empty(grads.numel(), dtype=torch.int64)
+    want = grads.double().mul(2.0**-exponent).round()
+    assert zerocore._native.quantize_to_grid(grads, units, exponent) == want.abs().max().item()
+    assert torch.equal(units, want.to(torch.int64))
+    assert units[:8].tolist() == [0, 2, -2, 0, 4, 0, 0, 0]  # ties to even
+    if dtype != torch.float16:  # past 2**51, and past int64
+        big = torch.tensor([2.0**52 + 2.0**30, -(2.0**60), 2.0**70], dtype=dtype)
+        assert zerocore._native.quantize_to_grid(big, units[:3], 0) == big.double().abs().max().item()
+        assert units[:2].tolist() == [int(big[0]), int(big[1])]
+    for bad in (float("nan"), float("inf")):
+        grads[7] = bad
+        assert zerocore._native.quantize_to_grid(grads, units, exponent) == float("inf")
+
+
+def test_exact_sum_of_squares_against_python_ints():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    sums = torch.randint(-(2**62), 2**62, (5000,), dtype=torch.int64, generator=g)
+    sums[:3] = torch.tensor([2**63 - 1, -(2**63) + 1, 0])
+    low, high, top = zerocore._native.exact_sum_of_squares(sums)
+    assert low + (high << 64) + (top << 128) == sum(x * x for x in sums.tolist())
+
+
 def test_config_refuses_a_non_bool():
     with pytest.raises(ValueError, match="deterministic"):
         zerocore.Config(deterministic=1)
