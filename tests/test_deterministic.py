@@ -236,6 +236,30 @@ def test_docs_example(tmp_path):
         assert state.keys() == one.keys() and all(torch.equal(state[k], one[k]) for k in one)
 
 
+def _grad_bytes(rank, world):
+    """memory_report()'s grad bytes, default and deterministic, at stages 1
+    and 3; at stage 3 whether the sums lie in the grad partitions' memory."""
+    out = {}
+    for stage in (1, 3):
+        for det in (False, True):
+            torch.manual_seed(0)
+            model = TinyLM()
+            engine = zerocore.wrap(model, _sgd(model.parameters()), zerocore.Config(stage=stage, deterministic=det))
+            shared = [g.grad_sums is not None and g.grad_sums.data_ptr() == g.grad_part.data_ptr()
+                      for g in engine.groups if g.trainable]
+            out[stage, det] = engine.memory_report()["grad"], shared
+            engine.close()
+    return out
+
+
+def test_memory_report_counts_the_sums():
+    """Stage 1 keeps int64 sums beside the whole fp32 grads (3x their
+    bytes); at stage 3 they are the grad partition's own memory (2x)."""
+    got = run_ranks(_grad_bytes, 2)[0]
+    assert got[1, True][0] == 3 * got[1, False][0] and not any(got[1, True][1])
+    assert got[3, True][0] == 2 * got[3, False][0] and all(got[3, True][1]) and got[3, True][1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize_to_grid_against_torch(dtype):
     """The native grid kernel against torch's float64 round (ties to even):

@@ -1,9 +1,11 @@
 #include "zerocore/kernels/cpu_exact_grid.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "zerocore/error.h"
@@ -44,28 +46,34 @@ double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
   const int64_t magic_bits = bits_of(kMagic), n = src.numel();
   int64_t* d = static_cast<int64_t*>(dst.data());
   double peak = 0.0;
-  bool finite = true;
   kernels::with_element_type(src.dtype(), [&](auto s_type) {
     using S = decltype(s_type);
     const S* s = static_cast<const S*>(src.data());
+    // The largest |src| first (rounding is monotonic: the largest result
+    // is it, rounded), in four lanes the compiler can vectorise; a NaN or
+    // an inf fails `a <= FLT_MAX`.
+    float lane[4] = {0, 0, 0, 0};
+    bool finite = true;
     for (int64_t i = 0; i < n; ++i) {
-      const double x = double(kernels::load<ScalarVec>(s + i)) * scale;
-      const double a = std::fabs(x);
-      if (a < kMagicRange) {
-        const int64_t units = bits_of(x + kMagic) - magic_bits;
-        d[i] = units;
-        peak = std::fmax(peak, double(units < 0 ? -units : units));
-      } else if (std::isfinite(x)) {  // beyond 2**51 (and maybe int64): the step widens the grid
-        const double r = std::nearbyint(x);
-        d[i] = std::fabs(r) < 9.2e18 ? int64_t(r) : 0;
-        peak = std::fmax(peak, std::fabs(r));
-      } else {
-        d[i] = 0;
-        finite = false;
-      }
+      const float a = std::fabs(float(kernels::load<ScalarVec>(s + i)));
+      finite &= a <= std::numeric_limits<float>::max();
+      lane[i & 3] = std::max(lane[i & 3], a);
+    }
+    if (!finite) {
+      peak = HUGE_VAL;
+      return;
+    }
+    peak = std::nearbyint(double(std::max(std::max(lane[0], lane[1]), std::max(lane[2], lane[3]))) * scale);
+    if (peak < kMagicRange) {  // every element: no branch
+      for (int64_t i = 0; i < n; ++i) d[i] = bits_of(double(kernels::load<ScalarVec>(s + i)) * scale + kMagic) - magic_bits;
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) {  // past 2**51, and maybe int64: the step widens the grid
+      const double r = std::nearbyint(double(kernels::load<ScalarVec>(s + i)) * scale);
+      d[i] = std::fabs(r) < 9.2e18 ? int64_t(r) : 0;
     }
   });
-  return finite ? peak : HUGE_VAL;
+  return peak;
 }
 
 std::array<uint64_t, 3> exact_sum_of_squares(const Tensor& sums) {
