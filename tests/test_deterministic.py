@@ -23,6 +23,7 @@ import torch
 import zerocore
 from dist_harness import run_ranks
 from models import LateGrads, TinyLM, lm_batch, lm_loss
+from zerocore.exact_grads import quantize_with_torch
 from readme import blocks
 
 M = 12  # micro-batches a step: every world size 1-4 divides it
@@ -262,25 +263,27 @@ def test_memory_report_counts_the_sums():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize_to_grid_against_torch(dtype):
-    """The native grid kernel against torch's float64 round (ties to even):
-    random grads over 30 binades, exact ties, values past the fast path's
-    2**51 and past int64 (a skipped step), and non-finite ones."""
+    """The native grid kernel against torch's float64 round, ties to even
+    (exact_grads.quantize_with_torch, the GPU's path): random grads over 30
+    binades, exact ties, values past the fast path's 2**51 and past int64
+    (a skipped step), and non-finite ones."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     grads = (torch.randn(4099, generator=g) * 2.0 ** torch.randint(-20, 10, (4099,), generator=g)).to(dtype)
     exponent = -12
     grads[:8] = torch.tensor([0.5, 1.5, -2.5, -0.5, 3.5, 2.0**-13, -(2.0**-13), 0.0]).mul(2.0**exponent).to(dtype)
     units = torch.empty(grads.numel(), dtype=torch.int64)
-    want = grads.double().mul(2.0**-exponent).round()
-    assert zerocore._native.quantize_to_grid(grads, units, exponent) == want.abs().max().item()
-    assert torch.equal(units, want.to(torch.int64))
+    want, peak = quantize_with_torch(grads, exponent)
+    assert zerocore._native.quantize_to_grid(grads, units, exponent) == peak
+    assert torch.equal(units, want)
     assert units[:8].tolist() == [0, 2, -2, 0, 4, 0, 0, 0]  # ties to even
     if dtype != torch.float16:  # past 2**51, and past int64
         big = torch.tensor([2.0**52 + 2.0**30, -(2.0**60), 2.0**70], dtype=dtype)
-        assert zerocore._native.quantize_to_grid(big, units[:3], 0) == big.double().abs().max().item()
+        assert zerocore._native.quantize_to_grid(big, units[:3], 0) == quantize_with_torch(big, 0)[1]
         assert units[:2].tolist() == [int(big[0]), int(big[1])]
     for bad in (float("nan"), float("inf")):
         grads[7] = bad
         assert zerocore._native.quantize_to_grid(grads, units, exponent) == float("inf")
+        assert quantize_with_torch(grads, exponent)[1] == float("inf")
 
 
 def test_exact_sum_of_squares_against_python_ints():

@@ -59,9 +59,23 @@ def grid_exponent(bound: float, dtype: torch.dtype) -> int:
 
 def sum_of_squares(sums: torch.Tensor) -> int:
     """The exact sum of the squares of int64 `sums`, as a Python int (one
-    native pass, in 128-bit integers: kernels/cpu_exact_grid.h)."""
-    low, high, top = _native.exact_sum_of_squares(sums.reshape(-1))
+    native pass on the host, in 128-bit integers: kernels/cpu_exact_grid.h;
+    a GPU's sums are copied there first, once a step)."""
+    low, high, top = _native.exact_sum_of_squares(sums.reshape(-1).cpu())
     return low + (high << 64) + (top << 128)
+
+
+def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
+    """(grad on the grid of 2**exponent as int64, its largest |value| in
+    grid units; inf: one not finite) in torch's ops, the numbers the native
+    quantize_to_grid gives on the host: the scaling by a power of two is
+    exact in float64, then round_ rounds once, ties to even."""
+    units = grad.double().mul_(2.0**-exponent).round_()
+    peak = 0.0
+    if units.numel():
+        low, high = (x.item() for x in torch.aminmax(units))
+        peak = math.inf if math.isnan(low) or math.isnan(high) else max(-low, high)
+    return units.to(torch.int64), peak
 
 
 class ExactGradSum:
@@ -114,9 +128,13 @@ class ExactGradSum:
 
     def quantize(self, grad: torch.Tensor) -> torch.Tensor:
         """grad on this step's grid, as int64 (rounded to nearest, ties to
-        even: one native pass), its largest noted."""
-        units = torch.empty(grad.shape, dtype=torch.int64, device=grad.device)
-        self.largest = max(self.largest, _native.quantize_to_grid(grad.contiguous(), units, self.exponent))
+        even: one native pass on the host), its largest noted."""
+        if grad.device.type == "cpu":
+            units = torch.empty(grad.shape, dtype=torch.int64)
+            peak = _native.quantize_to_grid(grad.contiguous(), units, self.exponent)
+        else:  # the native pass is the host's: torch's ops on a GPU
+            units, peak = quantize_with_torch(grad, self.exponent)
+        self.largest = max(self.largest, peak)
         return units  # out of range only where the step skips anyway
 
     def add_micro_batch(self):
