@@ -45,7 +45,8 @@ CASES = {
     "stage1-bf16-adamw-clip": (dict(stage=1, dtype="bf16", max_grad_norm=0.5), _adamw, None, None),
     "stage0-fp16-overflow": (dict(stage=0, dtype="fp16", loss_scale=zerocore.DynamicLossScale(initial=2.0**10, window=2)), _adamw,
                              lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0, None),
-    "stage1-fp32-offload": (dict(stage=1, offload_optimizer="cpu"), _adamw, None, 1.0),
+    "stage1-fp32-offload-delayed": (dict(stage=1, offload_optimizer="cpu", delayed_update=True,
+                                         delayed_update_warmup=1), _adamw, None, 1.0),
     "stage2-fp32-sgd-clip-regrid": (dict(stage=2, max_grad_norm=0.5, bucket_bytes=1024), _sgd,
                                     lambda step, micro: 2.0**40 if step == 0 else 1.0, None),
     "stage2-fp16-offload-delayed-overflow": (dict(stage=2, dtype="fp16", offload_optimizer="cpu", delayed_update=True,
@@ -61,7 +62,8 @@ CASES = {
     "stage2-fp32-sgd-late": (dict(stage=2, bucket_bytes=512), _sgd, None, None),
 }
 MODELS = {"stage2-fp32-sgd-late": LateGrads}  # the rest train TinyLM
-DELAYED = ("stage2-fp16-offload-delayed-overflow", "stage3-bf16-offload-delayed")  # updates from step 2 on delayed
+# Updates from step 2 on delayed.
+DELAYED = ("stage1-fp32-offload-delayed", "stage2-fp16-offload-delayed-overflow", "stage3-bf16-offload-delayed")
 REGRID = "stage2-fp32-sgd-clip-regrid"  # step 0's grads beyond the first grid: skipped, the grid widened
 OVERFLOWS = ("stage0-fp16-overflow", "stage2-fp16-offload-delayed-overflow")  # an inf loss in step 1: skipped, the scale halved
 
