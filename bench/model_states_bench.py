@@ -11,6 +11,8 @@ The model: --layers blocks of Linear(--width, --width) + GELU (12 x 2048:
 
     zero3      zerocore.init() (the meta device), zerocore.wrap(Config(stage=3)),
                which initialises each rank's shard (reset_parameters replayed)
+    zero3-det  the same with Config(deterministic=True) (docs/deterministic.md):
+               its growth over zero3's is issue 33's memory target, <= 1.1x
     fsdp2      the meta device, fully_shard per block and on the root,
                to_empty(device="cpu"), reset_parameters on each Linear,
                torch.optim.AdamW
@@ -43,8 +45,9 @@ import time
 import _harness as harness
 from _memory import mark_phase, print_phases, rss_kb
 
-CONFIGS = ("zero3", "fsdp2", "ddp", "deepspeed")
+CONFIGS = ("zero3", "zero3-det", "fsdp2", "ddp", "deepspeed")
 TARGET = 1.15  # zero3's growth / 16 Psi / N
+DETERMINISTIC_TARGET = 1.1  # zero3-det's growth / zero3's (issue 33)
 
 
 def parse_args(argv=None):
@@ -91,14 +94,14 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
 
 
-def _zero3(args, mark):
+def _zero3(args, mark, deterministic=False):
     import zerocore
 
     zerocore.set_num_threads(1)
     with zerocore.init():
         model = build(args)
     mark("model")
-    cfg = {"stage": 3}
+    cfg = {"stage": 3, "deterministic": deterministic}
     if args.bucket_bytes is not None:
         cfg["bucket_bytes"] = args.bucket_bytes
     if args.prefetch_bytes is not None:
@@ -176,11 +179,11 @@ def _deepspeed(args, mark):
     return _step(engine, engine.backward, engine.step), None, None
 
 
-SYSTEMS = {"zero3": _zero3, "fsdp2": _fsdp2, "ddp": _ddp, "deepspeed": _deepspeed}
+SYSTEMS = {"zero3": _zero3, "zero3-det": functools.partial(_zero3, deterministic=True), "fsdp2": _fsdp2, "ddp": _ddp, "deepspeed": _deepspeed}
 
 
 # What each system imports before the baseline is taken.
-IMPORTS = {"zero3": "zerocore", "fsdp2": "torch.distributed.fsdp", "ddp": "torch.nn.parallel",
+IMPORTS = {"zero3": "zerocore", "zero3-det": "zerocore", "fsdp2": "torch.distributed.fsdp", "ddp": "torch.nn.parallel",
            "deepspeed": "deepspeed"}
 
 
@@ -292,6 +295,10 @@ def drive(args) -> int:
             g = statistics.median(r["growth"] for r in runs[name])
             verdict = f"  (target <= {TARGET}: {'PASS' if g / states <= TARGET else 'MISS'})" if name == "zero3" else ""
             print(f"  {name:<9} {g / 2**20:8.1f} MiB  {g / states:5.2f} x 16 Psi / N{verdict}")
+    if "zero3" in runs and "zero3-det" in runs:
+        plain, det = (statistics.median(r["growth"] for r in runs[n]) for n in ("zero3", "zero3-det"))
+        print(f"  zero3-det / zero3: {det / plain:.2f}x (target <= {DETERMINISTIC_TARGET}: "
+              f"{'PASS' if det / plain <= DETERMINISTIC_TARGET else 'MISS'})")
     return harness.finish(args, failed, {"runs": runs})
 
 

@@ -8,11 +8,13 @@ optimizer state, the loss scale, each step's result and clip norm, bitwise
 and fp16 (dynamic loss scale, with an overflow that skips a step); AdamW,
 SGD with momentum; clipping (max_grad_norm and clip_grad_norm_); buckets
 that straddle ranks; stage 3's persist_threshold; the optimizer, and at
-stage 3 the params, offloaded to the host; grads that fall outside the
-first step's grid (a skipped step, a wider grid). A checkpoint saved at 4 ranks continues at 3 with the same bits,
-and docs/deterministic.md's example gives the same bits at 1 and 3 ranks.
-The world-1 job's SGD case is checked against single-process torch in
-float64 (the mean of the micro-batches' grads)."""
+stage 3 the params, offloaded to the host, with and without the delayed
+update; grads that fall outside the first step's grid (a skipped step, a
+wider grid); late grads (reentrant checkpointing at stage 2: a grad after
+its bucket was reduced). A checkpoint saved at 4 ranks continues at 3 with
+the same bits, and docs/deterministic.md's example gives the same bits at 1
+and 3 ranks. The world-1 job's SGD cases are checked against
+single-process torch in float64 (the mean of the micro-batches' grads)."""
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,8 @@ import torch
 
 import zerocore
 from dist_harness import run_ranks
-from models import TinyLM, lm_batch, lm_loss
+from models import LateGrads, TinyLM, lm_batch, lm_loss
+from zerocore.exact_grads import quantize_with_torch
 from readme import blocks
 
 M = 12  # micro-batches a step: every world size 1-4 divides it
@@ -42,19 +45,27 @@ CASES = {
     "stage1-bf16-adamw-clip": (dict(stage=1, dtype="bf16", max_grad_norm=0.5), _adamw, None, None),
     "stage0-fp16-overflow": (dict(stage=0, dtype="fp16", loss_scale=zerocore.DynamicLossScale(initial=2.0**10, window=2)), _adamw,
                              lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0, None),
-    "stage1-fp32-offload": (dict(stage=1, offload_optimizer="cpu"), _adamw, None, 1.0),
+    "stage1-fp32-offload-delayed": (dict(stage=1, offload_optimizer="cpu", delayed_update=True,
+                                         delayed_update_warmup=1), _adamw, None, 1.0),
     "stage2-fp32-sgd-clip-regrid": (dict(stage=2, max_grad_norm=0.5, bucket_bytes=1024), _sgd,
                                     lambda step, micro: 2.0**40 if step == 0 else 1.0, None),
-    "stage2-fp16-offload-overflow": (dict(stage=2, dtype="fp16", offload_optimizer="cpu",
-                                          loss_scale=zerocore.DynamicLossScale(initial=2.0**10)),
+    "stage2-fp16-offload-delayed-overflow": (dict(stage=2, dtype="fp16", offload_optimizer="cpu", delayed_update=True,
+                                                  delayed_update_warmup=1,
+                                                  loss_scale=zerocore.DynamicLossScale(initial=2.0**10)),
                                      _adamw, lambda step, micro: float("inf") if (step, micro) == (1, 5) else 1.0,
                                      None),
     "stage3-bf16-adamw-clip": (dict(stage=3, dtype="bf16"), _adamw, None, 0.5),
     "stage3-fp32-persist": (dict(stage=3, persist_threshold=100, bucket_bytes=1024), _adamw, None, None),
     "stage3-fp32-offload-params": (dict(stage=3, offload_optimizer="cpu", offload_params="cpu"), _sgd, None, 1.0),
+    "stage3-bf16-offload-delayed": (dict(stage=3, dtype="bf16", offload_optimizer="cpu", offload_params="cpu",
+                                         delayed_update=True, delayed_update_warmup=1), _adamw, None, 0.5),
+    "stage2-fp32-sgd-late": (dict(stage=2, bucket_bytes=512), _sgd, None, None),
 }
+MODELS = {"stage2-fp32-sgd-late": LateGrads}  # the rest train TinyLM
+# Updates from step 2 on delayed.
+DELAYED = ("stage1-fp32-offload-delayed", "stage2-fp16-offload-delayed-overflow", "stage3-bf16-offload-delayed")
 REGRID = "stage2-fp32-sgd-clip-regrid"  # step 0's grads beyond the first grid: skipped, the grid widened
-OVERFLOWS = ("stage0-fp16-overflow", "stage2-fp16-offload-overflow")  # an inf loss in step 1: skipped, the scale halved
+OVERFLOWS = ("stage0-fp16-overflow", "stage2-fp16-offload-delayed-overflow")  # an inf loss in step 1: skipped, the scale halved
 
 
 def assignments(world, seed):
@@ -68,6 +79,7 @@ def assignments(world, seed):
 
 def _states(engine) -> dict:
     """This rank's stretches of the fp32 params and optimizer states: {(kind, name): [(first, values)]}."""
+    engine.finish_update()  # a delayed update still running lands first
     out = {}
     for g in engine.groups:
         for kind, buf in {"param": g.fp32_partition(), **g.state}.items():
@@ -88,7 +100,8 @@ def _assemble(per_rank) -> dict:
 
 def _train(engine, rank, order, case, steps, first_step=0):
     """`steps` steps; this rank runs the micro-batches order[rank] of each.
-    Returns what the step returned and the clip norm, per step."""
+    Returns, per step, what the step returned, the clip norm, the loss
+    scale and whether an update is left pending (delayed)."""
     _, _, factor, clip = CASES[case]
     results = []
     for step in range(first_step, first_step + steps):
@@ -97,15 +110,17 @@ def _train(engine, rank, order, case, steps, first_step=0):
             loss = lm_loss(engine(x), y) * (factor(step, micro) if factor else 1.0)
             engine.backward(loss)
         norm = float(engine.clip_grad_norm_(clip)) if clip else None
-        results.append((engine.step(), norm, engine.loss_scale))
+        results.append((engine.step(), norm, engine.loss_scale, getattr(engine.update, "pending", False)))
         engine.zero_grad()
+        if step == STEPS - 2:  # where the resume test saves, which lands a delayed update: every job lands it
+            engine.finish_update()
     return results
 
 
 def _wrap(case, seed):
     fields, make_opt, _, _ = CASES[case]
     torch.manual_seed(seed)
-    model = TinyLM()
+    model = MODELS.get(case, TinyLM)()
     return zerocore.wrap(model, make_opt(model.parameters()), zerocore.Config(deterministic=True, **fields))
 
 
@@ -178,6 +193,10 @@ def test_expected_skips(zerocore_seed):
         assert scales[1] == scales[0] / 2, case  # the overflow halved the loss scale
     assert applied[REGRID] == [False, True, True]
     assert all(applied[c] == [True] * STEPS for c in CASES if c not in OVERFLOWS + (REGRID,))
+    pending = {case: [r[3] for r in ref[case][0]] for case in CASES}
+    for case in DELAYED:  # after the warm-up step, an applied step leaves its update running
+        assert pending[case] == [False] + applied[case][1:], case
+    assert not any(any(pending[c]) for c in CASES if c not in DELAYED)
 
 
 def test_resume_from_4_ranks_at_3(tmp_path, zerocore_seed):
@@ -187,11 +206,13 @@ def test_resume_from_4_ranks_at_3(tmp_path, zerocore_seed):
     _assert_same_bits(_jobs(3, orders[1], zerocore_seed, resume=str(tmp_path)), ref, "saved at 4, resumed at 3:")
 
 
-def test_mean_of_micro_batches_against_float64(zerocore_seed):
-    """The world-1 job's SGD case against torch in float64: the step's
-    gradient is the mean of its micro-batches' (each loss unscaled)."""
+@pytest.mark.parametrize("case", ["stage1-fp32-sgd", "stage2-fp32-sgd-late"])
+def test_mean_of_micro_batches_against_float64(case, zerocore_seed):
+    """The world-1 job's SGD cases against torch in float64: the step's
+    gradient is the mean of its micro-batches' (each loss unscaled), late
+    grads included."""
     torch.manual_seed(zerocore_seed)
-    model = TinyLM().double()
+    model = MODELS.get(case, TinyLM)().double()
     opt = _sgd(model.parameters())
     for step in range(STEPS):
         for micro in range(M):
@@ -199,7 +220,7 @@ def test_mean_of_micro_batches_against_float64(zerocore_seed):
             (lm_loss(model(x), y) / M).backward()
         opt.step()
         opt.zero_grad()
-    got = reference(zerocore_seed)["stage1-fp32-sgd"][1]
+    got = reference(zerocore_seed)[case][1]
     want = model.state_dict()
     params = [name for kind, name in got if kind == "param"]
     assert len(params) == len(list(model.parameters()))
@@ -218,8 +239,63 @@ def test_docs_example(tmp_path):
         assert state.keys() == one.keys() and all(torch.equal(state[k], one[k]) for k in one)
 
 
-def test_config_refuses_what_is_not_built():
-    with pytest.raises(ValueError, match="delayed_update"):
-        zerocore.Config(stage=2, offload_optimizer="cpu", delayed_update=True, deterministic=True)
+def _grad_bytes(rank, world):
+    """memory_report()'s grad bytes, default and deterministic, at stages 1
+    and 3; at stage 3 whether the sums lie in the grad partitions' memory."""
+    out = {}
+    for stage in (1, 3):
+        for det in (False, True):
+            torch.manual_seed(0)
+            model = TinyLM()
+            engine = zerocore.wrap(model, _sgd(model.parameters()), zerocore.Config(stage=stage, deterministic=det))
+            shared = [g.grad_sums is not None and g.grad_sums.data_ptr() == g.grad_part.data_ptr()
+                      for g in engine.groups if g.trainable]
+            out[stage, det] = engine.memory_report()["grad"], shared
+            engine.close()
+    return out
+
+
+def test_memory_report_counts_the_sums():
+    """Stage 1 keeps int64 sums beside the whole fp32 grads (3x their
+    bytes); at stage 3 they are the grad partition's own memory (2x)."""
+    got = run_ranks(_grad_bytes, 2)[0]
+    assert got[1, True][0] == 3 * got[1, False][0] and not any(got[1, True][1])
+    assert got[3, True][0] == 2 * got[3, False][0] and all(got[3, True][1]) and got[3, True][1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_to_grid_against_torch(dtype):
+    """The native grid kernel against torch's float64 round, ties to even
+    (exact_grads.quantize_with_torch, the GPU's path): random grads over 30
+    binades, exact ties, values past the fast path's 2**51 and past int64
+    (a skipped step), and non-finite ones."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    grads = (torch.randn(4099, generator=g) * 2.0 ** torch.randint(-20, 10, (4099,), generator=g)).to(dtype)
+    exponent = -12
+    grads[:8] = torch.tensor([0.5, 1.5, -2.5, -0.5, 3.5, 2.0**-13, -(2.0**-13), 0.0]).mul(2.0**exponent).to(dtype)
+    units = torch.empty(grads.numel(), dtype=torch.int64)
+    want, peak = quantize_with_torch(grads, exponent)
+    assert zerocore._native.quantize_to_grid(grads, units, exponent) == peak
+    assert torch.equal(units, want)
+    assert units[:8].tolist() == [0, 2, -2, 0, 4, 0, 0, 0]  # ties to even
+    if dtype != torch.float16:  # past 2**51, and past int64
+        big = torch.tensor([2.0**52 + 2.0**30, -(2.0**60), 2.0**70], dtype=dtype)
+        assert zerocore._native.quantize_to_grid(big, units[:3], 0) == quantize_with_torch(big, 0)[1]
+        assert units[:2].tolist() == [int(big[0]), int(big[1])]
+    for bad in (float("nan"), float("inf")):
+        grads[7] = bad
+        assert zerocore._native.quantize_to_grid(grads, units, exponent) == float("inf")
+        assert quantize_with_torch(grads, exponent)[1] == float("inf")
+
+
+def test_exact_sum_of_squares_against_python_ints():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    sums = torch.randint(-(2**62), 2**62, (5000,), dtype=torch.int64, generator=g)
+    sums[:3] = torch.tensor([2**63 - 1, -(2**63) + 1, 0])
+    low, high, top = zerocore._native.exact_sum_of_squares(sums)
+    assert low + (high << 64) + (top << 128) == sum(x * x for x in sums.tolist())
+
+
+def test_config_refuses_a_non_bool():
     with pytest.raises(ValueError, match="deterministic"):
         zerocore.Config(deterministic=1)

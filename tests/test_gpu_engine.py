@@ -94,6 +94,34 @@ def fp32_reference(device):
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_deterministic_mode_on_the_gpu(world1, stage, monkeypatch):
+    """Config(deterministic=True) (docs/deterministic.md): the same bits
+    whichever order a step's micro-batches run in, and their mean grad,
+    against torch on the same GPU with each loss divided by their count."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch's deterministic cuBLAS
+    torch.use_deterministic_algorithms(True)  # each micro-batch's backward the same bits in any run
+    try:
+        config = zerocore.Config(stage=stage, bucket_bytes=256, deterministic=True)
+
+        def run(order):
+            model = make().to(world1)
+            engine = zerocore.wrap(model, adamw(model.parameters()), config)
+            state = engine_train(engine, 0, 1, STEPS, ACCUM,
+                                 batch=lambda step, micro, world: on(world1)(step, order[micro], world))
+            engine.close()
+            return {k: v.cpu() for k, v in state.items()}
+
+        got, backwards = run(list(range(ACCUM))), run(list(range(ACCUM))[::-1])
+        assert got.keys() == backwards.keys() and all(torch.equal(got[k], backwards[k]) for k in got)
+        model = make().to(world1)
+        ref = reference_train(model, adamw(model.parameters()), STEPS, ACCUM, 1, batch=on(world1),
+                              loss_fn=lambda out, y: lm_loss(out, y) / ACCUM)
+        assert_state_close(got, {k: v.cpu() for k, v in ref.items()}, rtol=1e-5, atol=1e-6, what=f"stage {stage}")
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_fp32_matches_torch_on_the_same_gpu(world1, stage):
     got = train(world1, zerocore.Config(stage=stage, bucket_bytes=256))
     assert_state_close(got, fp32_reference(world1), rtol=1e-5, atol=1e-6, what=f"stage {stage}")

@@ -1,6 +1,7 @@
 // Accumulate-and-cast and fill on CUDA tensors, instantiating
 // kernels/element_math.h with cuda_ops.cuh: the same rounding as the CPU's
-// accumulate() and fill(). Grid-stride loops, in packs of four elements when
+// accumulate() and fill(); int64 (Config(deterministic=True)'s exact sums)
+// adds and fills integers, as the CPU's does. Grid-stride loops, in packs of four elements when
 // both arrays are aligned for them.
 #include <cuda_runtime.h>
 
@@ -38,6 +39,17 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(D* dst, const S* s
   grid_stride(n, packed, [=](auto ops, int64_t i) { kernels::accumulate_at<decltype(ops)>(dst, src, i); });
 }
 
+// Config(deterministic=True)'s exact sums: integers into integers.
+__global__ void __launch_bounds__(kThreads) accumulate_int64_kernel(int64_t* dst, const int64_t* src, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] += src[i];
+}
+
+__global__ void __launch_bounds__(kThreads) fill_int64_kernel(int64_t* dst, int64_t value, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = value;
+}
+
 template <class D>
 __global__ void __launch_bounds__(kThreads) fill_kernel(D* dst, float value, int64_t n, bool packed) {
   grid_stride(n, packed, [=](auto ops, int64_t i) { kernels::fill_at<decltype(ops)>(dst, value, i); });
@@ -61,9 +73,18 @@ void cuda_accumulate(const Tensor& dst, const Tensor& src, void* stream) {
     throw InvalidArgument("cuda_accumulate: " + std::to_string(src.numel()) + " elements into " +
                           std::to_string(dst.numel()));
   }
+  const bool integers = dst.dtype() == DType::kInt64 || src.dtype() == DType::kInt64;  // exact sums
+  if (integers && dst.dtype() != src.dtype()) throw TypeMismatch("cuda_accumulate: int64 sums take int64 elements only");
   const int64_t n = dst.numel();
   if (n == 0) return;
   cuda_detail::DeviceGuard guard(device.index);
+  if (integers) {
+    accumulate_int64_kernel<<<cuda_detail::grid_size(device.index, (n + kThreads - 1) / kThreads), kThreads, 0,
+                              static_cast<cudaStream_t>(stream)>>>(static_cast<int64_t*>(dst.data()),
+                                                                   static_cast<const int64_t*>(src.data()), n);
+    cuda_detail::check(cudaGetLastError(), "cuda_accumulate kernel launch");
+    return;
+  }
   const bool packed = cuda_detail::aligned(dst.data(), kPack * dtype_size(dst.dtype())) &&
                       cuda_detail::aligned(src.data(), kPack * dtype_size(src.dtype()));
   kernels::with_element_type(dst.dtype(), [&](auto d_type) {
@@ -85,6 +106,12 @@ void cuda_fill(const Tensor& dst, float value, void* stream) {
   const int64_t n = dst.numel();
   if (n == 0) return;
   cuda_detail::DeviceGuard guard(dst.device().index);
+  if (dst.dtype() == DType::kInt64) {  // exact sums: integers
+    fill_int64_kernel<<<cuda_detail::grid_size(dst.device().index, (n + kThreads - 1) / kThreads), kThreads, 0,
+                        static_cast<cudaStream_t>(stream)>>>(static_cast<int64_t*>(dst.data()), int64_t(value), n);
+    cuda_detail::check(cudaGetLastError(), "cuda_fill kernel launch");
+    return;
+  }
   const bool packed = cuda_detail::aligned(dst.data(), kPack * dtype_size(dst.dtype()));
   kernels::with_element_type(dst.dtype(), [&](auto d_type) {
     using D = decltype(d_type);

@@ -100,6 +100,9 @@ void test_args() {
   CHECK(throws<TypeMismatch>([&] { cuda_accumulate(p, host_p, nullptr); }));
   CHECK(throws<InvalidArgument>([&] { cuda_accumulate(p, fake_cuda(7, DType::kFloat32), nullptr); }));
   CHECK(throws<TypeMismatch>([&] { cuda_fill(host_p, 1.0f, nullptr); }));
+  // Int64 sums (Config(deterministic=True)) take int64 elements only.
+  CHECK(throws<TypeMismatch>([&] { cuda_accumulate(fake_cuda(8, DType::kInt64), p, nullptr); }));
+  CHECK(throws<TypeMismatch>([&] { cuda_accumulate(p, fake_cuda(8, DType::kInt64), nullptr); }));
   cuda_accumulate(e, e, nullptr);
   cuda_fill(e, 1.0f, nullptr);
 }
@@ -139,7 +142,7 @@ void randomize(const Tensor& t, std::mt19937& rng, float stddev) {
       case DType::kFloat32: t.data_as<float>()[i] = x; break;
       case DType::kBFloat16: t.data_as<uint16_t>()[i] = float_to_bf16(x); break;
       case DType::kFloat16: t.data_as<uint16_t>()[i] = float_to_fp16(x); break;
-      case DType::kInt64: t.data_as<int64_t>()[i] = int64_t(x); break;  // (no kernel test draws int64)
+      case DType::kInt64: t.data_as<int64_t>()[i] = int64_t(x); break;  // stddev large: past 2**53
     }
   }
 }
@@ -224,14 +227,15 @@ void test_gpu_case(bool sgd, DType grad_dtype, int copy_kind, bool variant) {
 }
 
 // accumulate and fill on both sides from the same start, offset 1 taking
-// the element-by-element path.
+// the element-by-element path; int64 (exact sums) as integers.
 void test_gpu_elementwise(DType dst_dtype, DType src_dtype, int64_t offset) {
   std::mt19937 rng(unsigned(int(dst_dtype) * 5 + int(src_dtype) * 3 + offset));
   const int64_t n = 1000003;
-  Pair dst = pair(n, dst_dtype, offset, rng, 1.0f), src = pair(n, src_dtype, offset, rng, 1.0f);
+  const float stddev = dst_dtype == DType::kInt64 ? 1e17f : 1.0f;
+  Pair dst = pair(n, dst_dtype, offset, rng, stddev), src = pair(n, src_dtype, offset, rng, stddev);
   accumulate(dst.host, src.host);
   cuda_accumulate(dst.dev, src.dev, nullptr);
-  Pair filled = pair(n, src_dtype, offset, rng, 1.0f);
+  Pair filled = pair(n, src_dtype, offset, rng, stddev);
   const float value = std::normal_distribution<float>()(rng);
   fill(filled.host, value);
   cuda_fill(filled.dev, value, nullptr);
@@ -247,6 +251,7 @@ void test_gpu() {
   for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
     for (DType s : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
       for (int64_t offset : {0, 1}) test_gpu_elementwise(d, s, offset);
+  for (int64_t offset : {0, 1}) test_gpu_elementwise(DType::kInt64, DType::kInt64, offset);
   for (bool sgd : {false, true})
     for (DType g : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
       for (int copy_kind : {0, 1, 2})

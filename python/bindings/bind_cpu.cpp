@@ -1,8 +1,11 @@
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 
 #include <string>
 
 #include "bindings.h"
+#include "dlpack_tensor.h"
+#include "zerocore/kernels/cpu_exact_grid.h"
 #include "zerocore/kernels/cpu_features.h"
 #include "zerocore/error.h"
 #include "zerocore/runtime/thread_pool.h"
@@ -35,6 +38,31 @@ void bind_cpu(nb::module_& m) {
       nb::arg("isa"), "Forces a SIMD path ('scalar', 'avx2', 'avx512'); it must be supported here.");
   m.def("set_num_threads", &set_num_threads, nb::arg("threads"), "Threads used by the CPU optimizers.");
   m.def("num_threads", &num_threads);
+  m.def(
+      "quantize_to_grid",
+      [](nb::handle src, nb::handle dst, int exponent) {
+        const Tensor s = tensor_from_dlpack(src, "quantize_to_grid: src");
+        const Tensor d = tensor_from_dlpack(dst, "quantize_to_grid: dst");
+        nb::gil_scoped_release release;
+        return quantize_to_grid(s, d, exponent);
+      },
+      nb::arg("src"), nb::arg("dst"), nb::arg("exponent"),
+      "Config(deterministic=True): dst (int64) = src * 2**-exponent rounded to nearest, ties to even, on the "
+      "host; returns the largest |dst| (inf: a value not finite). See kernels/cpu_exact_grid.h.");
+  m.def(
+      "exact_sum_of_squares",
+      [](nb::handle sums) {
+        const Tensor t = tensor_from_dlpack(sums, "exact_sum_of_squares: sums");
+        std::array<uint64_t, 3> w;
+        {
+          nb::gil_scoped_release release;
+          w = exact_sum_of_squares(t);
+        }
+        return std::make_tuple(w[0], w[1], w[2]);
+      },
+      nb::arg("sums"),
+      "Config(deterministic=True): the exact sum of squares of int64 sums as 64-bit words (w0, w1, w2), least "
+      "significant first. See kernels/cpu_exact_grid.h.");
 }
 
 }  // namespace zerocore::bindings

@@ -188,6 +188,11 @@ void bind_schedule(nb::module_& m) {
           "group"_a, "Per param of the group, the staging piece its grad may accumulate in, or None.")
       .def("end_backward", unlocked(&BucketReducer::end_backward))
       .def("drop_late", &BucketReducer::drop_late, "Drops grads staged after their reduction (zero_grad).")
+      .def("late", &BucketReducer::late, "Per bucket, whether it holds grads staged after its reduction.")
+      .def("reduce_late", unlocked(&BucketReducer::reduce_late), "buckets"_a,
+           "Reduces the buckets flagged (late on some rank: every rank passes the same flags) into the "
+           "partitions; none is late after it. Config(deterministic=True) agrees on them before the step's "
+           "exchange, which reduces them otherwise.")
       .def(
           "set_grad_partitions",
           [](BucketReducer& self, const nb::list& parts) {

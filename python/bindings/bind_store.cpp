@@ -70,17 +70,18 @@ void bind_store(nb::module_& m) {
           [](PartitionStore* self, const LayoutPlan& plan, const BoundBackend& backend, int rank,
              const std::string& dtype, const std::string& reduce_dtype, bool trainable, bool sharded,
              bool partitions_grads, bool params_on_host, bool optimizer_on_host, bool delayed,
-             std::vector<std::string> state_names, std::string name) {
+             bool exact_sums, std::vector<std::string> state_names, std::string name) {
             new (self) PartitionStore(
                 plan,
                 StorePlacement{rank, parse_dtype(dtype), parse_dtype(reduce_dtype), trainable, sharded,
-                               partitions_grads, params_on_host, optimizer_on_host, delayed, std::move(state_names)},
+                               partitions_grads, params_on_host, optimizer_on_host, delayed, exact_sums,
+                               std::move(state_names)},
                 backend.get(), std::move(name));
           },
           nb::arg("plan"), nb::kw_only(), nb::arg("backend"), nb::arg("rank"), nb::arg("dtype"),
           nb::arg("reduce_dtype"),
           nb::arg("trainable"), nb::arg("sharded"), nb::arg("partitions_grads"), nb::arg("params_on_host"),
-          nb::arg("optimizer_on_host"), nb::arg("delayed") = false,
+          nb::arg("optimizer_on_host"), nb::arg("delayed") = false, nb::arg("exact_sums") = false,
           nb::arg("state_names") = std::vector<std::string>{}, nb::arg("name") = "a flat group",
           nb::keep_alive<1, 3>(),
           "backend: the zerocore._native.Backend its buffers are allocated from (kept alive). name: what the "

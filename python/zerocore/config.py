@@ -149,8 +149,7 @@ class Config:
     deterministic: the same bits at any world size (docs/deterministic.md):
         each engine.backward takes its micro-batch's own loss, unscaled, and
         the step's gradient is the mean over every micro-batch of every
-        rank, summed exactly on a fixed-point grid (not yet with
-        delayed_update).
+        rank, summed exactly on a fixed-point grid.
     """
 
     stage: int = 3
@@ -238,9 +237,6 @@ class Config:
     def _check_deterministic(self):
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"zerocore.Config: deterministic={self.deterministic!r}; use True or False")
-        if self.deterministic and self.delayed_update:
-            raise ValueError("zerocore.Config: deterministic=True with delayed_update=True is not built yet "
-                             "(docs/deterministic.md); use one of them")
 
     @classmethod
     def from_any(cls, config) -> "Config":

@@ -83,9 +83,6 @@ class Engine(Training, StateIO, Reports):
                                [(name, b.device) for name, b in module.named_buffers()], backend, device)
         self.device, self.backend = where.device, where.backend
         self.compute_stream = compute_stream.of(self.backend)  # torch's current stream, followed between steps
-        if cfg.deterministic and devices.is_cuda(self.backend):  # the same on every rank: before any collective
-            raise ValueError("zerocore.wrap: Config(deterministic=True) is built for CPU ranks so far (the CUDA "
-                             "kernels have no int64 sums yet, docs/deterministic.md); train on the CPU or without it")
         process_group = training_process_group(group, placement, where)
         # The control plane (agreements, the step's exchange, stage 3's
         # rounds) runs on host process groups beside the data's, so agreeing

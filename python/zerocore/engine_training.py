@@ -261,7 +261,9 @@ class Training:
             if self.exact:
                 if not self.placement.partitions_grads:  # stages 0-1: the int64 sums, not the grads, reduced
                     self.reducer.collectives.run()
-                self.exact.reduce(self._backward_calls * self.comm.world_size)  # as many on every rank (_meet)
+                # As many backwards on every rank (_meet); stages 2-3's late grads reduced into the sums first.
+                self.exact.reduce(self._backward_calls * self.comm.world_size,
+                                  self.reducer.native if self.placement.partitions_grads else None)
         try:
             return call()
         except _native.CollectiveOrderDiverged as e:

@@ -14,7 +14,9 @@ have reduced the grads (grad_reducer.FullGradReducer's collectives), before
 the step's exchange, whose copies to the host (offload) then take the
 mean. Stages 2-3: gradient reduction (the native BucketReducer, in int64)
 stages each param's grad as quantize() gives it, reduce-scatters its
-buckets as integers and adds each rank's block into the partition's sums.
+buckets as integers and adds each rank's block into the partition's sums,
+which (grads on the device) live in the grad partition's own memory, 8
+bytes an element (FlatGroup.grad_sums), the mean formed in its first bytes.
 
 Then the ranks agree on their largest |grad| in grid units (a maximum is
 order-independent too) and, where each holds a part of the grads, on
@@ -24,7 +26,7 @@ sum * 2**exponent / count (formed in float64 from the integer sum, then
 rounded into the grad buffers' dtype), becomes the grads the update reads;
 otherwise the step is skipped on every rank, as an fp16 overflow is, and
 the grid widens. The norm is the exact mean's: the squares of the integer
-sums, added exactly (in 21-bit limbs) and across ranks as integers. Every
+sums, added exactly (in 128-bit integers) and across ranks as integers. Every
 next grid comes from the step before's largest grad and count, with
 HEADROOM bits for grads to grow: the same numbers on every rank and at
 every world size, so the same grid.
@@ -37,6 +39,7 @@ from fractions import Fraction
 
 import torch
 
+from zerocore import _native
 from zerocore.comm import ControlPurpose
 
 HEADROOM = 8  # bits a step's largest grad (times the count) may grow over the last one's before a skip
@@ -44,8 +47,8 @@ LIMIT_BITS = 62  # count * (largest |grad| in grid units + 1) below 2**62: no in
 FIRST_BOUND = 2.0**16  # the first step's assumed largest |grad| times its count
 # Every value of the dtype is a multiple of 2**this: a finer grid keeps nothing more.
 _FINEST = {torch.float16: -24, torch.bfloat16: -133, torch.float32: -149}
-_LIMB, _LIMB_CHUNK = 21, 1 << 20  # squares in 21-bit limbs, summed 2**20 at a time: below 2**63
 _WORDS = 8  # 32-bit words of a rank's exact sum of squares in the exchange (below 2**256)
+_MEAN_CHUNK = 1 << 18  # elements of the mean formed at a time (a float64 temporary of 2 MiB)
 
 
 def grid_exponent(bound: float, dtype: torch.dtype) -> int:
@@ -55,16 +58,24 @@ def grid_exponent(bound: float, dtype: torch.dtype) -> int:
 
 
 def sum_of_squares(sums: torch.Tensor) -> int:
-    """The exact sum of the squares of int64 `sums` (|x| < 2**62), as a
-    Python int: each x = a * 2**42 + b * 2**21 + c with b, c in [0, 2**21),
-    and the six limb products summed in int64 2**20 elements at a time."""
-    total = 0
-    low = (1 << _LIMB) - 1
-    for x in sums.reshape(-1).split(_LIMB_CHUNK):
-        a, b, c = x >> (2 * _LIMB), (x >> _LIMB) & low, x & low
-        s = [int(t.sum().item()) for t in (a * a, a * b, a * c, b * b, b * c, c * c)]
-        total += (s[0] << 84) + (s[1] << 64) + ((2 * s[2] + s[3]) << 42) + (s[4] << 22) + s[5]
-    return total
+    """The exact sum of the squares of int64 `sums`, as a Python int (one
+    native pass on the host, in 128-bit integers: kernels/cpu_exact_grid.h;
+    a GPU's sums are copied there first, once a step)."""
+    low, high, top = _native.exact_sum_of_squares(sums.reshape(-1).cpu())
+    return low + (high << 64) + (top << 128)
+
+
+def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
+    """(grad on the grid of 2**exponent as int64, its largest |value| in
+    grid units; inf: one not finite) in torch's ops, the numbers the native
+    quantize_to_grid gives on the host: the scaling by a power of two is
+    exact in float64, then round_ rounds once, ties to even."""
+    units = grad.double().mul_(2.0**-exponent).round_()
+    peak = 0.0
+    if units.numel():
+        low, high = (x.item() for x in torch.aminmax(units))
+        peak = math.inf if math.isnan(low) or math.isnan(high) else max(-low, high)
+    return units.to(torch.int64), peak
 
 
 class ExactGradSum:
@@ -79,8 +90,13 @@ class ExactGradSum:
         self.shared = placement.partitions_optimizer  # each rank holds a part of the mean: the norm is summed
         self.dtype = self.groups[0].dtype if self.groups else torch.float32
         self.exponent = grid_exponent(FIRST_BOUND, self.dtype)  # this step's grid: multiples of 2**exponent
-        self.sums = [torch.zeros(self._grads(g).numel(), dtype=torch.int64, device=self._grads(g).device)
+        # Stages 2-3 on the device: the grad partition's own memory holds
+        # them (FlatGroup.grad_sums), the mean formed in its first bytes.
+        self.sums = [g.grad_sums if self.partitioned and g.grad_sums is not None else
+                     torch.zeros(self._grads(g).numel(), dtype=torch.int64, device=self._grads(g).device)
                      for g in self.groups]
+        # Bytes of sums beside the groups' buffers (memory_report counts the rest as grad_part's).
+        self.own_bytes = sum(8 * s.numel() for s, g in zip(self.sums, self.groups) if s is not g.grad_sums)
         self._index = {id(g): i for i, g in enumerate(self.groups)}
         self.bytes_moved = 0  # of the agreements (control plane), received, since wrap
         self._reset()
@@ -111,13 +127,15 @@ class ExactGradSum:
         self.regrid = False  # once reduced: a grad fell outside the grid, the step is skipped
 
     def quantize(self, grad: torch.Tensor) -> torch.Tensor:
-        """grad on this step's grid, as int64, its largest noted."""
-        units = grad.double().mul_(2.0**-self.exponent).round_()  # a power of two: exact, then one rounding
-        if units.numel():
-            low, high = (x.item() for x in torch.aminmax(units))  # one pass (abs() would copy first)
-            peak = math.inf if math.isnan(low) or math.isnan(high) else max(-low, high)
-            self.largest = max(self.largest, peak)
-        return units.to(torch.int64)  # out of range only where the step skips anyway
+        """grad on this step's grid, as int64 (rounded to nearest, ties to
+        even: one native pass on the host), its largest noted."""
+        if grad.device.type == "cpu":
+            units = torch.empty(grad.shape, dtype=torch.int64)
+            peak = _native.quantize_to_grid(grad.contiguous(), units, self.exponent)
+        else:  # the native pass is the host's: torch's ops on a GPU
+            units, peak = quantize_with_torch(grad, self.exponent)
+        self.largest = max(self.largest, peak)
+        return units  # out of range only where the step skips anyway
 
     def add_micro_batch(self):
         """Stages 0-1, after a micro-batch's backward: its grads into the
@@ -128,18 +146,18 @@ class ExactGradSum:
             total.add_(self.quantize(g.grad_full))
             g.grad_full.zero_()
 
-    def reduce(self, count: int):
+    def reduce(self, count: int, reducer=None):
         """Once a step, after the ranks met and the sums were reduced: the
         mean of the `count` micro-batches into the grad buffers, its sum of
-        squares and whether the step is skipped."""
-        total = sum(sum_of_squares(s) for s, _ in self._mine())
-        mine = []
-        if self.shared:  # every rank's part of the norm rides with its largest, in 32-bit words
-            mine = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)]
-        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + mine,
-                                          ControlPurpose.EXACT_GRADS)
-        self.bytes_moved += 8 * len(rows) * len(rows[0])
-        largest = max(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
+        squares and whether the step is skipped. reducer: stages 2-3's
+        native BucketReducer, whose late grads (staged after their bucket
+        was reduced: reentrant checkpointing) the ranks agree on here and
+        reduce into the sums first, before any rank reads them."""
+        late = list(reducer.late()) if reducer is not None else []
+        largest, totals, late = self._agree(late)
+        if any(late):  # on some rank: every rank reduces those buckets, and the sums changed
+            reducer.reduce_late(late)
+            largest, totals, _ = self._agree([])
         if not math.isfinite(largest):  # the step decides as for any non-finite grad
             self.squares, self.next_exponent = math.inf, self.exponent
             return
@@ -147,12 +165,39 @@ class ExactGradSum:
         if count * (int(largest) + 1) >= 2**LIMIT_BITS:
             self.regrid, self.squares = True, 0.0
             return
-        if self.shared:
-            total = sum(sum(w << (32 * i) for i, w in enumerate(row[1:])) for row in rows)
         for s, grads in self._mine():
-            grads.copy_(s.double().mul_(2.0**self.exponent).div_(count))
+            self._mean_into(s, grads, count)
         # (sum * 2**e / count)**2, summed: exact as a fraction, rounded once.
-        self.squares = math.ldexp(float(Fraction(total, count * count)), 2 * self.exponent)
+        self.squares = math.ldexp(float(Fraction(sum(totals), count * count)), 2 * self.exponent)
+
+    def _mean_into(self, sums: torch.Tensor, grads: torch.Tensor, count: int):
+        """grads = sums * 2**exponent / count (formed in float64, one
+        rounding into the grads' dtype), a chunk at a time in order: where
+        grads lie in the sums' own first bytes (FlatGroup.grad_sums), a
+        chunk's writes land on sums of it or of chunks before, read already."""
+        scale = 2.0**self.exponent
+        for first in range(0, sums.numel(), _MEAN_CHUNK):
+            part = slice(first, first + _MEAN_CHUNK)
+            grads[part].copy_(sums[part].double().mul_(scale).div_(count))
+
+    def _agree(self, late: list) -> tuple:
+        """One control all-gather: (the ranks' largest |grad| in grid units,
+        their exact sums of squares of their stretches (this rank's alone
+        where each rank holds all of them), the buckets late on any rank),
+        every number in 32-bit words of int64 rows."""
+        total = sum(sum_of_squares(s) for s, _ in self._mine())
+        late_words = [sum(1 << b for b, flag in enumerate(late[w:w + 32]) if flag) for w in range(0, len(late), 32)]
+        norm_words = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)] if self.shared else []
+        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + late_words
+                                         + norm_words, ControlPurpose.EXACT_GRADS)
+        self.bytes_moved += 8 * len(rows) * len(rows[0])
+        largest = max(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
+        agreed = 0
+        for row in rows:
+            agreed |= sum(w << (32 * i) for i, w in enumerate(row[1:1 + len(late_words)]))
+        totals = [sum(w << (32 * i) for i, w in enumerate(row[1 + len(late_words):])) for row in rows] \
+            if self.shared else [total]
+        return largest, totals, [bool(agreed >> b & 1) for b in range(len(late))]
 
     def end_step(self):
         """The step ended (applied, skipped, or its grads dropped): the next

@@ -53,7 +53,7 @@ class FlatGroup(ParamBinding, LayoutViews):
     partitioned over, and on whose backend its store lives."""
 
     def __init__(self, params, names, param_groups, *, placement, dtype, reduce_dtype, trainable, sharded,
-                 bucket_bytes, comm: Communicator, state_names=(), delayed=False):
+                 bucket_bytes, comm: Communicator, state_names=(), delayed=False, exact_sums=False):
         self.params = params  # backward order
         self.names = names  # per param: every name it has in the module
         self.shapes = [p.shape for p in params]
@@ -76,7 +76,7 @@ class FlatGroup(ParamBinding, LayoutViews):
             reduce_dtype=NATIVE_NAMES[reduce_dtype], trainable=trainable, sharded=sharded,
             partitions_grads=placement.partitions_grads,
             params_on_host=placement.params_on_host, optimizer_on_host=placement.optimizer_on_host,
-            delayed=delayed, state_names=list(state_names),
+            delayed=delayed, exact_sums=exact_sums, state_names=list(state_names),
             name=f"the flat group of {names[0][0]}" if names else "an empty flat group")
         # The plan's and the store's lists, converted from native once.
         self.slots = self.plan.params
@@ -92,6 +92,7 @@ class FlatGroup(ParamBinding, LayoutViews):
         self.state = {}
         self.grad_full = None
         self.grad_part = None
+        self.grad_sums = None  # exact_sums: grad_part's memory as int64 (partition_store.h)
         # Offload: the grads the host step reads (grad_part where reduction
         # leaves them on the host and nothing else needs it), and its 16-bit
         # output, copied up to the params training reads.
@@ -124,6 +125,8 @@ class FlatGroup(ParamBinding, LayoutViews):
                 self.state[kind[6:]] = t
             else:
                 setattr(self, kind, t)
+        if self.store.has("grad_sums"):
+            self.grad_sums = torch.from_dlpack(self.store.buffer("grad_sums"))
         if self.store.has("host_grad") and self.host_grad is None:
             self.host_grad = self.grad_part  # the host step reads its grads where reduction leaves them
 
@@ -146,7 +149,7 @@ class FlatGroup(ParamBinding, LayoutViews):
         comm_buffers)."""
         out = {"param": 0, "grad": 0, "optim": 0}
         for name, category, at, _, _ in self.buffer_plan():
-            t = self._buffer(name)
+            t = self.grad_sums if name == "grad_part" and self.grad_sums is not None else self._buffer(name)
             if t is not None and where in (None, at):
                 out[category] += t.numel() * t.element_size()
         return out

@@ -300,6 +300,33 @@ void zeroing() {
   }
 }
 
+// exact_sums (Config(deterministic=True) at stages 2-3): grad_part's memory
+// is 8 bytes an element, all of it the int64 sums, the grads its first
+// bytes; refused where the grads are whole or on the host.
+void exact_sums() {
+  const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 1}}, LayoutOptions{2, 4, 16});
+  StorePlacement p;
+  p.rank = 1;
+  p.reduce_dtype = DType::kBFloat16;
+  p.partitions_grads = p.sharded = p.exact_sums = true;
+  PartitionStore s(plan, p, default_cpu_backend());
+  StorePlacement plain = p;
+  plain.exact_sums = false;
+  const size_t without = PartitionStore(plan, plain, default_cpu_backend()).planned_bytes(Where::kDevice);
+  CHECK(s.planned_bytes(Where::kDevice) == without + size_t(plan.partition_elems()) * (8 - 2));
+  CHECK(throws([&] { s.buffer("grad_sums"); }));  // before allocate()
+  s.allocate();
+  const Tensor sums = s.buffer("grad_sums"), grads = s.buffer("grad_part");
+  CHECK(s.has("grad_sums") && sums.dtype() == DType::kInt64 && sums.numel() == plan.partition_elems());
+  CHECK(sums.data() == grads.data() && grads.dtype() == DType::kBFloat16 && grads.numel() == plan.partition_elems());
+  for (bool whole_or_host : {true, false}) {
+    StorePlacement q = p;
+    (whole_or_host ? q.partitions_grads : q.optimizer_on_host) = !whole_or_host;
+    CHECK(throws([&] { PartitionStore(plan, q, default_cpu_backend()); }));
+  }
+  CHECK(!PartitionStore(plan, plain, default_cpu_backend()).has("grad_sums"));
+}
+
 void errors() {
   const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 0}}, LayoutOptions{2, 1, 8});
   StorePlacement p;
@@ -360,6 +387,7 @@ int main() {
   placements();
   step_runs();
   zeroing();
+  exact_sums();
   errors();
   on_a_checking_backend();
   return zerocore::test::finish("test_store");

@@ -28,7 +28,7 @@ std::vector<BufferSpec> plan_buffers(const LayoutPlan& plan, const StorePlacemen
     out.push_back({"state." + name, Category::kOptim, optim_at, false, part, DType::kFloat32});
   }
   if (p.partitions_grads) {
-    out.push_back({"grad_part", Category::kGrad, optim_at, false, part, p.reduce_dtype});
+    out.push_back({"grad_part", Category::kGrad, optim_at, false, part, p.reduce_dtype, p.exact_sums});
   } else {
     out.push_back({"grad_full", Category::kGrad, Where::kDevice, true, whole, p.reduce_dtype});
   }
@@ -63,6 +63,9 @@ std::vector<PartitionRun> merge_runs(const std::vector<Segment>& segments) {
 
 PartitionStore::PartitionStore(LayoutPlan plan, StorePlacement placement, Backend& backend, std::string name)
     : plan_(std::move(plan)), placement_(std::move(placement)), backend_(&backend), name_(std::move(name)) {
+  if (placement_.exact_sums && (!placement_.partitions_grads || placement_.optimizer_on_host)) {
+    throw InvalidArgument("store: exact_sums needs grads partitioned (stages 2-3) and kept on the device");
+  }
   buffers_ = plan_buffers(plan_, placement_);
   segments_ = plan_.segments(placement_.rank);  // checks the rank
   segments_of_.resize(plan_.params().size());
@@ -87,8 +90,9 @@ const std::vector<int>& PartitionStore::segments_of(int param) const {
 void PartitionStore::allocate() {
   if (allocated()) throw InvalidArgument("store: allocate() was already called");
   for (const BufferSpec& b : buffers_) {
-    tensors_.push_back(backend_->allocate(memory_kind(b.where), b.bytes(), b.kind + " of " + name_, /*zeroed=*/true)
-                           ->view(0, b.dtype, {b.elems}));
+    const auto memory = backend_->allocate(memory_kind(b.where), b.bytes(), b.kind + " of " + name_, /*zeroed=*/true);
+    tensors_.push_back(memory->view(0, b.dtype, {b.elems}));
+    if (b.holds_sums) sums_ = memory->view(0, DType::kInt64, {b.elems});
   }
 }
 
@@ -104,10 +108,14 @@ const BufferSpec* PartitionStore::spec(const std::string& kind) const {
 }
 
 bool PartitionStore::has(const std::string& kind) const {
-  return spec(kind) != nullptr || (kind == "host_grad" && placement_.optimizer_on_host && spec("grad_part"));
+  return spec(kind) != nullptr || (kind == "grad_sums" && placement_.exact_sums) || (kind == "host_grad" && placement_.optimizer_on_host && spec("grad_part"));
 }
 
 Tensor PartitionStore::buffer(const std::string& kind) const {
+  if (kind == "grad_sums" && placement_.exact_sums) {
+    if (tensors_.empty()) throw InvalidArgument("store: call allocate() before asking for the 'grad_sums' buffer");
+    return sums_;
+  }
   const BufferSpec* b = spec(kind);
   if (b == nullptr && kind == "host_grad" && placement_.optimizer_on_host) b = spec("grad_part");
   if (b == nullptr) {

@@ -1,0 +1,28 @@
+// Config(deterministic=True)'s grid (python/zerocore/exact_grads.py), on
+// the host, each in one pass where torch would take several through
+// temporaries: a micro-batch's grads as integer multiples of 2**exponent,
+// and the exact sum of squares of the int64 sums.
+#pragma once
+#include <array>
+#include <cstdint>
+
+#include "zerocore/tensor.h"
+
+namespace zerocore {
+
+// dst[i] = src[i] * 2**-exponent rounded to the nearest integer, ties to
+// even (the scaling is exact: one rounding), as int64; src is fp32, bf16 or
+// fp16, dst int64 of as many elements, both on the host. Returns the
+// largest |dst[i]| before the conversion (a rounded double), or +inf when
+// some src[i] is not finite (dst is then unspecified there, as where a
+// value is beyond int64: the caller skips the step). Throws TypeMismatch or
+// InvalidArgument for other tensors.
+double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent);
+
+// The exact sum of the squares of int64 `sums` (|x| < 2**63), as 64-bit
+// words, least significant first: sum = w[0] + w[1] * 2**64 + w[2] * 2**128
+// (each square below 2**126, so fewer than 2**64 elements cannot carry past
+// w[2]).
+std::array<uint64_t, 3> exact_sum_of_squares(const Tensor& sums);
+
+}  // namespace zerocore
