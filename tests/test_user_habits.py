@@ -384,8 +384,8 @@ def test_loss_backward_after_engine_backward_raises_naming_it_and_adds_nothing()
 # Uneven micro-batch counts -------------------------------------------------------
 
 def _uneven(rank, world, stage):
-    """Rank 0 runs 2 micro-batches, rank 1 3, then steps; on the error every
-    rank zeroes its grads and trains a step of 2 micro-batches."""
+    """Rank r runs 2 + r micro-batches, then steps; on the error every rank
+    zeroes its grads and trains a step of 2 micro-batches."""
     model = make()
     engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage, bucket_bytes=512))
     before = engine.full_state_dict()
@@ -408,15 +408,17 @@ def _uneven(rank, world, stage):
     return error, seconds, before, after_error, engine.full_state_dict()
 
 
-def test_uneven_micro_batch_counts_raise_on_every_rank_at_once_naming_both():
+@pytest.mark.parametrize("world", [2, 4])
+def test_uneven_micro_batch_counts_raise_on_every_rank_at_once_naming_both(world):
     """Where the extra micro-batch's collectives would wait for a peer at the
     step (stage 3's rounds in its forward, stage 2's reduce-scatters in its
     backward; none at stages 0-1), every rank raises within seconds, not the
-    timeout (the harness's group waits 60 s), and can go on."""
-    for stage in STAGES:
-        results = run_ranks(_uneven, 2, stage)
+    timeout (the harness's group waits 60 s), and can go on; at 4 ranks (2,
+    3, 4 and 5 micro-batches) at stages 1-3."""
+    for stage in STAGES if world == 2 else STAGES[1:]:
+        results = run_ranks(_uneven, world, stage)
         for rank, (error, seconds, before, after_error, after) in enumerate(results):
-            what = f"stage {stage} rank {rank}"
+            what = f"stage {stage} rank {rank} of {world}"
             assert error is not None, what
             assert "rank 0: at the step after 2 micro-batch(es)" in error, (what, error)
             place = "forward" if stage == 3 else "backward" if stage == 2 else "step"
