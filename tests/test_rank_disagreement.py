@@ -12,12 +12,12 @@ Config(diagnose_after=DIAGNOSE_AFTER) keeps the launch short (and
 Config(timeout=TIMEOUT) bounds a failure); three run with the default
 Config too (diagnose_after 5 s) at stage 3, at both world sizes. A rank that gets
 RankDisagreementError checks that the engine refuses every later call with
-it, and goes on to the next scenario, its process alive: where rank 0 runs
-into its peers' backward at stage 3 (eval, user_raises) they wait in the
-CPU data plane's ring reduce-scatter, whose waits are not diagnosed in
-place, and raise within the bound because rank 0 hangs up its groups
-(process_group.hang_up), not because its process ended (the next
-scenario's wrap waits for them). Last, Positions.diagnose's rule on
+it; rank 0 then waits, its process alive and in no collective, until every
+rank has raised: where rank 0 runs into its peers' backward at stage 3
+(eval, user_raises) they wait in the CPU data plane's ring reduce-scatter,
+whose waits are not diagnosed in place, and raise within the bound because
+rank 0 hangs up its groups (process_group.hang_up), not because its
+process ended. Last, Positions.diagnose's rule on
 published records, in one process: a peer in another collective is apart,
 one in none is slow and named by where it is or last was."""
 import re
@@ -95,6 +95,7 @@ def _scenario(rank, world, stage, what, config):
             except zerocore.RankDisagreementError as e:
                 note(e, step, start)
                 out["refusals"] = _refusals(engine, str(e))
+                _wait_for_the_peers(rank, world, (stage, what, config), start)
                 break
         start = time.monotonic()
         try:
@@ -104,6 +105,7 @@ def _scenario(rank, world, stage, what, config):
         except zerocore.RankDisagreementError as e:  # out of step: the job ends (here: the next scenario)
             note(e, step, start)
             out["refusals"] = _refusals(engine, str(e))
+            _wait_for_the_peers(rank, world, (stage, what, config), start)
             break
         except zerocore.CollectiveOrderError as e:
             # Nothing was updated: zero_grad() on every rank, and a step trains with the ranks at one step.
@@ -119,6 +121,18 @@ def _scenario(rank, world, stage, what, config):
     if out["error"] != "RankDisagreementError":
         out["params"] = torch.cat([p.detach().reshape(-1) for p in engine.full_state_dict().values()])
     return out
+
+
+def _wait_for_the_peers(rank, world, scenario, start):
+    """After its RankDisagreementError rank 0 (which departed) goes on, its
+    process alive and in no collective, until every rank has raised (or
+    past the time they may take): a peer stuck where no diagnosis runs
+    raises because rank 0 hung up, not because its process ended or it
+    went on into another collective."""
+    store, key = dist.distributed_c10d._get_default_store(), f"raised {scenario}"
+    store.add(key, 1)
+    while rank == 0 and store.add(key, 0) < world and time.monotonic() < start + 2 * (TIMEOUT + SLACK):
+        time.sleep(0.05)
 
 
 def _refusals(engine, message) -> dict:
