@@ -384,8 +384,8 @@ def test_loss_backward_after_engine_backward_raises_naming_it_and_adds_nothing()
 # Uneven micro-batch counts -------------------------------------------------------
 
 def _uneven(rank, world, stage):
-    """Rank 0 runs 2 micro-batches, rank 1 3, then steps; on the error every
-    rank zeroes its grads and trains a step of 2 micro-batches."""
+    """Rank r runs 2 + r micro-batches, then steps; on the error every rank
+    zeroes its grads and trains a step of 2 micro-batches."""
     model = make()
     engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=stage, bucket_bytes=512))
     before = engine.full_state_dict()
@@ -408,15 +408,17 @@ def _uneven(rank, world, stage):
     return error, seconds, before, after_error, engine.full_state_dict()
 
 
-def test_uneven_micro_batch_counts_raise_on_every_rank_at_once_naming_both():
+@pytest.mark.parametrize("world", [2, 4])
+def test_uneven_micro_batch_counts_raise_on_every_rank_at_once_naming_both(world):
     """Where the extra micro-batch's collectives would wait for a peer at the
     step (stage 3's rounds in its forward, stage 2's reduce-scatters in its
     backward; none at stages 0-1), every rank raises within seconds, not the
-    timeout (the harness's group waits 60 s), and can go on."""
-    for stage in STAGES:
-        results = run_ranks(_uneven, 2, stage)
+    timeout (the harness's group waits 60 s), and can go on; at 4 ranks (2,
+    3, 4 and 5 micro-batches) at stages 1-3."""
+    for stage in STAGES if world == 2 else STAGES[1:]:
+        results = run_ranks(_uneven, world, stage)
         for rank, (error, seconds, before, after_error, after) in enumerate(results):
-            what = f"stage {stage} rank {rank}"
+            what = f"stage {stage} rank {rank} of {world}"
             assert error is not None, what
             assert "rank 0: at the step after 2 micro-batch(es)" in error, (what, error)
             place = "forward" if stage == 3 else "backward" if stage == 2 else "step"
@@ -455,22 +457,26 @@ def test_evaluation_forwards_between_backward_and_step_train_as_without():
 
 # Ctrl-C at stage 3 ---------------------------------------------------------------
 
-class _Interrupting(nn.Module):
-    """Block `inner`, which raises KeyboardInterrupt on its forward call
-    number `at` ("forward"), or from a hook on that call's output grad
-    ("backward hook")."""
+class _Stop(BaseException):
+    """A BaseException of the user's own (as SystemExit or KeyboardInterrupt, not an Exception)."""
 
-    def __init__(self, inner, where, at):
+
+class _Interrupting(nn.Module):
+    """Block `inner`, which raises `error` (KeyboardInterrupt) on its
+    forward call number `at` ("forward"), or from a hook on that call's
+    output grad ("backward hook")."""
+
+    def __init__(self, inner, where, at, error=KeyboardInterrupt):
         super().__init__()
-        self.inner, self.where, self.at, self.calls = inner, where, at, 0
+        self.inner, self.where, self.at, self.error, self.calls = inner, where, at, error, 0
 
     def forward(self, x):
         self.calls += 1
         if self.calls == self.at and self.where == "forward":
-            raise KeyboardInterrupt
+            raise self.error
         out = self.inner(x)
         if self.calls == self.at and self.where == "backward hook":
-            out.register_hook(lambda grad: (_ for _ in ()).throw(KeyboardInterrupt))
+            out.register_hook(lambda grad: (_ for _ in ()).throw(self.error))
         return out
 
 
@@ -496,13 +502,13 @@ class _SignalAfter:
         return signalling
 
 
-def _interrupted(rank, world, where, ranks, path):
+def _interrupted(rank, world, where, ranks, path, error=KeyboardInterrupt):
     """Step 0 trains; step 1 is interrupted on `ranks` (where: in a block's
-    forward, a backward hook, or a signal as one of stage 3's native calls
-    returns); the handler zeroes the grads and saves on every rank; step 2
-    trains."""
+    forward, a backward hook (raising `error`), or a signal as one of stage
+    3's native calls returns); the handler zeroes the grads and saves on
+    every rank; step 2 trains."""
     model = make()
-    model.blocks[1] = _Interrupting(model.blocks[1], where, 2 if rank in ranks else 0)
+    model.blocks[1] = _Interrupting(model.blocks[1], where, 2 if rank in ranks else 0, error)
     engine = zerocore.wrap(model, sgd(model.parameters()), zerocore.Config(stage=3, timeout=20))
     caught, states = None, []
     for step in range(3):
@@ -525,16 +531,19 @@ def _interrupted(rank, world, where, ranks, path):
 def test_ctrl_c_at_stage_3_comes_out_as_itself_and_the_engine_saves(where, tmp_path):
     """Every rank interrupted (as a Ctrl-C in a terminal interrupts every
     rank of the job), on 1 and 2 ranks; in the module's own code, only rank
-    0 too: its peer raises naming the failure, not waiting for it."""
-    cases = [(1, (0,)), (2, (0, 1))] + ([(2, (0,))] if where in ("forward", "backward hook") else [])
-    for world, ranks in cases:
-        path = str(tmp_path / f"{world}-{len(ranks)}")
-        results = run_ranks(_interrupted, world, where, ranks, path)
+    0 too (and, on both ranks, a BaseException of the user's own): its peer
+    raises naming the failure, not waiting for it."""
+    own = where in ("forward", "backward hook")
+    cases = [(1, (0,), KeyboardInterrupt), (2, (0, 1), KeyboardInterrupt)] + \
+        ([(2, (0,), KeyboardInterrupt), (2, (0, 1), _Stop)] if own else [])
+    for world, ranks, error in cases:
+        path = str(tmp_path / f"{world}-{len(ranks)}-{error.__name__}")
+        results = run_ranks(_interrupted, world, where, ranks, path, error)
         for rank, (caught, states) in enumerate(results):
-            what = f"{where}, {world} rank(s), rank {rank}"
+            what = f"{where}, {world} rank(s), rank {rank}, {error.__name__}"
             assert caught is not None, what
             if rank in ranks:
-                assert caught[0] == "KeyboardInterrupt", (what, caught)
+                assert caught[0] == error.__name__, (what, caught)
             else:
                 assert caught[0] == "RuntimeError" and "other rank(s) failed during this" in caught[1], (what, caught)
             assert_state_close(states[1], states[0], rtol=0, atol=0, what=f"{what}: the interrupted step")

@@ -15,8 +15,9 @@ class RankDisagreementError(CollectiveOrderError):
     """Ranks wait in different collectives of the engine (a rank in
     full_state_dict(), another in its step): raised on every rank involved
     once a collective has waited Config(diagnose_after=...), naming each
-    rank's position. The ranks are out of step: every later collective of
-    the engine fails at once."""
+    rank's position. The ranks are out of step: every later call of the
+    engine raises it again, and the rank hangs up the engine's groups, so
+    that no peer waits for it (process_group.hang_up)."""
 
 
 # A transport raises it on the queue's thread: Event.wait() raises it again as itself.

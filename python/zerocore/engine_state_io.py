@@ -94,6 +94,7 @@ class StateIO:
         """Full params visible on the module (stage 3 gathers them; other
         stages hold them already). Edits made inside are kept: changed
         elements go to the shards and fp32 masters on exit."""
+        self.comm.failure.check()  # refused after a failed collective, as every call (positions.engine_call)
         with self.positions.inside("gathered_params()", self.step_count + 1):
             self.finish_update()
             if self.scheduler:

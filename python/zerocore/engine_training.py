@@ -374,7 +374,9 @@ class Training:
     @_training
     def zero_grad(self):
         """Zeroes the grads (a step's reduced ones too, after a step that
-        raised); every param's .grad is None."""
+        raised); every param's .grad is None. After a failed collective it
+        refuses, as every call does (positions.engine_call)."""
+        self.comm.failure.check()
         for g in self.groups:
             g.zero_grad()
         self.reducer.drop_staged()

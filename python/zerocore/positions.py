@@ -192,7 +192,7 @@ class Positions:
                 f"Config(diagnose_after={self.diagnose_after:g})):\n{ranks}\nEvery rank must call the engine's "
                 "collectives in the same order: forward and engine.backward as often between steps, step(), and "
                 "full_state_dict(), gathered_params(), save() and load() on every rank (save on rank 0 alone what "
-                "full_state_dict() returns on every rank). The ranks are out of step now: every later collective of "
+                "full_state_dict() returns on every rank). The ranks are out of step now: every later call of "
                 "this engine fails at once, so end the job and restart it from a checkpoint.")
             # For the peers: the first message found is every rank's (compare_set keeps it).
             message = self.store.compare_set(self.prefix + "apart", "", message).decode()
@@ -221,12 +221,16 @@ def _where(record: Optional[dict], now: float) -> str:
 def engine_call(name: str, micro_batch=False):
     """Decorates an engine method: while it runs, the rank's position is
     `name` (Positions.enter) of the engine's step and, with micro_batch,
-    micro-batch (forward, backward); not while torch.compile traces it."""
+    micro-batch (forward, backward); not while torch.compile traces it.
+    After a failed collective (the ranks out of step: a
+    RankDisagreementError, a timeout) it refuses, raising that error again:
+    the engine is never half usable."""
     def decorate(method):
         @functools.wraps(method)
         def noted(self, *args, **kwargs):
             if torch.compiler.is_compiling():
                 return method(self, *args, **kwargs)
+            self.comm.failure.check()
             step = self.step_count + 1
             with self.positions.inside(name, f"{step}, micro-batch {self._backward_calls + 1}" if micro_batch
                                        else step):

@@ -52,7 +52,11 @@ zerocore.CollectiveTimeoutError naming it (`describe` names a key), from
 its issue or from waiting for its works; on NCCL torch's watchdog acts too. After
 any failed collective the ranks are out of step, so the transports of one
 engine share a Failure: every later collective, on any of its groups, fails
-at once with the first error instead of waiting for a peer.
+at once with the first error instead of waiting for a peer. Where the
+first is a RankDisagreementError (zerocore/positions.py), the rank also
+hangs up its gloo groups (hang_up): a peer waiting in the ring's sends and
+receives, which cannot be waited in slices and so are never diagnosed in
+place, fails at once and raises the error found, then hangs up in turn.
 """
 from __future__ import annotations
 
@@ -99,16 +103,21 @@ def private_group(group, timeout: Optional[datetime.timedelta] = None, backend: 
 class Failure:
     """The first failed collective of the transports that share this. Only
     its type and message are kept: the exception's traceback would hold the
-    queue's tensors."""
+    queue's tensors. Once it is a RankDisagreementError, this rank hangs up
+    its gloo groups (hang_up), so that no peer waits for it."""
 
     def __init__(self):
         self.error_type, self.message = None, None
+        self.gloo_groups = []  # the sharing transports' gloo groups (ProcessGroupTransport)
 
     def record(self, error_type, message: str):
         """error_type: CollectiveTimeoutError or RankDisagreementError,
         raised again as itself; anything else, as a RuntimeError."""
         if self.message is None:
             self.error_type, self.message = error_type, message
+            if error_type is RankDisagreementError:
+                for group in self.gloo_groups:
+                    hang_up(group)
 
     def check(self):
         """Raises the first failure again."""
@@ -116,6 +125,36 @@ class Failure:
             raise self.error_type(self.message)
         if self.message is not None:
             raise RuntimeError(f"zerocore: an earlier collective failed, so the ranks are out of step: {self.message}")
+
+
+# The tags of hang_up's receives: no send of zerocore's has them, so none is taken.
+_HANG_UP_TAGS = 1 << 30
+
+
+def hang_up(group):
+    """Closes this rank's connections in the gloo group `group`: every
+    peer's wait on it fails at once. The ranks were found in different
+    collectives (RankDisagreementError), so the engine's groups serve no
+    more, and a peer may wait where no diagnosis runs (the ring
+    reduce-scatter's sends and receives, whose waits are whole): its wait
+    fails, and it raises the error found, which the store holds
+    (Positions.found_apart), instead of waiting for the timeout or for this
+    process to end. Gloo has no call for it; a receive whose wait times out
+    does it (gloo's context then closes each of its connections), one a
+    context (one a network device; a tag picks the context). A receive from
+    a peer whose connection is closed already (it hung up first) fails
+    without the timeout, so there is one from each peer: the first that
+    times out closes the rest."""
+    me = dist.get_rank(group)
+    peers = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)) if r != me]
+    devices = len(group._get_backend(torch.device("cpu")).options._devices)
+    for peer in peers:
+        for tag in range(_HANG_UP_TAGS, _HANG_UP_TAGS + devices):
+            try:
+                dist.irecv(torch.empty(1), peer, group=group, tag=tag).wait(
+                    timeout=datetime.timedelta(milliseconds=1))
+            except RuntimeError:  # timed out (closed now), or closed already
+                pass
 
 
 def _timed_out(error, elapsed: float, timeout) -> bool:
@@ -146,6 +185,8 @@ class ProcessGroupTransport:
         self.stream = None  # CUDA: the queue's comm stream (issue_on)
         self.incoming = None  # gloo reduce-scatter: the scratch block each ring step receives into
         self.positions, self.queue = (positions, queue) if self.gloo else (None, queue)
+        if self.gloo:
+            self.failure.gloo_groups.append(group)
         self.absent = None  # the last diagnosis' peers that had not started the collective waiting, for a timeout
 
     def issue_on(self, handle: int, device: int):
@@ -191,7 +232,7 @@ class ProcessGroupTransport:
         absent = f" ({self.absent})" if self.absent else ""
         return (f"zerocore: the {self.describe(key)} timed out{after} waiting for {waiting}{absent}; a peer is stuck "
                 "or dead. "
-                "The ranks are out of step now: every later collective of this engine fails at once, so end the job "
+                "The ranks are out of step now: every later call of this engine fails at once, so end the job "
                 "and restart it (from a checkpoint); raise Config(timeout=...) if a peer is only slow. "
                 f"(torch.distributed: {type(error).__name__}: {error})")
 
@@ -295,7 +336,8 @@ class ProcessGroupTransport:
         incoming = self._scratch(blocks[rank]) if n > 1 else None  # one rank: its block is the sum
         to, source = self.global_ranks[(rank + 1) % n], self.global_ranks[(rank - 1) % n]
         for s in range(n - 1):
-            # A send's or receive's wait with a timeout would end the pair (gloo closes it): waited for whole.
+            # A send's or receive's wait with a timeout would end the pair (gloo closes it): waited for
+            # whole. A peer that finds the ranks apart hangs up (hang_up), which ends the wait.
             for w in [dist.isend(blocks[(rank - s - 1) % n], to, group=self.group),
                       dist.irecv(incoming, source, group=self.group)]:
                 w.wait()
