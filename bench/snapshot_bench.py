@@ -17,9 +17,8 @@ ratio (the target: at most 1.1); per rank the CPU time of a step, the
 snapshots' thread included (the block's last snapshot waited for), which
 other jobs on a shared machine disturb less than wall time; and per rank
 the bytes the snapshots hold (Snapshots.bytes_held: the files of its
-folder, two steps of its own and of its mirror's, the staged copy and the
-mirror's receive buffer)
-against the partition they copy, and the process's peak resident memory.
+folder, two steps of its own and of its mirror's) against the partition
+they copy, and the process's peak resident memory.
 """
 from __future__ import annotations
 
@@ -40,6 +39,7 @@ import torch.distributed as dist
 import _harness as harness
 import zerocore
 from zerocore.examples.gpt import GPT, GPTConfig
+from zerocore.save_load import rank_tensors
 
 
 def _engine(args, **snapshots):
@@ -87,7 +87,7 @@ def _measure(rank, port, args, root):
         _timed_steps(snapshotting, args, times["snapshot"], cpu["snapshot"])
     snapshots = snapshotting.snapshots
     snapshots.wait()
-    owned = sum(t.numel() * t.element_size() for t in snapshots._staged.values())
+    owned = sum(t.numel() * t.element_size() for t in rank_tensors(snapshotting).values())
     row = (owned, snapshots.bytes_held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            statistics.median(cpu["plain"]), statistics.median(cpu["snapshot"]))
     rows = [None] * args.world
@@ -128,8 +128,7 @@ def main():
               f"(their thread's included): ratio {cpu_snap / cpu_plain:.3f}")
     for r, (owned, held, rss, *_) in enumerate(rows):
         print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
-              f"({held / owned:.2f}x: two steps of its own file and its mirror's, the staged copy, "
-              f"the receive buffer); peak RSS {rss / 2**20:.0f} MiB (both engines)")
+              f"({held / owned:.2f}x: two steps of its own file and of its mirror's); peak RSS {rss / 2**20:.0f} MiB (both engines)")
 
 
 if __name__ == "__main__":

@@ -115,16 +115,14 @@ def _killer(args, rank, run):
             shutil.rmtree(snapshot.holder_dir(run, rank), ignore_errors=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if where == "snapshot":  # the snapshot of step `when`, killed half-written
-        write = snapshot.write_rank_file
+    if where == "snapshot":  # the snapshot of step `when`, killed half-written: its data, not its header
+        seal = snapshot.Snapshots._seal_file
 
-        def write_then_die(path, save_id, *a, **kw):
-            write(path, save_id, *a, **kw)
-            if save_id.endswith(f"s{int(when):012d}-w{dist.get_world_size():05d}"):
-                with open(path, "r+b") as f:
-                    f.truncate(os.path.getsize(path) // 2)
+        def seal_or_die(snapshots, step, *a):
+            if step == int(when):
                 die()
-        snapshot.write_rank_file = write_then_die
+            seal(snapshots, step, *a)
+        snapshot.Snapshots._seal_file = seal_or_die
         return lambda step, place: None
     return lambda step, place: die() if (step, place) == (int(when), where) else None
 

@@ -4,15 +4,16 @@ docs/snapshots.md): what each rank keeps after a step, and where.
 After every snapshot_every-th completed step each rank copies what it owns
 (a checkpoint's rank file: save_load.rank_tensors, its partition of the
 fp32 params and optimizer states, its RNG states, rank 0 the module's
-buffers) into host memory of its own, on the training thread. At the next
+buffers), on the training thread, straight into the data of the file it
+writes next, in shared memory that outlives the process. At the next
 forward (where the loop has stepped its lr scheduler) the snapshot is
 sealed with the checkpoint manifest of that step (step and loss scale
 counters, hyperparameters, the named lr scheduler's state) and a
-background thread writes it as a checkpoint rank file, with its checksums,
-into shared memory that outlives the process, then sends it to the rank's
-mirrors, the next snapshot_copies ranks, each of which writes what it
-received beside its own. The thread runs behind that forward and
-backward; the next snapshot waits for it first, as does close.
+background thread checksums the data, writes the file's header and renames
+it into place, then sends it to the rank's mirrors, the next
+snapshot_copies ranks, each of which receives it straight into a file of
+its own. The thread runs behind that forward and backward; the next
+snapshot waits for it first, as does close.
 
 The files, per node (Config.snapshot_dir, default /dev/shm/zerocore-snapshots):
 
@@ -20,12 +21,14 @@ The files, per node (Config.snapshot_dir, default /dev/shm/zerocore-snapshots):
 
 held by rank H (its own, R == H, or a mirror of rank R's) of a world of W
 ranks, generation <gen> (one more at each restore: files of a timeline
-given up never mix with the one restored). A file appears whole or not at
-all: it is written under a temporary name and renamed into place, and a
-rank keeps the two newest steps of each rank it holds, so a rank killed
-mid-write leaves the previous step whole. Its checksums (one per tensor,
-one of the manifest) find any change before anything is used
-(snapshot_restore.py).
+given up never mix with the one restored). Each is a checkpoint rank file
+(checkpoint_format.py) whose header has room reserved, so that its data
+can be written before its checksums. A file appears whole or not at all:
+a rank keeps the two newest steps of each rank it holds, each file mapped
+once, and writes over the older one under a temporary name, renamed into
+place when whole, so a rank killed mid-write leaves the previous step
+whole. Its checksums (one per tensor, one of the manifest) find any change
+before anything is used (snapshot_restore.py).
 
 The mirrors travel over a gloo process group of their own beside the data
 group, so they never take a place in the order of the engine's queues
@@ -45,14 +48,15 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from zerocore.checkpoint_format import write_rank_file
-from zerocore.safetensors_file import tensor_bytes
+from zerocore.checkpoint_format import crc32, rank_file_metadata
+from zerocore.safetensors_file import plan
 from zerocore.save_load import manifest_of, rank_tensors, set_hyperparameters
 
 DEFAULT_DIR = "/dev/shm/zerocore-snapshots"
 MANIFEST_KEY = "zerocore-snapshot"  # the step's checkpoint manifest, in each file's header
 FILE = re.compile(r"g(\d+)\.step-(\d+)\.rank-(\d+)-of-(\d+)\.safetensors")
 KEPT_STEPS = 2  # of each rank held: the newest whole while the next is written
+HEAD_ROOM = 2  # a file's header gets room for twice the first one's size: its manifest may grow
 
 
 def run_dir(config) -> str:
@@ -84,24 +88,6 @@ def manifest_crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _atomic_write(path: str, write):
-    """write(tmp path), then the rename: `path` is whole or absent. The
-    temporary file is the oldest of the rank's kept files in path's folder
-    when it has KEPT_STEPS of them (the one the write would make prune
-    remove), renamed: write overwrites it, reusing its pages; the newer
-    ones stay whole meanwhile."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    oldest = _files_of(os.path.dirname(path), int(FILE.fullmatch(os.path.basename(path))[3]))[KEPT_STEPS - 1:]
-    if oldest:
-        with_errors_ignored(os.replace, os.path.join(os.path.dirname(path), oldest[0]), tmp)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def mapped(f, access) -> torch.Tensor:
     """The bytes of open file f, as a tensor over a memory map of it."""
     return torch.frombuffer(mmap.mmap(f.fileno(), 0, access=access), dtype=torch.uint8)
@@ -129,6 +115,46 @@ def with_errors_ignored(fn, *args):
         pass  # another rank of the node pruned it first
 
 
+class _Files:
+    """The KEPT_STEPS newest files this rank keeps of one rank it holds
+    (its own snapshots, or its mirror of a peer's), each mapped once and
+    written over in turn: the older one is renamed to a temporary name,
+    written through its map and renamed into place, while the newer one
+    stays whole. A write never faults in, frees or zeroes a page of shared
+    memory again (most of what a fresh file costs)."""
+
+    def __init__(self, directory: str, rank: int):
+        self.dir = directory
+        self.tmp = os.path.join(directory, f"rank-{rank:05d}.tmp.{os.getpid()}")  # refused as a snapshot (FILE)
+        self.kept = []  # (name, map), oldest first
+        self.writing = None  # the map of the file under self.tmp
+
+    def open(self, size: int) -> torch.Tensor:
+        """The bytes of the file being written, `size` of them (what they
+        held is kept up to that size), under the temporary name."""
+        if self.writing is None and len(self.kept) == KEPT_STEPS:
+            name, self.writing = self.kept.pop(0)
+            try:
+                os.replace(os.path.join(self.dir, name), self.tmp)
+            except FileNotFoundError:  # removed meanwhile (the folder cleared by hand): a new file
+                self.writing = None
+        if self.writing is None or len(self.writing) != size:
+            self.writing = None  # unmapped before its file is cut (views left in it are never used)
+            with open(self.tmp, "a+b") as f:
+                f.truncate(size)
+                self.writing = mmap.mmap(f.fileno(), size)
+        return torch.frombuffer(self.writing, dtype=torch.uint8)
+
+    def commit(self, name: str):
+        """The file written is whole: renamed into place as `name`."""
+        os.replace(self.tmp, os.path.join(self.dir, name))
+        self.kept.append((name, self.writing))
+        self.writing = None
+
+    def newest(self) -> torch.Tensor:
+        return torch.frombuffer(self.kept[-1][1], dtype=torch.uint8)
+
+
 class Snapshots:
     """One engine's snapshots: taken after its steps (stepping), written
     and mirrored by a thread behind the next step. mirror_group: a gloo
@@ -151,13 +177,16 @@ class Snapshots:
         self.restored_lr_scheduler = None  # its state restored, until one is named (keep_lr_scheduler)
         self.restored_param_groups = None  # the optimizer's hyperparameters restored
         self.fetched = []  # the ranks whose files of the step restored came from other nodes
-        self._staged = {}
-        self._incoming = {}  # k -> the buffer rank - k's file is received into
+        self._own = _Files(self.dir, self.rank)
+        self._mirrors = {k: _Files(self.dir, (self.rank - k) % self.world_size) for k in range(1, self.copies + 1)}
+        # The own file's layout: its tensors (key, dtype, shape), the room for its header, where each one's
+        # data starts, its size.
+        self._entries, self._head_bytes, self._placed, self._size = None, 0, None, 0
         self._unsealed = None  # the step whose snapshot was taken and not sealed yet
         self._thread = None
         self._error = None
-        # Shared and own memory the snapshots hold on this rank: the files of
-        # its folder (its own, its mirrors', two steps each), the staged copy and the mirrors' receive buffers.
+        # The shared memory the snapshots hold on this rank: the files of its folder (its own, its mirrors', two
+        # steps each).
         self.bytes_held = 0
         self._sealing = engine.module.register_forward_pre_hook(torch.compiler.disable(
             lambda *_: self.seal(), reason="zerocore: a snapshot is sealed and written outside any graph"))
@@ -182,17 +211,45 @@ class Snapshots:
 
     # Taking ------------------------------------------------------------------
     def take(self):
-        """The snapshot of the step just completed: its tensors copied here
-        now; sealed (seal) before the next forward."""
+        """The snapshot of the step just completed: its tensors copied now
+        into the data of the file written next; sealed (seal) before the
+        next forward."""
         self.wait()
         self.engine.finish_update()  # a delayed offload update is part of the state
         tensors = rank_tensors(self.engine)
-        if set(tensors) != set(self._staged) or any(self._staged[k].shape != t.shape or
-                                                    self._staged[k].dtype != t.dtype for k, t in tensors.items()):
-            self._staged = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in tensors.items()}
-        for k, t in tensors.items():
-            self._staged[k].copy_(t.detach())
+        entries = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
+        if entries != self._entries:
+            self._entries = entries
+            provisional = {key: 0xFFFFFFFF for key in tensors}  # a checksum's widest
+            head, _ = plan(entries, rank_file_metadata(save_id(self.generation, self.steps_done, self.world_size),
+                                                       self.rank, self.world_size, provisional,
+                                                       self._manifest_metadata(self.steps_done)))
+            self._lay_out(HEAD_ROOM * len(head))
+        file = self._own.open(self._size)
+        for (key, dtype, shape), first in self._placed:
+            self._data(file, first, dtype, shape).copy_(tensors[key].detach())
         self._unsealed = self.steps_done
+
+    def _lay_out(self, head_bytes: int):
+        """The own file's layout, with `head_bytes` (rounded up to a page) of room for its header."""
+        self._head_bytes = -(-head_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        _, self._placed = plan(self._entries, None, self._head_bytes)
+        self._size = max(first + nbytes for _, first, nbytes in self._extents())  # never empty: rng/cpu
+
+    @staticmethod
+    def _data(file, first, dtype, shape) -> torch.Tensor:
+        """The tensor (dtype, shape) whose bytes start at byte `first` of the file."""
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        return file[first:first + nbytes].view(dtype).view(shape)
+
+    def _manifest_metadata(self, step) -> dict:
+        """The checkpoint manifest of `step`, with its checksum, as header metadata."""
+        scheduler = None if self.lr_scheduler is None else self.lr_scheduler.state_dict()
+        manifest = manifest_of(self.engine, save_id(self.generation, step, self.world_size), [0] * self.world_size,
+                               scheduler, {"steps_done": step, "generation": self.generation,
+                                           "last_checkpoint": self.last_checkpoint})
+        text = json.dumps(manifest)
+        return {MANIFEST_KEY: text, f"{MANIFEST_KEY}-crc32": str(manifest_crc(text))}
 
     def seal(self):
         """The snapshot taken at the last step gets its manifest and goes to
@@ -203,14 +260,7 @@ class Snapshots:
         if self._unsealed is None:
             return
         step, self._unsealed = self._unsealed, None
-        sid = save_id(self.generation, step, self.world_size)
-        scheduler = None if self.lr_scheduler is None else self.lr_scheduler.state_dict()
-        manifest = manifest_of(self.engine, sid, [0] * self.world_size, scheduler,
-                               {"steps_done": step, "generation": self.generation,
-                                "last_checkpoint": self.last_checkpoint})
-        text = json.dumps(manifest)
-        meta = {MANIFEST_KEY: text, f"{MANIFEST_KEY}-crc32": str(manifest_crc(text))}
-        self._thread = threading.Thread(target=self._write_and_mirror, args=(step, sid, meta),
+        self._thread = threading.Thread(target=self._write_and_mirror, args=(step, self._manifest_metadata(step)),
                                         name="zerocore-snapshot", daemon=True)
         self._thread.start()
 
@@ -225,43 +275,51 @@ class Snapshots:
             raise RuntimeError(f"zerocore: the snapshot of step {error[0]} failed on rank {self.rank} "
                                f"({type(error[1]).__name__}: {error[1]})") from error[1]
 
-    def _write_and_mirror(self, step, sid, meta):
+    def _write_and_mirror(self, step, manifest_metadata):
         # Daemon: a process whose training ends by an error (a peer died)
         # exits without waiting for a mirror that will never come.
         try:
-            path = os.path.join(self.dir, file_name(self.generation, step, self.rank, self.world_size))
-            _atomic_write(path, lambda tmp: write_rank_file(tmp, sid, self.rank, self.world_size, self._staged,
-                                                            metadata=meta, fsync=False, overwrite=True))
+            self._seal_file(step, manifest_metadata)
             for k in range(1, self.copies + 1):
-                self._mirror(path, step, k)
+                self._mirror(step, k)
             prune(self.dir)
-            self.bytes_held = (sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir)) +
-                               sum(t.numel() * t.element_size() for t in (*self._staged.values(),
-                                                                          *self._incoming.values())))
+            self.bytes_held = sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir))
         except BaseException as e:  # noqa: BLE001 - raised on the training thread at the next wait
             self._error = (step, e)
 
-    def _mirror(self, path, step, k):
-        """This rank's file to rank + k, sent from its own pages (a memory
-        map); rank - k's received into a buffer kept from one snapshot to
-        the next, then written over the oldest mirror file (_atomic_write):
-        in shared memory, cheaper than receiving into fresh pages."""
-        dst, src = (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
-        with open(path, "rb") as f:
-            outgoing = mapped(f, mmap.ACCESS_COPY)  # copy-on-write, never written: the file's pages
-        size = torch.tensor([outgoing.numel()], dtype=torch.int64)
-        incoming_size = torch.empty(1, dtype=torch.int64)
-        self._exchange(size, dst, incoming_size, src, k)
-        incoming = self._incoming.get(k)
-        if incoming is None or incoming.numel() != int(incoming_size):
-            incoming = self._incoming[k] = torch.empty(int(incoming_size), dtype=torch.uint8)
-        self._exchange(outgoing, dst, incoming, src, k)
+    def _seal_file(self, step, manifest_metadata):
+        """The own file of `step`, its data written (take): checksummed,
+        its header written, renamed into place."""
+        file = self._own.open(self._size)
+        crcs = {key: crc32(file[first:first + nbytes]) for key, first, nbytes in self._extents()}
+        sid = save_id(self.generation, step, self.world_size)
+        metadata = rank_file_metadata(sid, self.rank, self.world_size, crcs, manifest_metadata)
+        head, _ = plan(self._entries, metadata, self._head_bytes)
+        if len(head) > self._head_bytes:  # the manifest outgrew its room: the data moves up, once
+            data = file[self._head_bytes:].clone()
+            self._lay_out(HEAD_ROOM * len(head))
+            file = self._own.open(self._size)
+            file[self._head_bytes:].copy_(data)
+            head, _ = plan(self._entries, metadata, self._head_bytes)
+        file[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        self._own.commit(file_name(self.generation, step, self.rank, self.world_size))
 
-        def write(tmp):
-            with open(tmp, "r+b" if os.path.exists(tmp) else "wb") as f:
-                f.write(tensor_bytes(incoming))
-                f.truncate()
-        _atomic_write(os.path.join(self.dir, file_name(self.generation, step, src, self.world_size)), write)
+    def _extents(self):
+        """(key, first byte, bytes) of each tensor of the own file."""
+        return [(key, first, torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size())
+                for (key, dtype, shape), first in self._placed]
+
+    def _mirror(self, step, k):
+        """This rank's newest file to rank + k, sent from its map; rank -
+        k's received straight into the map of the older of the two files
+        kept of it (_Files)."""
+        dst, src = (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
+        outgoing = self._own.newest()
+        incoming_size = torch.empty(1, dtype=torch.int64)
+        self._exchange(torch.tensor([outgoing.numel()], dtype=torch.int64), dst, incoming_size, src, k)
+        incoming = self._mirrors[k].open(int(incoming_size))
+        self._exchange(outgoing, dst, incoming, src, k)
+        self._mirrors[k].commit(file_name(self.generation, step, src, self.world_size))
 
     def _exchange(self, out, dst, into, src, tag):
         works = [dist.isend(out, group=self.group, group_dst=dst, tag=tag),
