@@ -23,6 +23,7 @@ import torch
 import snapshot_job
 import zerocore
 from dist_harness import run_ranks
+from zerocore import snapshot
 
 STEPS = 7
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_job.py")
@@ -179,6 +180,10 @@ def test_restored_in_process_equals_the_uninterrupted_run(tmp_path, fields):
     delayed. That one's reference takes snapshots too: a snapshot lets the
     delayed update land first (as engine.save does), so the steps it
     follows are not delayed, and a run with snapshots is not one without."""
+    _assert_restored_in_process(tmp_path, fields)
+
+
+def _assert_restored_in_process(tmp_path, fields):
     snapshots = {**fields, "snapshot": "memory", "snapshot_dir": str(tmp_path), "snapshot_run_id": "r"}
     uninterrupted = {**snapshots, "snapshot_run_id": "other"} if fields.get("delayed_update") else fields
     reference = run_ranks(snapshot_job.train, 2, STEPS, None, None, uninterrupted)[0][0]
@@ -187,6 +192,18 @@ def test_restored_in_process_equals_the_uninterrupted_run(tmp_path, fields):
     assert restored == 3
     for name, value in reference.items():
         assert torch.equal(state[name], value), f"{name} differs from the uninterrupted run"
+
+
+def test_a_header_outgrowing_its_room_moves_the_data(tmp_path, monkeypatch):
+    """A snapshot's data is written before its header, into room reserved
+    at the first snapshot for twice that header: a manifest that grows
+    past it (here 64 KiB more each step: past the room at step 3) moves the
+    data up. The ranks, forked, take the padding along; the run restored
+    from step 3's files is still the uninterrupted one, bitwise."""
+    manifest_metadata = snapshot.Snapshots._manifest_metadata
+    monkeypatch.setattr(snapshot.Snapshots, "_manifest_metadata",
+                        lambda self, step: {**manifest_metadata(self, step), "padding": " " * (65536 * step)})
+    _assert_restored_in_process(tmp_path, {"stage": 1})
 
 
 def test_two_copies_survive_two_neighbours_lost(tmp_path, reference3):
