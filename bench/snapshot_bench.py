@@ -6,9 +6,10 @@ snapshot a step, against the same step without.
 
 Each rank wraps two copies of one GPT-style model (zerocore.examples.gpt)
 with AdamW, one with snapshots (into a fresh folder under /dev/shm, one
-mirror: snapshot_copies=1) and one without, and trains them in turns,
---steps steps each per round, for --rounds rounds, so both see the same
-machine. A step is forward, backward, step and zero_grad, timed from a
+per rank, as on a node of its own, so that each rank's snapshot is
+mirrored on the other: snapshot_copies=1) and one without, and trains
+them in turns, --steps steps each per round, for --rounds rounds, so both
+see the same machine. A step is forward, backward, step and zero_grad, timed from a
 barrier to the slowest rank; the snapshot's own work (its copy at the
 step, its manifest at the next forward, its file write and mirror behind
 that forward and backward, and the wait for them at the next snapshot) all
@@ -77,8 +78,8 @@ def _measure(rank, port, args, root):
                             timeout=datetime.timedelta(minutes=10))
     torch.set_num_threads(1)
     plain = _engine(args)
-    snapshotting = _engine(args, snapshot="memory", snapshot_every=args.every, snapshot_dir=root,
-                           snapshot_run_id="bench")
+    snapshotting = _engine(args, snapshot="memory", snapshot_every=args.every,
+                           snapshot_dir=os.path.join(root, f"node-{rank}"), snapshot_run_id="bench")
     times, cpu = {"plain": [], "snapshot": []}, {"plain": [], "snapshot": []}
     for engine in (plain, snapshotting):  # warm-up: the first steps allocate
         _step(engine, torch.randint(0, args.vocab, (args.batch, args.seq + 1)))

@@ -81,8 +81,8 @@ def train(rank, world, steps, save_at=None, load=None, fields=None):
     torch.manual_seed(1 + rank)
     model, opt = model_and_optimizer()
     fields = dict(fields or {})
-    if "snapshot_dir" in fields:  # "{rank}" in it: each rank a node of its own
-        fields["snapshot_dir"] = fields["snapshot_dir"].format(rank=rank)
+    if "snapshot_dir" in fields:  # "{rank}" in it: each rank a node of its own; "{pair}": two ranks a node
+        fields["snapshot_dir"] = fields["snapshot_dir"].format(rank=rank, pair=rank // 2)
     engine = zerocore.wrap(model, opt, config(**fields))
     sched = scheduler(opt)
     first = 1

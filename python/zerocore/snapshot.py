@@ -11,8 +11,8 @@ sealed with the checkpoint manifest of that step (step and loss scale
 counters, hyperparameters, the named lr scheduler's state) and a
 background thread checksums the data, writes the file's header and renames
 it into place, then sends it to the rank's mirrors, the next
-snapshot_copies ranks, each of which receives it straight into a file of
-its own. The thread runs behind that forward and backward; the next
+snapshot_copies nodes (mirror_offsets), each of which receives it
+straight into a file of its own. The thread runs behind that forward and backward; the next
 snapshot waits for it first, as does close.
 
 The files, per node (Config.snapshot_dir, default /dev/shm/zerocore-snapshots):
@@ -41,6 +41,7 @@ import json
 import mmap
 import os
 import re
+import socket
 import threading
 import weakref
 import zlib
@@ -69,6 +70,28 @@ def run_dir(config) -> str:
                          "snapshots and no other's: launch with torchrun --standalone or --rdzv-id=<id>, or set "
                          "Config(snapshot_run_id=...)")
     return os.path.join(config.snapshot_dir or DEFAULT_DIR, run_id)
+
+
+def node_of(run: str) -> str:
+    """The node a rank's snapshot folder is on: a host and the folder as it
+    sees it (Config.snapshot_dir may differ by node)."""
+    return f"{socket.gethostname()}:{os.path.realpath(run)}"
+
+
+def mirror_offsets(nodes: list, copies: int) -> list:
+    """How far after rank r its mirrors are (ranks r + offset, mod the
+    world), given each rank's node: on the next `copies` nodes, at the
+    same place in each (torchrun numbers a node's ranks in a row), so that
+    a node lost takes no copy of its ranks' partitions with it. Where the
+    nodes differ in size or their ranks are not in a row: the next ranks.
+    On one node, none: a mirror there survives nothing its own file does not."""
+    world, per_node = len(nodes), nodes.count(nodes[0])
+    in_rows = (world % per_node == 0 and len(set(nodes)) == world // per_node
+               and all(nodes[r] == nodes[r - r % per_node] for r in range(world)))
+    stride = per_node if in_rows else 1
+    if len(set(nodes)) == 1:
+        return []
+    return [k * stride for k in range(1, min(copies, world // stride - 1) + 1)]
 
 
 def holder_dir(run: str, rank: int) -> str:
@@ -164,11 +187,12 @@ class Snapshots:
     def __init__(self, engine, mirror_group):
         cfg = engine.config
         self.engine = weakref.proxy(engine)  # the engine holds this, not the other way round
-        self.every, self.copies = cfg.snapshot_every, min(cfg.snapshot_copies, engine.comm.world_size - 1)
+        self.every = cfg.snapshot_every
         self.rank, self.world_size = engine.comm.rank, engine.comm.world_size
         self.run = run_dir(cfg)
         self.dir = holder_dir(self.run, self.rank)
         os.makedirs(self.dir, exist_ok=True)
+        self.offsets = mirror_offsets(engine.comm.gather_text(node_of(self.run)), cfg.snapshot_copies)
         self.group = mirror_group
         self.steps_done = 0  # completed optimizer steps (an fp16 overflow's skipped ones too)
         self.generation = 0
@@ -178,7 +202,7 @@ class Snapshots:
         self.restored_param_groups = None  # the optimizer's hyperparameters restored
         self.fetched = []  # the ranks whose files of the step restored came from other nodes
         self._own = _Files(self.dir, self.rank)
-        self._mirrors = {k: _Files(self.dir, (self.rank - k) % self.world_size) for k in range(1, self.copies + 1)}
+        self._mirrors = {k: _Files(self.dir, (self.rank - k) % self.world_size) for k in self.offsets}
         # The own file's layout: its tensors (key, dtype, shape), the room for its header, where each one's
         # data starts, its size.
         self._entries, self._head_bytes, self._placed, self._size = None, 0, None, 0
@@ -280,7 +304,7 @@ class Snapshots:
         # exits without waiting for a mirror that will never come.
         try:
             self._seal_file(step, manifest_metadata)
-            for k in range(1, self.copies + 1):
+            for k in self.offsets:
                 self._mirror(step, k)
             prune(self.dir)
             self.bytes_held = sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir))
