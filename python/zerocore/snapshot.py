@@ -138,6 +138,25 @@ def with_errors_ignored(fn, *args):
         pass  # another rank of the node pruned it first
 
 
+def _runs(placed: list) -> list:
+    """placed: (first byte in the file, tensor) in the file's order; the
+    same, with tensors that follow on both in the file and in memory (a
+    partition's stretches of one buffer do) made one, 1-D: a copy a run of
+    them, not one a tensor."""
+    runs = []
+    for first, t in placed:
+        if runs and t.is_contiguous() and t.numel():
+            at, run = runs[-1]
+            if (run.dim() == 1 and run.is_contiguous() and t.dtype == run.dtype and t.device == run.device
+                    and first == at + run.numel() * run.element_size()
+                    and t.untyped_storage().data_ptr() == run.untyped_storage().data_ptr()
+                    and t.storage_offset() == run.storage_offset() + run.numel()):
+                runs[-1] = (at, run.as_strided((run.numel() + t.numel(),), (1,)))
+                continue
+        runs.append((first, t.reshape(-1) if t.is_contiguous() else t))
+    return runs
+
+
 class _Files:
     """The KEPT_STEPS newest files this rank keeps of one rank it holds
     (its own snapshots, or its mirror of a peer's), each mapped once and
@@ -250,8 +269,8 @@ class Snapshots:
                                                        self._manifest_metadata(self.steps_done)))
             self._lay_out(HEAD_ROOM * len(head))
         file = self._own.open(self._size)
-        for (key, dtype, shape), first in self._placed:
-            self._data(file, first, dtype, shape).copy_(tensors[key].detach())
+        for first, t in _runs([(first, tensors[key].detach()) for (key, _, _), first in self._placed]):
+            self._data(file, first, t.dtype, t.shape).copy_(t)
         self._unsealed = self.steps_done
 
     def _lay_out(self, head_bytes: int):
