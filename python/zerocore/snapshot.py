@@ -57,6 +57,7 @@ DEFAULT_DIR = "/dev/shm/zerocore-snapshots"
 MANIFEST_KEY = "zerocore-snapshot"  # the step's checkpoint manifest, in each file's header
 FILE = re.compile(r"g(\d+)\.step-(\d+)\.rank-(\d+)-of-(\d+)\.safetensors")
 KEPT_STEPS = 2  # of each rank held: the newest whole while the next is written
+_BACKEND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a backend's buffers hold
 HEAD_ROOM = 2  # a file's header gets room for twice the first one's size: its manifest may grow
 
 
@@ -269,7 +270,12 @@ class Snapshots:
                                                        self._manifest_metadata(self.steps_done)))
             self._lay_out(HEAD_ROOM * len(head))
         file = self._own.open(self._size)
+        backend = self.engine.backend
         for first, t in _runs([(first, tensors[key].detach()) for (key, _, _), first in self._placed]):
+            if t.dtype in _BACKEND_DTYPES:  # the engine's master and states (not the RNG's bytes, torch's own)
+                # torch copies on the compute stream: the checking backend finds a read no wait orders after
+                # the update that wrote it.
+                backend.declare_access(backend.compute_stream(), t, "read", f"the snapshot of step {self.steps_done}")
             self._data(file, first, t.dtype, t.shape).copy_(t)
         self._unsealed = self.steps_done
 
@@ -295,16 +301,26 @@ class Snapshots:
         return {MANIFEST_KEY: text, f"{MANIFEST_KEY}-crc32": str(manifest_crc(text))}
 
     def seal(self):
-        """The snapshot taken at the last step gets its manifest and goes to
-        the thread. Not at the step itself: the loop steps its lr scheduler
-        after the optimizer, which sets the lr of the step that follows, so
-        the scheduler's state and the hyperparameters are read here, at the
+        """The snapshot taken at the last step gets its manifest and is
+        written and mirrored: behind this forward and backward, by a
+        thread, where the engine's work runs on a device; at once, on the
+        training thread, where it runs on the CPU (a thread would take the
+        training's own core, and its mirror's traffic beside the step's
+        collectives cost more CPU than the mirror alone: bench/RESULTS.md).
+        Not at the step itself: the loop steps its lr scheduler after the
+        optimizer, which sets the lr of the step that follows, so the
+        scheduler's state and the hyperparameters are read here, at the
         next forward (or wait)."""
         if self._unsealed is None:
             return
         step, self._unsealed = self._unsealed, None
-        self._thread = threading.Thread(target=self._write_and_mirror, args=(step, self._manifest_metadata(step)),
-                                        name="zerocore-snapshot", daemon=True)
+        args = (step, self._manifest_metadata(step))
+        if self.engine.device.type == "cpu":
+            self._write_and_mirror(*args)
+            self._raise_error()
+            return
+        self._thread = threading.Thread(target=self._write_and_mirror, args=args, name="zerocore-snapshot",
+                                        daemon=True)
         self._thread.start()
 
     def wait(self):
@@ -313,14 +329,17 @@ class Snapshots:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._raise_error()
+
+    def _raise_error(self):
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"zerocore: the snapshot of step {error[0]} failed on rank {self.rank} "
                                f"({type(error[1]).__name__}: {error[1]})") from error[1]
 
     def _write_and_mirror(self, step, manifest_metadata):
-        # Daemon: a process whose training ends by an error (a peer died)
-        # exits without waiting for a mirror that will never come.
+        # On a daemon thread: a process whose training ends by an error (a
+        # peer died) exits without waiting for a mirror that will never come.
         try:
             self._seal_file(step, manifest_metadata)
             for k in self.offsets:
