@@ -184,14 +184,24 @@ def test_restored_in_process_equals_the_uninterrupted_run(tmp_path, fields):
 
 
 def _assert_restored_in_process(tmp_path, fields):
-    snapshots = {**fields, "snapshot": "memory", "snapshot_dir": str(tmp_path), "snapshot_run_id": "r"}
-    uninterrupted = {**snapshots, "snapshot_run_id": "other"} if fields.get("delayed_update") else fields
+    snapshots = {"snapshot_dir": str(tmp_path), **fields, "snapshot": "memory", "snapshot_run_id": "r"}
+    uninterrupted = {**snapshots, "snapshot_run_id": "other"} if fields.get("delayed_update") else \
+        {k: v for k, v in fields.items() if not k.startswith("snapshot")}
     reference = run_ranks(snapshot_job.train, 2, STEPS, None, None, uninterrupted)[0][0]
     run_ranks(snapshot_job.train, 2, 3, None, None, snapshots)
     state, restored = run_ranks(snapshot_job.train, 2, STEPS, None, None, snapshots)[0]
     assert restored == 3
     for name, value in reference.items():
         assert torch.equal(state[name], value), f"{name} differs from the uninterrupted run"
+
+
+def test_written_behind_the_step_on_a_thread(tmp_path, monkeypatch):
+    """The thread a GPU engine writes and mirrors its snapshots on (behind
+    the next forward and backward), here on the CPU: the restore is still
+    the uninterrupted run, bitwise, with each rank a node of its own (a
+    mirror sent each step)."""
+    monkeypatch.setattr(snapshot, "writes_behind", lambda engine: True)
+    _assert_restored_in_process(tmp_path, {"stage": 3, "snapshot_dir": str(tmp_path / "node-{rank}")})
 
 
 def test_a_header_outgrowing_its_room_moves_the_data(tmp_path, monkeypatch):

@@ -95,6 +95,13 @@ def mirror_offsets(nodes: list, copies: int) -> list:
     return [k * stride for k in range(1, min(copies, world // stride - 1) + 1)]
 
 
+def writes_behind(engine) -> bool:
+    """Whether the engine's snapshots are written and mirrored by a thread
+    behind its next forward and backward (Snapshots.seal): where its work
+    runs on a device, so the training thread mostly waits for it."""
+    return engine.device.type != "cpu"
+
+
 def holder_dir(run: str, rank: int) -> str:
     return os.path.join(run, f"rank-{rank:05d}")
 
@@ -315,7 +322,7 @@ class Snapshots:
             return
         step, self._unsealed = self._unsealed, None
         args = (step, self._manifest_metadata(step))
-        if self.engine.device.type == "cpu":
+        if not writes_behind(self.engine):
             self._write_and_mirror(*args)
             self._raise_error()
             return
