@@ -20,7 +20,7 @@ At wrap, before the first step, the ranks:
    reads the view, as it reads any checkpoint, with its checks and its
    agreement.
 
-Where no step is whole (two neighbours lost with one copy), every rank
+Where no step is whole (two nodes in a row lost with one copy), every rank
 raises SnapshotLostError naming the ranks whose partition no survivor
 holds and the newest disk checkpoint (engine.save) of the run. Where there
 are no snapshots, nothing is restored: a first start.
