@@ -11,11 +11,11 @@ mirrored on the other: snapshot_copies=1) and one without, and trains
 them in turns, --steps steps each per round, for --rounds rounds, so both
 see the same machine. A step is forward, backward, step and zero_grad, timed from a
 barrier to the slowest rank; the snapshot's own work (its copy at the
-step, its manifest at the next forward, its file write and mirror behind
-that forward and backward, and the wait for them at the next snapshot) all
-falls inside the steps timed. Reported: the median step of each and their
-ratio (the target: at most 1.1); per rank the CPU time of a step, the
-snapshots' thread included (the block's last snapshot waited for), which
+step, then at the next forward its checksums, header and mirror: on the
+CPU there, on a device behind that forward and backward, waited for at
+the next snapshot) all falls inside the steps timed. Reported: the median
+step of each and their ratio (the target: at most 1.1); per rank the CPU
+time of a step, every thread's (the block's last snapshot waited for), which
 other jobs on a shared machine disturb less than wall time; and per rank
 the bytes the snapshots hold (Snapshots.bytes_held: the files of its
 folder, two steps of its own and of its mirror's) against the partition
@@ -126,7 +126,7 @@ def main():
     print(f"step with snapshots    {snap * 1e3:8.1f} ms   ratio {snap / plain:.3f} (target <= 1.1)")
     for r, (owned, held, rss, cpu_plain, cpu_snap) in enumerate(rows):
         print(f"rank {r}: CPU per step {cpu_plain * 1e3:.1f} ms without, {cpu_snap * 1e3:.1f} ms with snapshots "
-              f"(their thread's included): ratio {cpu_snap / cpu_plain:.3f}")
+              f"(all threads): ratio {cpu_snap / cpu_plain:.3f}")
     for r, (owned, held, rss, *_) in enumerate(rows):
         print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
               f"({held / owned:.2f}x: two steps of its own file and of its mirror's); peak RSS {rss / 2**20:.0f} MiB (both engines)")
