@@ -81,8 +81,8 @@ def train(rank, world, steps, save_at=None, load=None, fields=None):
     torch.manual_seed(1 + rank)
     model, opt = model_and_optimizer()
     fields = dict(fields or {})
-    if "snapshot_dir" in fields:  # "{rank}" in it: each rank a node of its own
-        fields["snapshot_dir"] = fields["snapshot_dir"].format(rank=rank)
+    if "snapshot_dir" in fields:  # "{rank}" in it: each rank a node of its own; "{pair}": two ranks a node
+        fields["snapshot_dir"] = fields["snapshot_dir"].format(rank=rank, pair=rank // 2)
     engine = zerocore.wrap(model, opt, config(**fields))
     sched = scheduler(opt)
     first = 1
@@ -115,16 +115,14 @@ def _killer(args, rank, run):
             shutil.rmtree(snapshot.holder_dir(run, rank), ignore_errors=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if where == "snapshot":  # the snapshot of step `when`, killed half-written
-        write = snapshot.write_rank_file
+    if where == "snapshot":  # the snapshot of step `when`, killed half-written: its data, not its header
+        seal = snapshot.Snapshots._seal_file
 
-        def write_then_die(path, save_id, *a, **kw):
-            write(path, save_id, *a, **kw)
-            if save_id.endswith(f"s{int(when):012d}-w{dist.get_world_size():05d}"):
-                with open(path, "r+b") as f:
-                    f.truncate(os.path.getsize(path) // 2)
+        def seal_or_die(snapshots, step, *a):
+            if step == int(when):
                 die()
-        snapshot.write_rank_file = write_then_die
+            seal(snapshots, step, *a)
+        snapshot.Snapshots._seal_file = seal_or_die
         return lambda step, place: None
     return lambda step, place: die() if (step, place) == (int(when), where) else None
 

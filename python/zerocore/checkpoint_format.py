@@ -53,19 +53,23 @@ def stretch_key(kind: str, name: str, first: int) -> str:
 
 
 # Writing ----------------------------------------------------------------------
-def write_rank_file(path, save_id: str, rank: int, world_size: int, tensors: dict, metadata=None, fsync=True,
-                    overwrite=False):
+def write_rank_file(path, save_id: str, rank: int, world_size: int, tensors: dict, metadata=None, fsync=True):
     """One rank's file, with its checksums, flushed to disk (fsync: for a
-    file in memory, as a snapshot's, False). metadata: more strings to keep
-    in its header; overwrite: safetensors_file.write's."""
+    file in memory, False). metadata: more strings to keep in its header."""
     # Checksummed and written from host memory: a CUDA engine's states come down here.
     tensors = {key: t.detach().contiguous().cpu() for key, t in tensors.items()}
     crcs = {key: crc32(t) for key, t in tensors.items()}
+    safetensors_file.write(path, [(k, t.dtype, t.shape, t) for k, t in tensors.items()],
+                           rank_file_metadata(save_id, rank, world_size, crcs, metadata), fsync=fsync)
+
+
+def rank_file_metadata(save_id: str, rank: int, world_size: int, crcs: dict, metadata=None) -> dict:
+    """A rank file's header metadata: `metadata` (more strings) and what
+    open_rank_file checks, its save id, rank, world size and the CRC-32 of
+    each tensor (crcs: key -> crc32 of its bytes)."""
     meta = {"format": FORMAT, "version": VERSION, "id": save_id, "rank": rank, "world_size": world_size,
             "crc32": crcs}
-    safetensors_file.write(path, [(k, t.dtype, t.shape, t) for k, t in tensors.items()],
-                           {**(metadata or {}), _META_KEY: json.dumps(meta, separators=(",", ":"))}, fsync=fsync,
-                           overwrite=overwrite)
+    return {**(metadata or {}), _META_KEY: json.dumps(meta, separators=(",", ":"))}
 
 
 def _manifest_crc(manifest: dict) -> int:

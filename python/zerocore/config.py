@@ -140,7 +140,7 @@ class Config:
         module and zerocore built with the transport (nccl.h at build time).
     snapshot: "memory": after every snapshot_every-th step each rank keeps
         what it owns in shared memory that outlives the process, mirrored on
-        snapshot_copies peers, and zerocore.wrap restores the newest step
+        the next snapshot_copies nodes, and zerocore.wrap restores the newest step
         they hold at a restart (docs/snapshots.md). None: no snapshots.
     snapshot_dir: the node's folder of snapshots (default: under /dev/shm;
         it may differ from node to node);

@@ -53,7 +53,7 @@ class Reports:
         by["host"]["comm_buffers"] = self.zero_step.buffer_bytes + getattr(self.reducer, "landing_bytes", 0)
         by["device"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=False)
         by["host"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=True)
-        if self.snapshots:  # Config(snapshot="memory"): their files (own and mirrors'), staged copy and buffers
+        if self.snapshots:  # Config(snapshot="memory"): their files (own and mirrors')
             by["device"]["snapshots"], by["host"]["snapshots"] = 0, self.snapshots.bytes_held
         return {**{k: by["device"][k] + by["host"][k] for k in by["device"]}, "by_device": by}
 

@@ -41,34 +41,45 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
-def write(path, entries, metadata=None, fsync=False, overwrite=False):
-    """Writes a safetensors file. entries: (name, dtype, shape, tensor or a
-    callable giving it) in any order; a callable is called only when its
-    bytes are written, so a file of many large tensors holds one at a time.
-    Tensors go in order of decreasing element size, so every one is
-    aligned to its element in the file. overwrite: an existing file at
-    `path` is written over in place and cut to size, its pages reused (in
-    shared memory, no page is freed, allocated and zeroed again)."""
+def plan(entries, metadata=None, header_bytes=0) -> tuple:
+    """A file's layout: (its head, the 8-byte length and the JSON header
+    padded with spaces to at least header_bytes bytes, [(entry, the byte of
+    the file its data starts at)]). entries: (name, dtype, shape, ...) in
+    any order; they go in order of decreasing element size, so every one is
+    aligned to its element in the file (the data starts 8-byte aligned).
+    Where each entry's bytes go depends on the entries and header_bytes
+    alone: a file whose head is reserved may have its data written first
+    and its header (checksums, say) after (snapshot.py)."""
     order = sorted(entries, key=lambda e: -torch.empty(0, dtype=e[1]).element_size())
-    header, offset = {}, 0
+    header, offsets, offset = {}, [], 0
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    for name, dtype, shape, _ in order:
+    for name, dtype, shape, *_ in order:
         nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
         header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offsets.append(offset)
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with open(path, "r+b" if overwrite and os.path.exists(path) else "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for name, dtype, shape, value in order:
+    text += b" " * (max(len(text), header_bytes - 8) - len(text))
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    return head, [(entry, len(head) + first) for entry, first in zip(order, offsets)]
+
+
+def write(path, entries, metadata=None, fsync=False):
+    """Writes a safetensors file. entries: (name, dtype, shape, tensor or a
+    callable giving it) in any order (plan); a callable is called only
+    when its bytes are written, so a file of many large tensors holds one
+    at a time."""
+    head, placed = plan(entries, metadata)
+    with open(path, "wb") as f:
+        f.write(head)
+        for (name, dtype, shape, value), _ in placed:
             t = value() if callable(value) else value
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"safetensors write: {name} is {t.dtype} {tuple(t.shape)}, declared "
                                  f"{dtype} {tuple(shape)}")
             f.write(tensor_bytes(t.detach().contiguous().cpu()))
-        f.truncate()
         if fsync:
             f.flush()
             os.fsync(f.fileno())

@@ -20,7 +20,7 @@ At wrap, before the first step, the ranks:
    reads the view, as it reads any checkpoint, with its checks and its
    agreement.
 
-Where no step is whole (two neighbours lost with one copy), every rank
+Where no step is whole (two nodes in a row lost with one copy), every rank
 raises SnapshotLostError naming the ranks whose partition no survivor
 holds and the newest disk checkpoint (engine.save) of the run. Where there
 are no snapshots, nothing is restored: a first start.
@@ -31,7 +31,6 @@ import json
 import mmap
 import os
 import shutil
-import socket
 import warnings
 
 import torch
@@ -39,7 +38,7 @@ import torch.distributed as dist
 
 from zerocore import save_load
 from zerocore.checkpoint_format import CheckpointError, crc32, open_rank_file, rank_file, write_manifest
-from zerocore.snapshot import FILE, MANIFEST_KEY, manifest_crc, mapped, save_id, with_errors_ignored
+from zerocore.snapshot import FILE, MANIFEST_KEY, manifest_crc, mapped, node_of, save_id, with_errors_ignored
 
 
 class SnapshotLostError(RuntimeError):
@@ -87,8 +86,7 @@ class _Table:
     """Every rank's view of the run's snapshot files, the same on every rank."""
 
     def __init__(self, comm, run):
-        # A node: the files one folder holds, as a host sees them (Config.snapshot_dir may differ by node).
-        self.comm, self.run, self.host = comm, run, f"{socket.gethostname()}:{os.path.realpath(run)}"
+        self.comm, self.run, self.host = comm, run, node_of(run)
         seen = [json.loads(t) for t in comm.gather_text(json.dumps({"host": self.host, "files": _listing(run)}))]
         self.hosts = [s["host"] for s in seen]
         # Each file of a node, checked by the lowest rank that sees it.
@@ -174,7 +172,7 @@ def _lost(table, whole) -> SnapshotLostError:
         f"{' (the copies there failed their checksums: ' + '; '.join(refused) + ')' if refused else ''}, and no "
         f"older step is whole either. Fall back on the newest disk checkpoint: "
         f"{fallback + ' (engine.load)' if fallback else 'none was saved in this run (engine.save)'}; or remove "
-        f"{table.run} to start afresh. More copies (Config(snapshot_copies=k)) survive k neighbours lost.")
+        f"{table.run} to start afresh. More copies (Config(snapshot_copies=k)) survive k nodes lost.")
 
 
 def _needed(table, ranks: dict, world: int, engine) -> list:
