@@ -104,7 +104,7 @@ class EngineCore {
   EngineCore& operator=(const EngineCore&) = delete;
 
   int stage() const { return stage_; }
-  ZeroStep& step() { return *step_; }
+  ZeroStep& zero_step() { return *step_; }
   // The parts, nullptr where the stage has none (table above). The reducer
   // changes with set_reduction_order.
   BucketCollectives* grad_reduce() { return grad_reduce_.get(); }
