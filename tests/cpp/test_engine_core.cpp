@@ -246,6 +246,14 @@ void refusals() {
     d0.groups = {{planned_for_2.get(), 0, {}}};
     CHECK(refuses(build(d0), "at stage 0 every rank updates all of it"));
   });
+  // Offload: an optimizer at stage 0, and stores placed with or without one unlike the core.
+  OffloadOptimizer host({}, backend);
+  d = describe(0, {});
+  d.offload = &host;
+  CHECK(refuses(build(d), "an offload optimizer at stage 0"));
+  d = describe(2, {{s2.get(), 0, {}}});
+  d.offload = &host;
+  CHECK(refuses(build(d), "keeps the optimizer where training runs, the core has an offload optimizer"));
   // Units.
   d = describe(2, {{s2.get(), 0, {}}});
   d.units = {{{0}, true}};

@@ -23,7 +23,7 @@ std::string placement_problem(const StorePlacement& p, int stage, bool offloaded
   if (p.sharded && stage != 3) return "its store shards the params";
   if (p.trainable && p.optimizer_on_host != offloaded) {
     return std::string("its store keeps the optimizer ") + (p.optimizer_on_host ? "on the host" : "where training runs") +
-           ", the core " + (offloaded ? "has" : "has no") + " offload optimizer";
+           ", the core " + (offloaded ? "has an" : "has no") + " offload optimizer";
   }
   return {};
 }
