@@ -266,6 +266,14 @@ void refusals() {
   d = describe(3, {{s3.get(), 0, {}}});
   d.units = {{{0}, true}, {{0}, false}};
   CHECK(refuses(build(d), "is in unit 0 and unit 1"));
+  StorePlacement bf16_shard;
+  bf16_shard.sharded = bf16_shard.partitions_grads = true;
+  bf16_shard.dtype = DType::kBFloat16;
+  PartitionStore s3_bf16(LayoutPlan::make({{37, 0}}, LayoutOptions{1, 4, 48}), bf16_shard, backend);
+  s3_bf16.allocate();
+  d = describe(3, {{s3.get(), 0, {}}, {&s3_bf16, 1, {}}});
+  d.units = {{{0}, true}, {{1}, false}};
+  CHECK(refuses(build(d), "group 1 (tag 1) holds bfloat16, an earlier unit group float32"));
   auto whole3 = store(true, false, true);
   d = describe(3, {{whole3.get(), 0, {}}});
   d.units = {{{0}, true}};

@@ -22,8 +22,9 @@ std::string placement_problem(const StorePlacement& p, int stage, bool offloaded
   }
   if (p.sharded && stage != 3) return "its store shards the params";
   if (p.trainable && p.optimizer_on_host != offloaded) {
-    return std::string("its store keeps the optimizer ") + (p.optimizer_on_host ? "on the host" : "where training runs") +
-           ", the core " + (offloaded ? "has an" : "has no") + " offload optimizer";
+    return std::string("its store keeps the optimizer ") +
+           (p.optimizer_on_host ? "on the host" : "where training runs") + ", the core " +
+           (offloaded ? "has an" : "has no") + " offload optimizer";
   }
   return {};
 }
@@ -31,44 +32,47 @@ std::string placement_problem(const StorePlacement& p, int stage, bool offloaded
 }  // namespace
 
 EngineCore::EngineCore(const Description& d)
-    : description_(d), stage_(d.stage), queues_(d.queues), groups_(d.groups), order_(d.reduction_order) {
+    : description_(d), stage_(d.stage), order_(d.reduction_order) {
   check(d);
+  const std::vector<Group>& groups = description_.groups;
+  const Queues& queues = description_.queues;
   std::vector<int> trainable;
-  for (int i = 0; i < int(groups_.size()); ++i) {
-    if (groups_[size_t(i)].store->placement().trainable) trainable.push_back(i);
+  for (int i = 0; i < int(groups.size()); ++i) {
+    if (groups[size_t(i)].store->placement().trainable) trainable.push_back(i);
   }
   if (!trainable.empty()) {
-    const Group& first = groups_[size_t(trainable.front())];
+    const Group& first = groups[size_t(trainable.front())];
     reduce_dtype_ = first.store->placement().reduce_dtype;
     exact_ = first.reduced.data() != nullptr;
   }
   if (order_.empty()) {
-    for (int i : trainable) order_.push_back({i, groups_[size_t(i)].tag});
+    for (int i : trainable) order_.push_back({i, groups[size_t(i)].tag});
   }
   if (stage_ <= 1) {
     std::vector<FlatGroupBuffer> grads;
     for (int i : trainable) {
-      const Group& g = groups_[size_t(i)];
+      const Group& g = groups[size_t(i)];
       FlatGroupBuffer b = g.store->group_buffer(g.tag, "grad_full");
       if (exact_) b.buffer = g.reduced;
       grads.push_back(std::move(b));
     }
     grad_reduce_ = std::make_unique<BucketCollectives>(
-        *queues_.data, stage_ == 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce, std::move(grads));
+        *queues.data, stage_ == 1 ? CollectiveKind::kReduceScatter : CollectiveKind::kAllReduce, std::move(grads));
   }
   if (stage_ >= 1) {  // the groups kept whole (at stage 3, those under the persist threshold)
     std::vector<FlatGroupBuffer> full;
     for (int i : trainable) {
-      if (!groups_[size_t(i)].store->placement().sharded) full.push_back(groups_[size_t(i)].store->group_buffer(groups_[size_t(i)].tag, "full"));
+      const Group& g = groups[size_t(i)];
+      if (!g.store->placement().sharded) full.push_back(g.store->group_buffer(g.tag, "full"));
     }
-    if (!full.empty()) param_gather_ = std::make_unique<BucketCollectives>(*queues_.data, CollectiveKind::kAllGather,
+    if (!full.empty()) param_gather_ = std::make_unique<BucketCollectives>(*queues.data, CollectiveKind::kAllGather,
                                                                            std::move(full));
   }
   if (stage_ >= 2) build_reducer();
   if (stage_ == 3) {
     // Each unit's trainable groups, by their places in the reduction
     // order as built: the places stay when a test reorders.
-    std::vector<int> place(groups_.size(), -1);
+    std::vector<int> place(groups.size(), -1);
     for (int k = 0; k < int(order_.size()); ++k) place[size_t(order_[size_t(k)].group)] = k;
     std::vector<UnitSpec> specs;
     DType dtype = DType::kFloat32;
@@ -76,28 +80,28 @@ EngineCore::EngineCore(const Description& d)
       UnitSpec spec{{}, u.own_slot};
       std::vector<int>& places = unit_places_.emplace_back();
       for (int i : u.groups) {
-        const Group& g = groups_[size_t(i)];
+        const Group& g = groups[size_t(i)];
         dtype = g.store->placement().dtype;
         spec.groups.push_back(g.store->group_buffer(g.tag, "shard"));
         if (place[size_t(i)] >= 0) places.push_back(place[size_t(i)]);
       }
       specs.push_back(std::move(spec));
     }
-    schedule_ = std::make_unique<UnitSchedule>(*queues_.data, *queues_.rounds, std::move(specs), dtype,
+    schedule_ = std::make_unique<UnitSchedule>(*queues.data, *queues.rounds, std::move(specs), dtype,
                                                d.prefetch_bytes);
     schedule_->set_grad_reducer(reducer_.get(), unit_places_);
   }
   if (d.offload != nullptr) {
     bool swaps = false;
-    for (int i : trainable) swaps = swaps || groups_[size_t(i)].store->swaps_grads();
+    for (int i : trainable) swaps = swaps || groups[size_t(i)].store->swaps_grads();
     host_update_ = std::make_unique<HostUpdate>(*d.offload, swaps, d.delays_from);
   }
   ZeroStep::Parts parts;
-  parts.data = queues_.data;
-  parts.control = queues_.control;
+  parts.data = queues.data;
+  parts.control = queues.control;
   if (!host_update_) {
     for (int i : trainable) {
-      const std::vector<FlatRun> runs = groups_[size_t(i)].store->flat_runs();
+      const std::vector<FlatRun> runs = groups[size_t(i)].store->flat_runs();
       parts.runs.insert(parts.runs.end(), runs.begin(), runs.end());
     }
   }
@@ -109,7 +113,7 @@ EngineCore::EngineCore(const Description& d)
   parts.units = schedule_.get();
   parts.loss_scaler = d.loss_scaler;
   parts.host_update = host_update_.get();
-  parts.reductions = stage_ >= 2 ? queues_.reductions : nullptr;
+  parts.reductions = stage_ >= 2 ? queues.reductions : nullptr;
   step_ = std::make_unique<ZeroStep>(std::move(parts));
 }
 
@@ -168,6 +172,7 @@ void EngineCore::check(const Description& d) const {
     refuse(std::to_string(d.units.size()) + " units at stage " + std::to_string(d.stage) + "; only stage 3 has units");
   }
   std::vector<int> unit_of(d.groups.size(), -1);
+  std::optional<DType> unit_dtype;
   for (int u = 0; u < int(d.units.size()); ++u) {
     for (int i : d.units[size_t(u)].groups) {
       if (i < 0 || i >= int(d.groups.size())) {
@@ -178,7 +183,13 @@ void EngineCore::check(const Description& d) const {
         refuse(group_name(i, d.groups[size_t(i)]) + " is in unit " + std::to_string(unit_of[size_t(i)]) +
                " and unit " + std::to_string(u) + "; a group belongs to one unit");
       }
-      if (!d.groups[size_t(i)].store->placement().sharded) {
+      const StorePlacement& p = d.groups[size_t(i)].store->placement();
+      if (unit_dtype && p.dtype != *unit_dtype) {
+        refuse(group_name(i, d.groups[size_t(i)]) + " holds " + dtype_name(p.dtype) + ", an earlier unit group " +
+               dtype_name(*unit_dtype) + "; the units' buffers hold one dtype");
+      }
+      unit_dtype = p.dtype;
+      if (!p.sharded) {
         refuse("unit " + std::to_string(u) + " names " + group_name(i, d.groups[size_t(i)]) +
                ", whose store keeps its params whole; a unit gathers sharded groups");
       }
@@ -213,12 +224,13 @@ void EngineCore::check(const Description& d) const {
 void EngineCore::build_reducer() {
   std::vector<FlatGroupBuffer> parts;
   for (const Reduced& r : order_) {
-    const Group& g = groups_[size_t(r.group)];
+    const Group& g = description_.groups[size_t(r.group)];
     FlatGroupBuffer b = g.store->group_buffer(r.tag, "grad_part");
     if (exact_) b.buffer = g.reduced;
     parts.push_back(std::move(b));
   }
-  CommQueue& queue = queues_.reductions != nullptr ? *queues_.reductions : *queues_.data;
+  const Queues& queues = description_.queues;
+  CommQueue& queue = queues.reductions != nullptr ? *queues.reductions : *queues.data;
   reducer_ = std::make_unique<BucketReducer>(queue, std::move(parts), exact_ ? DType::kInt64 : reduce_dtype_,
                                              description_.staging_buffers, /*on_request=*/stage_ == 3);
   partitions_stale_ = false;
@@ -239,7 +251,7 @@ void EngineCore::set_reduction_order(std::vector<Reduced> order) {
 
 std::vector<Tensor> EngineCore::grad_partitions() const {
   std::vector<Tensor> out;
-  for (const Reduced& r : order_) out.push_back(groups_[size_t(r.group)].store->buffer("grad_part"));
+  for (const Reduced& r : order_) out.push_back(description_.groups[size_t(r.group)].store->buffer("grad_part"));
   return out;
 }
 
@@ -247,7 +259,7 @@ int64_t EngineCore::follow_swaps() {
   if (!host_update_) return 0;
   const int64_t now = host_update_->grad_swaps() - swaps_followed_;
   for (int64_t k = 0; k < now; ++k) {
-    for (const Group& g : groups_) {
+    for (const Group& g : description_.groups) {
       if (g.store->placement().trainable && g.store->swaps_grads()) g.store->swap_grads();
     }
   }

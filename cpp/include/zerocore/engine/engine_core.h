@@ -95,9 +95,11 @@ class EngineCore {
 
   // Checks the description (InvalidArgument naming what is wrong: the
   // stage, a missing queue, a group whose store was placed for another
-  // stage or is not allocated, a unit naming a group that is not there or
-  // is not sharded, a sharded group in no unit)
-  // and builds the parts.
+  // stage or world size or is not allocated, groups of different reduce
+  // dtypes, a unit naming a group that is not there or is not sharded,
+  // units of different dtypes, a sharded group in no unit, a reduction
+  // order that does not name each trainable group once) and builds the
+  // parts.
   explicit EngineCore(const Description& description);
   ~EngineCore();  // the step first, then the parts it drives
   EngineCore(const EngineCore&) = delete;
@@ -141,8 +143,6 @@ class EngineCore {
 
   const Description description_;  // as built (the reduction order aside)
   int stage_;
-  Queues queues_;
-  std::vector<Group> groups_;
   std::vector<Reduced> order_;
   std::vector<std::vector<int>> unit_places_;  // stage 3: per unit, its trainable groups' places in the order
   DType reduce_dtype_ = DType::kFloat32;
