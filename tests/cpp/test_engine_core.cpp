@@ -227,8 +227,8 @@ void refusals() {
   d.queues.rounds = nullptr;
   CHECK(refuses(build(d), "queue for its rounds"));
   d = describe(2, {{s2.get(), 0, {}}});
-  d.staging_buffers = 0;
-  CHECK(refuses(build(d), "staging_buffers 0"));
+  d.staging_buffers = -1;
+  CHECK(refuses(build(d), "staging_buffers -1"));
   d = describe(2, {{nullptr, 0, {}}});
   CHECK(refuses(build(d), "group 0 (tag 0) has no store"));
   auto unallocated = store(true, false, true, /*allocate=*/false);

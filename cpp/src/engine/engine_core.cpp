@@ -127,7 +127,7 @@ void EngineCore::check(const Description& d) const {
   if (d.offload != nullptr && d.stage == 0) {
     refuse("an offload optimizer at stage 0; ZeRO-Offload updates a partition (stages 1-3)");
   }
-  if (d.staging_buffers < 1) refuse("staging_buffers " + std::to_string(d.staging_buffers) + "; at least 1");
+  if (d.staging_buffers < 0) refuse("staging_buffers " + std::to_string(d.staging_buffers) + "; at least 0");
   const bool offloaded = d.offload != nullptr;
   int exact = -1;  // whether the trainable groups' grads are reduced elsewhere (the first's say)
   std::optional<DType> reduce_dtype;
