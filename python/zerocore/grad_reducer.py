@@ -130,19 +130,22 @@ class StagedReducer:
         self.exact = exact
         self.on_request = core.stage == 3
         self.place = {id(g): i for i, g in enumerate(groups)}  # in the core's groups
-        self.order([g for g in groups if g.trainable], rebuild=False)
+        self._follow_order([g for g in groups if g.trainable])
         self.hooks = _hook_each([p for g in self.groups for p in g.params], self._on_grad)
         self.running = False  # inside engine.backward
         ref = weakref.ref(self)
         self.hooks += _guard_each([p for g in self.groups for p in g.params], lambda: ref() is None or ref().running)
         self.viewed = {}  # id(param) -> (param, its .grad: a view into a staging buffer), until its grad comes
 
-    def order(self, groups, rebuild=True):
-        """Reduces `groups` in this order, each under its tag (the engine's;
-        tests reorder them, or retag one, on one rank to check the order
-        contract: the core rebuilds its reducer, set_reduction_order)."""
-        if rebuild:
-            self.core.set_reduction_order([(self.place[id(g)], g.tag) for g in groups])
+    def order(self, groups):
+        """Reduces `groups` in this order, each under its tag (tests reorder
+        them, or retag one, on one rank to check the order contract): the
+        core rebuilds its reducer (set_reduction_order)."""
+        self.core.set_reduction_order([(self.place[id(g)], g.tag) for g in groups])
+        self._follow_order(groups)
+
+    def _follow_order(self, groups):
+        """The core's reducer reduces `groups` in this order."""
         self.groups = groups
         self.index = {id(g): i for i, g in enumerate(groups)}
         self.where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g.params)}

@@ -4,8 +4,9 @@ With Config(offload_optimizer="cpu") each rank's fp32 master params,
 optimizer states and the grads its step reads live in host memory
 (FlatGroup.buffer_plan says which buffer lives where), and the native
 step (ZeroStep) drives the native OffloadOptimizer (cpp/include/zerocore/
-offload/offload_optimizer.h) over them through OffloadUpdate's HostUpdate
-(step/host_update.h), in the step's one native call:
+offload/offload_optimizer.h) over them through the HostUpdate
+(step/host_update.h) the engine's EngineCore builds over it, in the step's
+one native call:
 
     backward  reduced grads reach the host bucket by bucket: in stages 2-3
               the reducer adds each bucket's block into the host partition
