@@ -3,7 +3,8 @@
 // on two thread ranks (a frozen group beside a trainable one), its full
 // params checked against the same step written out in double; stage 3's
 // groups kept whole gathered by the step; a test-only reduction order that
-// rebuilds the reducer the step then uses; and each refusal of a bad
+// rebuilds the reducer the step then uses; the offload swap followed by
+// the store and then the reducer; and each refusal of a bad
 // description, naming what is wrong. (Stage 3 training runs in
 // cpp/examples/embed_zero.cpp, which builds its runtime through the core.)
 #include <cmath>
@@ -190,6 +191,62 @@ void reduction_order() {
   });
 }
 
+// Offload with a delayed update at stage 2 (one rank): the step's host
+// update swaps the host grads with the buffer reduction fills; the core
+// swaps the store's buffers in the same call and points the reducer at the
+// new grad partition at the next before_backward, so the next backward's
+// grads land there and not in the buffer the pending update reads.
+void offload_swap() {
+  Backend& backend = default_cpu_backend();
+  CommQueue q(backend, StreamPlane::kDevice);
+  StorePlacement p;
+  p.partitions_grads = p.optimizer_on_host = p.delayed = true;
+  PartitionStore store(LayoutPlan::make({{37, 0}, {10, 0}}, LayoutOptions{1, 4, 48}), p, backend);
+  store.allocate();
+  CHECK(store.swaps_grads());
+  // The host update's buckets, as python/zerocore/offload.py makes them.
+  std::vector<OffloadBucket> buckets(store.plan().buckets().size());
+  const std::vector<FlatRun> runs = store.flat_runs();
+  for (int k = 0; k < int(runs.size()); ++k) {
+    OffloadBucket& b = buckets[size_t(store.runs()[size_t(k)].bucket)];
+    b.runs.push_back(runs[size_t(k)]);
+    b.params_up.push_back({store.run_view("master", k), store.run_view("full", k)});
+    b.spare_grads.push_back(store.run_view("grad_part", k));
+  }
+  OffloadOptimizer host(std::move(buckets), backend);
+  EngineCore::Description d;
+  d.queues = {&q, &q, nullptr, nullptr};
+  d.groups = {{&store, 0, {}}};
+  d.stage = 2;
+  d.offload = &host;
+  d.delays_from = 1;
+  EngineCore core(d);
+  CHECK(core.host_update() != nullptr && core.param_gather() != nullptr);
+  auto backward = [&](float value) {
+    for (int i = 0; i < 2; ++i) {
+      core.before_backward();
+      core.reducer()->grad_ready(0, i, filled(std::vector<float>(size_t(i == 0 ? 37 : 10), value)));
+    }
+    core.reducer()->end_backward();
+  };
+  backward(1.0f);
+  const void* filled_by_reduction = store.buffer("grad_part").data();
+  const void* read_by_update = store.buffer("host_grad").data();
+  CHECK(core.step(sgd()).applied);
+  CHECK(core.host_update()->grad_swaps() == 1 && core.follow_swaps() == 0);  // step() followed it
+  CHECK(store.buffer("grad_part").data() == read_by_update);
+  CHECK(store.buffer("host_grad").data() == filled_by_reduction);
+  CHECK(core.reducer()->partitions()[0].data() == filled_by_reduction);  // until the next backward
+  backward(2.0f);
+  CHECK(core.reducer()->partitions()[0].data() == read_by_update);
+  const float* next = store.param_view("grad_part", 0).data_as<float>();
+  const float* pending = store.param_view("host_grad", 0).data_as<float>();
+  CHECK(next[0] == 2.0f && pending[0] == 1.0f);
+  CHECK(core.step(sgd()).applied);
+  CHECK(core.host_update()->grad_swaps() == 2 && store.buffer("grad_part").data() == filled_by_reduction);
+  core.host_update()->params_up();
+}
+
 // Each bad description is refused before anything is built, naming it.
 void refusals() {
   Backend& backend = default_cpu_backend();
@@ -310,6 +367,7 @@ int main() {
   for (int stage : {0, 1, 2}) zerocore::step_matches_reference(stage);
   zerocore::stage3_parts();
   zerocore::reduction_order();
+  zerocore::offload_swap();
   zerocore::refusals();
   return zerocore::test::finish("test_engine_core");
 }
