@@ -54,7 +54,7 @@ void bind_engine(nb::module_& m) {
           [](EngineCore* self, const BoundQueue& data, const BoundQueue& control, const nb::list& groups,
              const std::vector<std::tuple<bool, std::vector<int>>>& units, int stage, const BoundQueue* reductions,
              const BoundQueue* rounds, OffloadOptimizer* offload, std::optional<int64_t> delays_from,
-             LossScaler* loss_scaler, int staging_buffers, int64_t prefetch_bytes) {
+             LossScaler* loss_scaler, std::optional<int> staging_buffers, int64_t prefetch_bytes) {
             EngineCore::Description d;
             d.queues = {&data.get(), &control.get(), reductions ? &reductions->get() : nullptr,
                         rounds ? &rounds->get() : nullptr};
@@ -70,14 +70,14 @@ void bind_engine(nb::module_& m) {
           },
           "data"_a, "control"_a, "groups"_a, "units"_a, nb::kw_only(), "stage"_a, "reductions"_a.none() = nb::none(),
           "rounds"_a.none() = nb::none(), "offload"_a.none() = nb::none(), "delays_from"_a.none() = nb::none(),
-          "loss_scaler"_a.none() = nb::none(), "staging_buffers"_a = 2, "prefetch_bytes"_a = 1,
+          "loss_scaler"_a.none() = nb::none(), "staging_buffers"_a.none() = nb::none(), "prefetch_bytes"_a = 1,
           nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 7>(),
           nb::keep_alive<1, 8>(), nb::keep_alive<1, 9>(), nb::keep_alive<1, 11>(),
           "groups: per flat group, in the reduction order, (PartitionStore, tag, reduced): reduced, "
           "Config(deterministic=True)'s int64 sums reduction adds into instead of the grads, or None. units "
           "(stage 3): per unit (own_slot, [indices into groups]). reductions: stages 2-3's reducer's queue, "
           "where it is not data; rounds: stage 3's. offload: the OffloadOptimizer the host update drives, "
-          "delays_from its first delayed step. Raises ValueError naming what is wrong with the description.")
+          "delays_from its first delayed step. staging_buffers: the reducer's (None: as the core plans them). Raises ValueError naming what is wrong with the description.")
       .def_prop_ro("stage", &EngineCore::stage)
       .def_prop_ro("zero_step", &EngineCore::zero_step, nb::rv_policy::reference_internal, "The ZeroStep.")
       .def_prop_ro("grad_reduce", &EngineCore::grad_reduce, nb::rv_policy::reference_internal,

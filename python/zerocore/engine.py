@@ -40,7 +40,7 @@ from zerocore._native import EngineCore
 from zerocore.comm import Communicator
 from zerocore.config import Config
 from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_process_group, fill_agreeing,
-                                   model_problem, staging_buffers, training_process_group,
+                                   model_problem, training_process_group,
                                    warn_of_param_dtypes)
 from zerocore.engine_reports import Reports
 from zerocore.engine_state_io import StateIO
@@ -178,8 +178,7 @@ class Engine(Training, StateIO, Reports):
             stage=placement.stage, reductions=self.reduce_comm.queue if self.reduce_comm else None,
             rounds=self.rounds_comm.queue if placement.partitions_params else None,
             offload=self.update.native if offload else None, delays_from=cfg.delays_from if offload else None,
-            loss_scaler=self.scaler.native, prefetch_bytes=cfg.prefetch_bytes,
-            staging_buffers=staging_buffers(self.groups, self.units) if placement.partitions_grads else 1)
+            loss_scaler=self.scaler.native, prefetch_bytes=cfg.prefetch_bytes)
         self.update.use(self.core)
         self.zero_step = self.core.zero_step
         self.param_gather = self.core.param_gather  # stages 1-3: every rank's updated blocks into its full params

@@ -7,6 +7,7 @@
 // the store and then the reducer; and each refusal of a bad
 // description, naming what is wrong. (Stage 3 training runs in
 // cpp/examples/embed_zero.cpp, which builds its runtime through the core.)
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -106,6 +107,11 @@ void step_matches_reference(int stage) {
     CHECK((core.reducer() != nullptr) == (stage >= 2));
     CHECK(core.schedule() == nullptr);
     CHECK(core.host_update() == nullptr);
+    if (stage == 2) {  // staging as planned: two, and the most buckets one param spans
+      int span = 0;
+      for (const ParamSlot& slot : plan_of(2).params()) span = std::max(span, slot.last_bucket - slot.first_bucket + 1);
+      CHECK(span > 1 && core.reducer()->staging_slots() == 2 + span);
+    }
     for (int i = 0; i < int(kNumels.size()); ++i) {
       const Tensor grad = filled(grad_of(r, i));
       if (stage >= 2) {
@@ -153,6 +159,8 @@ void stage3_parts() {
     CHECK(core.param_gather() != nullptr);
     CHECK(core.grad_reduce() == nullptr);
     CHECK(core.schedule()->unit_elems(0) == plan_of(3).total_elems());
+    // Staging as planned: the root unit's buckets (no other unit's).
+    CHECK(core.reducer()->staging_slots() == int(plan_of(3).buckets().size()));
     const BucketReducer* before = core.reducer();
     core.set_reduction_order({{1, 1}, {0, 0}});
     CHECK(core.reducer() != before && core.reducer()->num_groups() == 2);

@@ -1,5 +1,6 @@
 #include "zerocore/engine/engine_core.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -29,6 +30,44 @@ std::string placement_problem(const StorePlacement& p, int stage, bool offloaded
   return {};
 }
 
+// Staging buffers of gradient reduction: those of the reductions in
+// flight (completed only when a bucket needs a buffer and none is free,
+// BucketReducer), plus the buckets open at once when grads arrive in about
+// plan order. Stage 2: those one param spans, and one more for a neighbour
+// that comes early (or the next bucket, which takes its staging for its
+// grad views as the one before goes out). Stage 3, where a unit's buckets
+// hold its grad views: the root's buckets (open all backward) and three of
+// the largest other unit's. A unit is reduced only once the ranks agree it
+// is done, in the round the next unit's backward posts, settled one unit
+// later: at the start of the backward of the unit after that, which takes
+// its grad views right then. So the staging holds the unit whose grads
+// accumulate, the unit waiting for its round and the reduction just issued,
+// which runs behind that backward; the unit after finds the three taken and
+// completes the oldest, which has run behind a whole unit's backward. With
+// two, every unit's backward began by waiting for the reduce-scatter issued
+// at its start (tests/test_reduction_overlap.py).
+int staging_for(const EngineCore::Description& d) {
+  auto trainable = [&](int i) { return d.groups[size_t(i)].store->placement().trainable; };
+  if (d.stage == 2) {
+    std::optional<int> span;  // the most buckets a param spans (an empty one: none)
+    for (int i = 0; i < int(d.groups.size()); ++i) {
+      if (!trainable(i)) continue;
+      for (const ParamSlot& s : d.groups[size_t(i)].store->plan().params()) {
+        span = std::max(span.value_or(0), s.last_bucket - s.first_bucket + 1);
+      }
+    }
+    return 2 + span.value_or(1);
+  }
+  std::vector<int> buckets;  // per unit, its trainable groups'
+  for (const EngineCore::Unit& u : d.units) {
+    int n = 0;
+    for (int i : u.groups) n += trainable(i) ? int(d.groups[size_t(i)].store->plan().buckets().size()) : 0;
+    buckets.push_back(n);
+  }
+  if (buckets.empty()) return 0;
+  return buckets[0] + 3 * (buckets.size() > 1 ? *std::max_element(buckets.begin() + 1, buckets.end()) : 0);
+}
+
 }  // namespace
 
 EngineCore::EngineCore(const Description& d)
@@ -36,6 +75,7 @@ EngineCore::EngineCore(const Description& d)
   check(d);
   const std::vector<Group>& groups = description_.groups;
   const Queues& queues = description_.queues;
+  staging_buffers_ = d.stage >= 2 ? d.staging_buffers.value_or(staging_for(d)) : 0;
   std::vector<int> trainable;
   for (int i = 0; i < int(groups.size()); ++i) {
     if (groups[size_t(i)].store->placement().trainable) trainable.push_back(i);
@@ -127,7 +167,9 @@ void EngineCore::check(const Description& d) const {
   if (d.offload != nullptr && d.stage == 0) {
     refuse("an offload optimizer at stage 0; ZeRO-Offload updates a partition (stages 1-3)");
   }
-  if (d.staging_buffers < 0) refuse("staging_buffers " + std::to_string(d.staging_buffers) + "; at least 0");
+  if (d.staging_buffers && *d.staging_buffers < 0) {
+    refuse("staging_buffers " + std::to_string(*d.staging_buffers) + "; at least 0");
+  }
   const bool offloaded = d.offload != nullptr;
   int exact = -1;  // whether the trainable groups' grads are reduced elsewhere (the first's say)
   std::optional<DType> reduce_dtype;
@@ -232,7 +274,7 @@ void EngineCore::build_reducer() {
   const Queues& queues = description_.queues;
   CommQueue& queue = queues.reductions != nullptr ? *queues.reductions : *queues.data;
   reducer_ = std::make_unique<BucketReducer>(queue, std::move(parts), exact_ ? DType::kInt64 : reduce_dtype_,
-                                             description_.staging_buffers, /*on_request=*/stage_ == 3);
+                                             staging_buffers_, /*on_request=*/stage_ == 3);
   partitions_stale_ = false;
 }
 

@@ -65,7 +65,7 @@ class EngineCore {
     Tensor reduced;
   };
   // Stage 3: a unit, gathered and released as one.
-  struct Unit {
+  struct Unit {  // the first is the root, whose backward ends last
     std::vector<int> groups;  // indices into Description::groups, in the unit's buffer order
     bool own_slot = false;    // kept gathered in a slot of its own (the root unit)
   };
@@ -85,7 +85,9 @@ class EngineCore {
     OffloadOptimizer* offload = nullptr;
     std::optional<int64_t> delays_from;  // offloaded: the first step whose update is delayed
     LossScaler* loss_scaler = nullptr;   // must outlive the core; nullptr: none
-    int staging_buffers = 2;             // stages 2-3: the reducer's staging slots
+    // Stages 2-3: the reducer's staging slots; none: as the core plans
+    // them from the layout and the units (engine_core.cpp, staging_for).
+    std::optional<int> staging_buffers;
     int64_t prefetch_bytes = 1;          // stage 3: the units gathered ahead of use
     // Test only: the reduction order (stages 2-3), to check that ranks which
     // reduce differently are caught; empty: the trainable groups in
@@ -144,7 +146,8 @@ class EngineCore {
   const Description description_;  // as built (the reduction order aside)
   int stage_;
   std::vector<Reduced> order_;
-  std::vector<std::vector<int>> unit_places_;  // stage 3: per unit, its trainable groups' places in the order
+  std::vector<std::vector<int>> unit_places_;
+  int staging_buffers_ = 0;  // stages 2-3: the reducer's  // stage 3: per unit, its trainable groups' places in the order
   DType reduce_dtype_ = DType::kFloat32;
   bool exact_ = false;  // the groups' grads are reduced into `reduced`
   int64_t swaps_followed_ = 0;
