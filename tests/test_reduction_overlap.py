@@ -3,7 +3,7 @@
 A unit's grads are reduced in the round that the next unit's backward
 posts, settled one unit later: the reduce-scatter of the unit two before in
 backward order is issued at the hook where a unit's backward begins. The
-reduce staging holds three units' buckets (engine_build.staging_buffers),
+reduce staging holds three units' buckets (EngineCore's staging_for, cpp/src/engine/engine_core.cpp),
 so that unit takes a free buffer for its grads and computes while the
 reduce-scatter goes on. With two, taking its grad views completed the
 reduce-scatter just issued (BucketReducer frees a buffer by completing the

@@ -8,12 +8,13 @@
 // buffers and hands out every view into them (the trainer computes no
 // offset), the step's runs (flat_runs) and the buffers the runtime's
 // collectives take (group_buffer). The trainer computes and says what
-// happens; the runtime does the distributed work, as for the Python engine:
-// stage 3's UnitSchedule gathers and releases units at the hooks
-// (pre_forward, post_forward, pre_backward, post_backward); the
+// happens; the runtime does the distributed work, as for the Python engine,
+// through one EngineCore (engine/engine_core.h) built from the stores, the
+// units and the stage: stage 3's UnitSchedule gathers and releases units at
+// the hooks (pre_forward, post_forward, pre_backward, post_backward); the
 // BucketReducer reduce-scatters each param's grad (grad_ready) into the grad
 // partition, in stage 3 when the schedule says every rank has the unit's
-// grads; one ZeroStep call a step does the rest (the exchange, the dynamic
+// grads; one step call a step does the rest (the exchange, the dynamic
 // loss scale, the update, stage 2's param gather, stage 3's end-of-step round).
 #include <array>
 #include <cmath>
@@ -65,28 +66,19 @@ class ZeroMlp {
       l.grads = Tensor::empty({plan.total_elems()}, DType::kFloat32);
       values = fill(l, values);
     }
-    // Each collective takes its flat groups' buffers from their stores, the step their runs.
-    std::vector<FlatGroupBuffer> grad_parts(layers_.size()), full;
-    std::vector<UnitSpec> units;
-    std::vector<FlatRun> runs;
-    for (const Layer& l : layers_) {
-      grad_parts[size_t(l.tag)] = l.store.group_buffer(l.tag, "grad_part");
-      if (stage == 3) units.push_back(UnitSpec{{l.store.group_buffer(l.tag, "shard")}});
-      if (stage == 2) full.push_back(l.store.group_buffer(l.tag, "full"));
-      const std::vector<FlatRun> mine = l.store.flat_runs();
-      runs.insert(runs.end(), mine.begin(), mine.end());
-    }
-    reducer_ = std::make_unique<BucketReducer>(comm, grad_parts, DType::kFloat32, 2, /*on_request=*/stage == 3);
-    if (stage == 3) {
-      schedule_ = std::make_unique<UnitSchedule>(comm, rounds, units, DType::kFloat32, /*prefetch_bytes=*/1);
-      // The rounds reduce each unit's flat group (its place in the reduction order: its tag).
-      schedule_->set_grad_reducer(reducer_.get(), {{layers_[0].tag}, {layers_[1].tag}});
-    } else {
-      param_gather_ = std::make_unique<BucketCollectives>(comm, CollectiveKind::kAllGather, full);
-    }
-    // The step's exchange shares the rounds' queue: every rank issues on it in the same order.
-    step_ = std::make_unique<ZeroStep>(ZeroStep::Parts{&comm, &rounds, runs, /*partitioned=*/true, nullptr,
-                                                       param_gather_.get(), reducer_.get(), schedule_.get(), &scaler_});
+    // The runtime's core, built from the stores (in reduction order: their
+    // tags), the units (stage 3: one a layer) and the stage: the reducer,
+    // stage 3's schedule (whose rounds reduce each unit's grads), stage 2's
+    // param gather and the step, connected. The step's exchange shares the
+    // rounds' queue: every rank issues on it in the same order.
+    EngineCore::Description d;
+    d.queues = {&comm, &rounds, nullptr, &rounds};
+    d.groups.resize(layers_.size());
+    for (Layer& l : layers_) d.groups[size_t(l.tag)] = {&l.store, l.tag, {}};
+    if (stage == 3) d.units = {{{layers_[0].tag}, false}, {{layers_[1].tag}, false}};
+    d.stage = stage;
+    d.loss_scaler = &scaler_;
+    core_ = std::make_unique<EngineCore>(d);
   }
 
   // One optimizer step on this rank's rows of the global batch; returns the
@@ -109,19 +101,19 @@ class ZeroMlp {
       loss += e * e;
       d_out[i] = float(scaler_.scale()) * 2.0f * e / float(out.size());  // d(scaled mean squared error)
     }
-    if (schedule_) schedule_->end_forward();
+    if (schedule()) schedule()->end_forward();
     // Backward, last unit first; each unit's buckets reduce while the next computes.
-    if (schedule_) schedule_->begin_backward();
+    if (schedule()) schedule()->begin_backward();
     std::vector<float> d_h = backward(1, h, d_out, rows);
     for (size_t i = 0; i < d_h.size(); ++i) d_h[i] = h[i] > 0.0f ? d_h[i] : 0.0f;
     backward(0, x, d_h, rows);
-    if (schedule_) schedule_->end_backward();  // first: its last round hands the units' grads to the reducer
-    reducer_->end_backward();
+    if (schedule()) schedule()->end_backward();  // first: its last round hands the units' grads to the reducer
+    core_->reducer()->end_backward();
     // The grads hold the sum over ranks of per-rank means: the step averages them.
     StepOptions options;
     options.adam = {AdamOptions{kLr, kBeta1, kBeta2, kEps, kWeightDecay, /*adamw=*/true}};
     options.step = step_index;
-    if (!step_->step(options).applied) throw std::runtime_error("embed_zero: the grads overflowed");
+    if (!core_->step(options).applied) throw std::runtime_error("embed_zero: the grads overflowed");
     for (Layer& l : layers_) l.store.zero_grads();  // zero_grad: the reducer adds into the grad partition
     return loss / float(out.size());
   }
@@ -132,9 +124,9 @@ class ZeroMlp {
     for (int unit = 0; unit < int(layers_.size()); ++unit) {
       const Layer& l = layers_[size_t(unit)];
       Tensor gathered = l.params;
-      if (schedule_) {
+      if (schedule()) {
         gathered = Tensor::empty({l.store.plan().total_elems()}, DType::kFloat32);
-        schedule_->gather_into(unit, gathered);
+        schedule()->gather_into(unit, gathered);
       }
       for (int param : {kWeight, kBias}) {
         const Tensor v = l.store.param_view(gathered, param);
@@ -159,7 +151,7 @@ class ZeroMlp {
 
   std::vector<float> forward(int unit, const std::vector<float>& x, int rows) {
     const Layer& l = layers_[size_t(unit)];
-    const Tensor flat = schedule_ ? schedule_->pre_forward(unit, /*marks_post_backward=*/true).buffer : l.params;
+    const Tensor flat = schedule() ? schedule()->pre_forward(unit, /*marks_post_backward=*/true).buffer : l.params;
     const float* w = l.store.param_view(flat, kWeight).data_as<float>();
     const float* b = l.store.param_view(flat, kBias).data_as<float>();
     std::vector<float> y(size_t(rows) * l.out);
@@ -170,14 +162,14 @@ class ZeroMlp {
         y[size_t(s * l.out + o)] = acc;
       }
     }
-    if (schedule_) schedule_->post_forward(unit, /*backward_follows=*/true);
+    if (schedule()) schedule()->post_forward(unit, /*backward_follows=*/true);
     return y;
   }
 
   // Hands the unit's grads to the reducer and returns the input grads.
   std::vector<float> backward(int unit, const std::vector<float>& x, const std::vector<float>& dy, int rows) {
     const Layer& l = layers_[size_t(unit)];
-    const Tensor flat = schedule_ ? schedule_->pre_backward(unit).buffer : l.params;
+    const Tensor flat = schedule() ? schedule()->pre_backward(unit).buffer : l.params;
     const float* w = l.store.param_view(flat, kWeight).data_as<float>();
     std::memset(l.grads.data(), 0, l.grads.nbytes());
     float* gw = l.store.param_view(l.grads, kWeight).data_as<float>();
@@ -193,20 +185,19 @@ class ZeroMlp {
         }
       }
     }
-    for (int param : {kBias, kWeight}) reducer_->grad_ready(l.tag, param, l.store.param_view(l.grads, param));
-    if (schedule_) schedule_->post_backward(unit);
+    for (int param : {kBias, kWeight}) core_->reducer()->grad_ready(l.tag, param, l.store.param_view(l.grads, param));
+    if (schedule()) schedule()->post_backward(unit);
     return dx;
   }
 
+  UnitSchedule* schedule() { return core_->schedule(); }  // stage 3
+
   const int rank_, world_;
   std::vector<Layer> layers_;
-  std::unique_ptr<BucketReducer> reducer_;
-  std::unique_ptr<UnitSchedule> schedule_;  // stage 3
-  std::unique_ptr<BucketCollectives> param_gather_;  // stage 2: every rank's updated blocks into the full params
   // fp16's dynamic scaling, as the engine's: fp32 grads never overflow
   // here, so the scale doubles every `window` steps and the step unscales.
   LossScaler scaler_{DynamicScale{1024.0, /*window=*/2, /*hysteresis=*/1, /*min_scale=*/1.0, false, false}};
-  std::unique_ptr<ZeroStep> step_;
+  std::unique_ptr<EngineCore> core_;
 };
 
 // Trains on `world` threads; returns rank 0's params after kSteps and every

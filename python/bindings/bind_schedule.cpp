@@ -1,24 +1,19 @@
 // The native schedule's Python face: stage 3's UnitSchedule, the
-// BucketReducer of stages 2-3 and the step's BucketCollectives. Python's module and autograd hooks call these
+// BucketReducer of stages 2-3 and the step's BucketCollectives, which the
+// EngineCore builds (bind_engine.cpp). Python's module and autograd hooks call these
 // to say what happened; every call that may wait for a collective releases
 // the GIL, since the queue's thread may need it to run a transport written
 // in Python.
-#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
-#include <string>
-#include <tuple>
 #include <vector>
 
 #include "bindings.h"
-#include "bound_queue.h"
 #include "dlpack_tensor.h"
-#include "zerocore/flat_group_buffer.h"
 #include "zerocore/schedule/bucket_collectives.h"
 #include "zerocore/schedule/bucket_reducer.h"
-#include "zerocore/error.h"
 #include "zerocore/schedule/unit_schedule.h"
 
 namespace nb = nanobind;
@@ -72,23 +67,7 @@ auto unlocked(Result (Class::*method)(Args...)) {
 
 void bind_schedule(nb::module_& m) {
   nb::class_<UnitSchedule>(m, "UnitSchedule",
-                           "Stage 3's unit state machine over a fixed gather pool (see unit_schedule.h).")
-      .def(
-          "__init__",
-          [](UnitSchedule* self, const BoundQueue& queue, const BoundQueue& rounds,
-             const std::vector<std::tuple<bool, std::vector<FlatGroupBuffer>>>& units, const std::string& dtype,
-             int64_t prefetch_bytes) {
-            std::vector<UnitSpec> spec;
-            for (const auto& [own_slot, shards] : units) spec.push_back(UnitSpec{shards, own_slot});
-            new (self) UnitSchedule(queue.get(), rounds.get(), std::move(spec), parse_dtype(dtype), prefetch_bytes);
-          },
-          "queue"_a, "rounds"_a, "units"_a, "dtype"_a, "prefetch_bytes"_a, nb::keep_alive<1, 2>(),
-          nb::keep_alive<1, 3>(),
-          "rounds: a queue over another communicator of the same ranks, for the rounds. units: per unit (own_slot, "
-          "[its flat groups' shards: PartitionStore.group_buffer(tag, \"shard\")]).")
-      .def("set_grad_reducer", &UnitSchedule::set_grad_reducer, "reducer"_a, "unit_groups"_a, nb::keep_alive<1, 2>(),
-           "The BucketReducer (on_request) whose groups at unit_groups[u] (places in its order) the rounds reduce "
-           "once every rank is done with unit u's backward; set again when the reducer is replaced.")
+                           "Stage 3's unit state machine over a fixed gather pool (see unit_schedule.h); EngineCore.schedule.")
       .def("pre_forward", hook(&UnitSchedule::pre_forward), "unit"_a, "marks_post_backward"_a,
            "The unit is about to run forward: (bind, released), bind being (address, buffer) where its params "
            "must view the buffer it is gathered in, or None when they view it already; released: the units "
@@ -132,19 +111,8 @@ void bind_schedule(nb::module_& m) {
       .def_prop_ro("round_seconds", &UnitSchedule::round_seconds, "Seconds spent waiting for rounds.");
 
   nb::class_<BucketReducer>(m, "BucketReducer",
-                            "Stages 2-3's bucket state machine for gradient reduction (see bucket_reducer.h).")
-      .def(
-          "__init__",
-          [](BucketReducer* self, const BoundQueue& queue, std::vector<FlatGroupBuffer> grad_parts,
-             const std::string& reduce_dtype, int staging_buffers, bool on_request) {
-            new (self) BucketReducer(queue.get(), std::move(grad_parts), parse_dtype(reduce_dtype), staging_buffers,
-                                     on_request);
-          },
-          "queue"_a, "grad_parts"_a, "reduce_dtype"_a, "staging_buffers"_a, "on_request"_a = false,
-          nb::keep_alive<1, 2>(),
-          "grad_parts: per flat group, in reduction order, PartitionStore.group_buffer(tag, \"grad_part\"). "
-          "on_request: issue only on reduce_groups() and end_backward() (stage 3). Late grads are agreed on and "
-          "reduced by the step's exchange (ZeroStep).")
+                            "Stages 2-3's bucket state machine for gradient reduction (see bucket_reducer.h); "
+                            "EngineCore.reducer.")
       // Taking staging may wait for a reduction in flight: the GIL is
       // released while these run.
       .def(
@@ -206,20 +174,8 @@ void bind_schedule(nb::module_& m) {
       .def_prop_ro("staging_slots", &BucketReducer::staging_slots);
 
   nb::class_<BucketCollectives>(m, "BucketCollectives",
-                                "One in-place collective per bucket of whole flat buffers (see bucket_collectives.h).")
-      .def(
-          "__init__",
-          [](BucketCollectives* self, const BoundQueue& queue, CollectiveKind kind,
-             std::vector<FlatGroupBuffer> buffers) {
-            if (kind == CollectiveKind::kBroadcast) {
-              throw InvalidArgument("BucketCollectives: kind must be CollectiveKind.ALL_GATHER, REDUCE_SCATTER or "
-                                    "ALL_REDUCE, not BROADCAST");
-            }
-            new (self) BucketCollectives(queue.get(), kind, std::move(buffers));
-          },
-          "queue"_a, "kind"_a, "buffers"_a, nb::keep_alive<1, 2>(),
-          "buffers: whole flat buffers (PartitionStore.group_buffer(tag, \"full\") or \"grad_full\") in issue "
-          "order.")
+                                "One in-place collective per bucket of whole flat buffers (see bucket_collectives.h): "
+                                "EngineCore.grad_reduce and .param_gather.")
       .def("run", unlocked(&BucketCollectives::run), "Issues every bucket's collective and waits for them.");
 }
 

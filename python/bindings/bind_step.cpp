@@ -116,11 +116,7 @@ void bind_step(nb::module_& m) {
   nb::class_<HostUpdate>(m, "HostUpdate",
                          "ZeRO-Offload's update as the native step drives it, over an OffloadOptimizer: the host "
                          "grads taken (swapped or copied down), the update, its params up at once or, delayed, "
-                         "at the next step boundary (step/host_update.h).")
-      .def(nb::init<OffloadOptimizer&, bool, std::optional<int64_t>>(), "optimizer"_a, nb::kw_only(),
-           "swaps_grads"_a, "delays_from"_a.none(), nb::keep_alive<1, 2>(),
-           "swaps_grads: the host grads trade places with their spares at each step (stages 2-3, delayed); "
-           "delays_from: the first step whose update is delayed, or None.")
+                         "at the next step boundary (step/host_update.h): EngineCore.host_update.")
       .def(
           "finish",
           [](HostUpdate& self) {
@@ -161,8 +157,6 @@ void bind_step(nb::module_& m) {
           "0-1's reduction; param_gather: stages 1-2's gather; units: stage 3's UnitSchedule (its end-of-step "
           "round); loss_scaler: the LossScaler; reductions: stages 2-3's reducer's queue, where it is not the data "
           "queue (its order is checked too).")
-      .def("set_grad_reducer", &ZeroStep::set_grad_reducer, "reducer"_a, nb::keep_alive<1, 2>(),
-           "Stages 2-3: the BucketReducer whose late grads the exchange agrees on and reduces.")
       .def(
           "exchange",
           [](ZeroStep& self, int64_t changes) {

@@ -16,6 +16,7 @@ void bind_comm(nanobind::module_& m);
 void bind_schedule(nanobind::module_& m);
 void bind_store(nanobind::module_& m);
 void bind_step(nanobind::module_& m);
+void bind_engine(nanobind::module_& m);
 // Only in a build with CUDA (ZEROCORE_WITH_CUDA).
 void bind_cuda_backend(nanobind::module_& m);
 // Only in a build with the native NCCL transport (ZEROCORE_WITH_NCCL).

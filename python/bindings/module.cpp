@@ -18,6 +18,7 @@ NB_MODULE(_native, m) {
   bind_schedule(m);
   bind_store(m);
   bind_step(m);
+  bind_engine(m);
 #ifdef ZEROCORE_WITH_CUDA
   bind_cuda_backend(m);
 #endif

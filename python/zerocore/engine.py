@@ -2,11 +2,12 @@
 
 The engine builds the model states from the plan (see flat_group.py for
 where they live per stage) and the native schedule over them: the comm
-queue (comm.py), gradient reduction (grad_reducer.py: BucketReducer, or the
-step's BucketCollectives), stage 3's UnitSchedule (stage3.py) and the
-post-step param all-gather; then it runs forward through the module,
-backward through autograd with the hooks that drive that schedule, and
-steps the partitioned native optimizer in one call.
+queues (comm.py) and the native core (EngineCore, engine/engine_core.h:
+gradient reduction, stage 3's UnitSchedule, the post-step param
+all-gather and the step, built and connected natively); then it runs
+forward through the module, backward through autograd with the hooks that
+drive that schedule (grad_reducer.py, stage3.py), and steps the
+partitioned native optimizer in one call.
 
 The engine is one object in five files, by concern:
 
@@ -35,17 +36,17 @@ import weakref
 from torch import nn
 
 from zerocore import _native, compute_stream, devices, param_guards
-from zerocore._native import BucketCollectives, UnitSchedule, ZeroStep
-from zerocore.comm import CollectiveKind, Communicator
+from zerocore._native import EngineCore
+from zerocore.comm import Communicator
 from zerocore.config import Config
 from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_process_group, fill_agreeing,
-                                   model_problem, staging_buffers, training_process_group,
+                                   model_problem, training_process_group,
                                    warn_of_param_dtypes)
 from zerocore.engine_reports import Reports
 from zerocore.engine_state_io import StateIO
 from zerocore.engine_training import Training
 from zerocore.exact_grads import ExactGradSum
-from zerocore.flat_group import NATIVE_NAMES, TORCH_DTYPES
+from zerocore.flat_group import TORCH_DTYPES
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.grouping import build_groups, param_names
 from zerocore.loss_scale import LossScaler
@@ -133,17 +134,12 @@ class Engine(Training, StateIO, Reports):
             if self.units else 0
         # Where this rank's partition is updated: one native call a step.
         self.update = OffloadUpdate(self.groups, placement, cfg, self.backend) if placement.optimizer_on_host \
-            else InPlaceUpdate(self.groups)
+            else InPlaceUpdate()
         self.padding_elems = sum(g.plan.padding_elems for g in self.groups if g.trainable)
         # close() gives the buffers their dtype back.
         self._buffer_dtypes = {name: b.dtype for name, b in module.named_buffers(remove_duplicate=False)}
         self._cast_buffers(lambda _, b: self.dtype if b.is_floating_point() else b.dtype)
 
-        # Stages 1-2: every rank's updated blocks into every rank's full params, in place.
-        gathered = [g for g in self.groups if g.trainable and placement.partitions_optimizer and not g.sharded]
-        self.param_gather = BucketCollectives(
-            self.comm.queue, CollectiveKind.ALL_GATHER,
-            [g.store.group_buffer(g.tag, "full") for g in gathered]) if gathered else None
         self.scheduler = None
         # Stages 2-3 reduce during backward on a queue of their own (its own
         # stream and process group, as FSDP2's reduce-scatter stream), so no
@@ -151,14 +147,10 @@ class Engine(Training, StateIO, Reports):
         self.reduce_comm = None
         # Config(deterministic=True): the grads' exact sums replace the float reduction's.
         self.exact = ExactGradSum(self.groups, self.comm, placement) if cfg.deterministic else None
-        if not placement.partitions_grads:
-            self.reducer = FullGradReducer(self.groups, self.comm, placement, exact=self.exact)
-        else:
+        if placement.partitions_grads:
             self.reduce_comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.comm,
                                             control=self.control, backend=self.backend, nccl=cfg.nccl,
                                             names=self.comm.names, positions=self.positions, name="reductions")
-            self.reducer = StagedReducer(self.groups, self.reduce_comm, staging_buffers(self.groups, self.units),
-                                         on_request=placement.partitions_params, exact=self.exact)
         if placement.partitions_params:
             # The rounds run on a host process group of their own, so that none waits
             # behind the data collectives queued before it, nor the step's
@@ -167,27 +159,30 @@ class Engine(Training, StateIO, Reports):
                                             fails_with=self.comm, backend=self.backend,
                                             plane=_native.StreamPlane.CONTROL, positions=self.positions,
                                             name="rounds")
-            schedule = UnitSchedule(self.comm.queue, self.rounds_comm.queue, [u.native_spec() for u in self.units],
-                                    NATIVE_NAMES[self.dtype], cfg.prefetch_bytes)
-            # The rounds reduce each unit's trainable flat groups, by their places in the reduction order.
-            self.reducer.reduce_in_rounds(schedule, [[self.reducer.index[id(g)] for g in u.groups if g.trainable]
-                                                     for u in self.units])
-            self.scheduler = UnitScheduler(self.units, schedule, self.backend, self._attach_unit_grads)
-        # The step, in one native call: stages 0-1's reduction, the sum of
-        # squares, the exchange (with stages 2-3's late grads), the decision
-        # with the loss scaler, the update and the param gather or stage 3's
-        # end-of-step round. Offload's host update (OffloadUpdate.host) runs
-        # inside it too, between the decision and the gather.
+        # The native core, built and connected from the groups' stores, the
+        # units and the placement: stages 0-1's reduction or stages 2-3's
+        # reducer, stage 3's unit schedule (whose rounds reduce each unit's
+        # grads), the param gather after the update, offload's host update,
+        # and the step in one native call (the reduction's end, the sum of
+        # squares, the exchange with the late grads, the decision with the
+        # loss scaler, the update and the gather or stage 3's end-of-step round).
         offload = placement.optimizer_on_host
-        self.zero_step = ZeroStep(
-            self.comm.queue, self.comm.control_queue, None if offload else self.update.runs,
-            partitioned=placement.partitions_optimizer,
-            grad_reduce=None if placement.partitions_grads or self.exact else self.reducer.collectives,
-            param_gather=self.param_gather, units=self.scheduler.native if self.scheduler else None,
-            loss_scaler=self.scaler.native, host_update=self.update.host if offload else None,
-            reductions=self.reduce_comm.queue if self.reduce_comm else None)
-        if placement.partitions_grads:
-            self.reducer.late_grads_to(self.zero_step)
+        group_index = {id(g): i for i, g in enumerate(self.groups)}
+        self.core = EngineCore(
+            self.comm.queue, self.comm.control_queue,
+            [(g.store, g.tag, self.exact.sums_of(g) if self.exact and g.trainable else None) for g in self.groups],
+            [(u.index == 0, [group_index[id(g)] for g in u.groups]) for u in self.units],
+            stage=placement.stage, reductions=self.reduce_comm.queue if self.reduce_comm else None,
+            rounds=self.rounds_comm.queue if placement.partitions_params else None,
+            offload=self.update.native if offload else None, delays_from=cfg.delays_from if offload else None,
+            loss_scaler=self.scaler.native, prefetch_bytes=cfg.prefetch_bytes)
+        self.update.use(self.core)
+        self.zero_step = self.core.zero_step
+        self.param_gather = self.core.param_gather  # stages 1-3: every rank's updated blocks into its full params
+        self.reducer = StagedReducer(self.groups, self.core, exact=self.exact) if placement.partitions_grads \
+            else FullGradReducer(self.groups, self.core)
+        if placement.partitions_params:
+            self.scheduler = UnitScheduler(self.units, self.core.schedule, self.backend, self._attach_unit_grads)
         # Stage 3: module.state_dict() and load_state_dict() refuse while params are released.
         self._state_guards = param_guards.guard_module_state(
             module, {id(p) for u in self.units for g in u.groups for p in g.params})

@@ -168,29 +168,3 @@ def fill_agreeing(initializer, comm, places):
         error = e
     comm.raise_together(error, "zerocore.wrap: initialising the params failed on rank(s) {ranks} (their "
                         "error says why); no rank wrapped the model")
-
-
-# Planning -------------------------------------------------------------------
-def staging_buffers(flat_groups, units) -> int:
-    """Staging buffers of gradient reduction planned at wrap: those of the
-    reductions in flight (completed only when a bucket needs a buffer and
-    none is free, BucketReducer), plus the buckets open at once when grads
-    arrive in about plan order. Stage 2: those one param spans, and one more for a
-    neighbour that comes early (or the next bucket, which takes its
-    staging for its grad views as the one before goes out). Stage 3,
-    where a unit's buckets hold its grad views: the root's buckets (open all
-    backward) and three of the largest other unit's. A unit is reduced
-    only once the ranks agree it is done, in the round the next unit's
-    backward posts, settled one unit later: at the start of the backward
-    of the unit after that, which takes its grad views right then. So the
-    staging holds the unit whose grads accumulate, the unit waiting for its
-    round and the reduction just issued, which runs behind that backward;
-    the unit after finds the three taken and completes the oldest
-    (BucketReducer), which has run behind a whole unit's backward. With
-    two, every unit's backward began by waiting for the reduce-scatter
-    issued at its start (tests/test_reduction_overlap.py)."""
-    if not units:
-        spans = [s.last_bucket - s.first_bucket + 1 for g in flat_groups if g.trainable for s in g.slots]
-        return 2 + max(spans, default=1)
-    buckets = [sum(len(g.buckets) for g in u.groups if g.trainable) for u in units]
-    return buckets[0] + 3 * max(buckets[1:], default=0)

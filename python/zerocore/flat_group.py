@@ -134,11 +134,11 @@ class FlatGroup(ParamBinding, LayoutViews):
     def swaps_grads(self) -> bool:
         """Offloaded with a delayed update at stages 2-3: reduction fills one
         host grad buffer while the update reads the other, and at each step
-        they trade places (swap_grads) instead of being copied."""
+        they trade places (EngineCore.follow_swaps) instead of being copied."""
         return self.store.swaps_grads
 
-    def swap_grads(self):
-        self.store.swap_grads()
+    def grads_swapped(self):
+        """The store swapped grad_part and host_grad (EngineCore.follow_swaps): the views follow."""
         self.grad_part, self.host_grad = self.host_grad, self.grad_part
 
     # Accounting ------------------------------------------------------------

@@ -20,15 +20,17 @@ itself. Params that produced no grad count as zero; a grad that arrives
 after its bucket was reduced (reentrant checkpointing) stays staged, and
 the step's exchange (ZeroStep) has every rank reduce the buckets late on
 any rank once more.
+
+The native parts are the engine's core's (zerocore._native.EngineCore,
+cpp/include/zerocore/engine/engine_core.h), which builds them and connects
+the reducer to the schedule and the step: these classes only hook autograd
+to them.
 """
 from __future__ import annotations
 
 import weakref
 
 import zerocore
-from zerocore._native import BucketCollectives, BucketReducer
-from zerocore.comm import CollectiveKind, Communicator
-from zerocore.flat_group import NATIVE_NAMES
 from zerocore.param_guards import GradPlaceholder
 
 
@@ -64,13 +66,11 @@ def _hook_each(params, method):
 
 
 class FullGradReducer:
-    """exact: Config(deterministic=True)'s exact_grads.ExactGradSum,
-    whose int64 sums the step's collectives reduce instead of the grads."""
+    """Stages 0-1: core: the EngineCore, whose grad_reduce reduces the
+    grads (or, with Config(deterministic=True), their int64 sums) at the step."""
 
-    def __init__(self, groups, comm: Communicator, placement, exact=None):
+    def __init__(self, groups, core):
         self.groups = [g for g in groups if g.trainable]
-        self.comm = comm
-        self.placement = placement
         # A .grad must have its param's dtype: with another reduce dtype,
         # each grad is added into the buffer (converted) once accumulated.
         self.converted = {id(p): (g, i) for g in self.groups if g.reduce_dtype != g.dtype
@@ -79,11 +79,7 @@ class FullGradReducer:
         self.running = False  # inside engine.backward
         ref = weakref.ref(self)
         self.hooks += _guard_each([p for g in self.groups for p in g.params], lambda: ref() is None or ref().running)
-        kind = CollectiveKind.REDUCE_SCATTER if placement.partitions_optimizer else CollectiveKind.ALL_REDUCE
-        buffers = [g.store.group_buffer(g.tag, "grad_full") for g in self.groups]
-        if exact:
-            buffers = [b.with_buffer(exact.sums_of(g)) for b, g in zip(buffers, self.groups)]
-        self.collectives = BucketCollectives(comm.queue, kind, buffers)
+        self.collectives = core.grad_reduce
 
     def before_backward(self):
         self.running = True
@@ -125,17 +121,16 @@ class StagedReducer:
     after_backward drops it: no .grad the user sees outlives the backward as
     a view of reused memory."""
 
-    def __init__(self, groups, comm: Communicator, staging_buffers: int, on_request=False, exact=None):
-        self.comm = comm
+    def __init__(self, groups, core, exact=None):
+        """groups: the engine's flat groups, as the core has them; core:
+        the EngineCore whose reducer this hooks autograd to."""
+        self.core = core
         # Config(deterministic=True): the exact_grads.ExactGradSum whose int64
         # sums the native reducer adds into, each grad on its grid.
         self.exact = exact
-        self.staging_buffers = staging_buffers
-        self.on_request = on_request
-        self.step = None  # the native step that agrees on and reduces late grads (late_grads_to)
-        self.schedule = None  # stage 3: the native unit schedule whose rounds reduce (reduce_in_rounds)
-        self.unit_groups = None
-        self.order([g for g in groups if g.trainable])
+        self.on_request = core.stage == 3
+        self.place = {id(g): i for i, g in enumerate(groups)}  # in the core's groups
+        self._follow_order([g for g in groups if g.trainable])
         self.hooks = _hook_each([p for g in self.groups for p in g.params], self._on_grad)
         self.running = False  # inside engine.backward
         ref = weakref.ref(self)
@@ -143,40 +138,18 @@ class StagedReducer:
         self.viewed = {}  # id(param) -> (param, its .grad: a view into a staging buffer), until its grad comes
 
     def order(self, groups):
-        """Reduces `groups` in this order (the engine's; tests reorder it on
-        one rank to check the order contract)."""
+        """Reduces `groups` in this order, each under its tag (tests reorder
+        them, or retag one, on one rank to check the order contract): the
+        core rebuilds its reducer (set_reduction_order)."""
+        self.core.set_reduction_order([(self.place[id(g)], g.tag) for g in groups])
+        self._follow_order(groups)
+
+    def _follow_order(self, groups):
+        """The core's reducer reduces `groups` in this order."""
         self.groups = groups
         self.index = {id(g): i for i, g in enumerate(groups)}
         self.where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g.params)}
-        reduce_dtype = NATIVE_NAMES[groups[0].reduce_dtype] if groups else "float32"
-        grad_parts = [g.store.group_buffer(g.tag, "grad_part") for g in groups]
-        if self.exact:
-            reduce_dtype = "int64"
-            grad_parts = [part.with_buffer(self.exact.sums_of(g)) for part, g in zip(grad_parts, groups)]
-        self.native = BucketReducer(self.comm.queue, grad_parts, reduce_dtype, self.staging_buffers, self.on_request)
-        self.targets = [g.grad_part for g in groups]
-        self._connect()
-
-    def late_grads_to(self, step):
-        """The native step (ZeroStep) agrees on this reducer's late grads
-        and reduces them, in its exchange; also after order()."""
-        self.step = step
-        self._connect()
-
-    def reduce_in_rounds(self, schedule, unit_groups):
-        """Stage 3: the native unit schedule's rounds reduce unit u's grads,
-        the groups at places unit_groups[u] of the reduction order, once
-        every rank is done with its backward; also after order(), which puts
-        other groups at those places on the rank that reorders."""
-        self.schedule, self.unit_groups = schedule, unit_groups
-        self._connect()
-
-    def _connect(self):
-        """The native step and unit schedule reduce with the native reducer of the order in force."""
-        if self.step is not None:
-            self.step.set_grad_reducer(self.native)
-        if self.schedule is not None:
-            self.schedule.set_grad_reducer(self.native, self.unit_groups)
+        self.native = self.core.reducer
 
     @property
     def pool_bytes(self) -> int:
@@ -195,9 +168,7 @@ class StagedReducer:
         self.running = True
         for g in self.groups:
             g.drop_hidden_grads()
-        if not self.exact and any(t is not g.grad_part for t, g in zip(self.targets, self.groups)):
-            self.targets = [g.grad_part for g in self.groups]
-            self.native.set_grad_partitions(self.targets)
+        self.core.before_backward()
         if not self.on_request and self._views():
             self._attach_handed(self.native.begin_backward())
 

@@ -4,8 +4,9 @@ With Config(offload_optimizer="cpu") each rank's fp32 master params,
 optimizer states and the grads its step reads live in host memory
 (FlatGroup.buffer_plan says which buffer lives where), and the native
 step (ZeroStep) drives the native OffloadOptimizer (cpp/include/zerocore/
-offload/offload_optimizer.h) over them through OffloadUpdate's HostUpdate
-(step/host_update.h), in the step's one native call:
+offload/offload_optimizer.h) over them through the HostUpdate
+(step/host_update.h) the engine's EngineCore builds over it, in the step's
+one native call:
 
     backward  reduced grads reach the host bucket by bucket: in stages 2-3
               the reducer adds each bucket's block into the host partition
@@ -69,11 +70,11 @@ class OffloadUpdate:
             run_grad_bytes += numel * g.reduce_dtype.itemsize
             up_bytes += numel * (g.host_param if g.host_param is not None else g.master).element_size()
         self.native = _native.OffloadOptimizer(buckets, backend)  # on the engine's backend: its copy and update streams
-        # What the native step (ZeroStep) drives: the host grads taken, the
-        # update, its params up at once or at the next step boundary.
-        self.host = _native.HostUpdate(self.native, swaps_grads=bool(self.swapping),
-                                       delays_from=config.delays_from)
-        self._swaps = 0  # the host grad swaps the groups' views have followed
+        # What the native step (ZeroStep) drives, the EngineCore's (use): the
+        # host grads taken, the update, its params up at once or at the next
+        # step boundary.
+        self.host = None
+        self.core = None
         # Bytes crossing between device and host (PCIe on a GPU): the grads
         # of each backward (stages 2-3) or step (stage 1), the params of
         # each update. Copies between two host buffers are not counted.
@@ -82,6 +83,10 @@ class OffloadUpdate:
         self.param_bytes = 0 if placement.params_on_host else up_bytes
         self._grad_bytes = 0
         self._params_sent_before = 0  # host.params_sent at the last reset_stats()
+
+    def use(self, core):
+        """core: the EngineCore whose HostUpdate drives self.native."""
+        self.core, self.host = core, core.host_update
 
     @property
     def serial(self) -> bool:
@@ -104,13 +109,13 @@ class OffloadUpdate:
         self._grad_bytes += self.grad_bytes_per_step + backward_calls * self.grad_bytes_per_backward
 
     def follow_swaps(self):
-        """After a native step call: the groups' views of their host grad
-        buffers follow the swaps the step made (reduction then fills the
-        one the update does not read)."""
-        while self._swaps < self.host.grad_swaps:
+        """After a native step call: the stores follow the swaps the step
+        made, in one native call (EngineCore.follow_swaps: reduction then
+        fills the buffer the update does not read), and the groups' views
+        of their host grad buffers with them."""
+        for _ in range(self.core.follow_swaps()):
             for g in self.swapping:
-                g.swap_grads()
-            self._swaps += 1
+                g.grads_swapped()
 
     def params_up(self) -> bool:
         """Copies a pending update's params up and waits for the update

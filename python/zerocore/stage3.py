@@ -122,9 +122,6 @@ class Unit:
         """Gathered, or being gathered, in the pool (prefetches count)."""
         return self.schedule is not None and self.schedule.gathered(self.index)
 
-    def native_spec(self):
-        return (self.index == 0, [g.store.group_buffer(g.tag, "shard") for g in self.groups])
-
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs. Its backward runs once the grads of all

@@ -14,6 +14,7 @@
 #include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/kernels/cpu_reduce.h"
 #include "zerocore/dtype.h"
+#include "zerocore/engine/engine_core.h"
 #include "zerocore/error.h"
 #include "zerocore/runtime/event.h"
 #include "zerocore/half.h"
