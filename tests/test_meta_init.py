@@ -377,13 +377,16 @@ def test_engine_load_state_dict(tmp_path, stage, dtype):
 
 # A model bigger than a rank's memory cap -----------------------------------
 
-# 84M params, 336 MB in fp32. Stage 3 on 4 ranks with SGD holds a quarter of
-# the params and of the grads, 168 MB a rank (AdamW's two moments would make
-# a rank's share as big as the full params at 4 ranks); with the gather pool
-# and the threads wrap starts (gloo groups, the comm queues: 8 MB of stack
-# each), about 255 MB: under a cap the full params do not fit in.
-DEPTH, WIDTH = 80, 1024
-CAP = 288 << 20
+# 134M params, 537 MB in fp32. Stage 3 on 4 ranks with SGD holds a quarter
+# of the params and of the grads, 268 MB a rank (AdamW's two moments would
+# make a rank's share as big as the full params at 4 ranks); with the gather
+# pool, the reduction's staging and the 21 threads wrap starts (gloo groups,
+# the comm queues and streams, the positions' publisher: up to 8 MB of stack
+# each, which the cap counts), 405 MB: under a cap the full params do not
+# fit in, with room for a few threads more (84M params under a 288 MB cap
+# left none once wrap started 21 threads).
+DEPTH, WIDTH = 128, 1024
+CAP = 480 << 20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 

@@ -146,8 +146,8 @@ class EngineCore {
   const Description description_;  // as built (the reduction order aside)
   int stage_;
   std::vector<Reduced> order_;
-  std::vector<std::vector<int>> unit_places_;
-  int staging_buffers_ = 0;  // stages 2-3: the reducer's  // stage 3: per unit, its trainable groups' places in the order
+  std::vector<std::vector<int>> unit_places_;  // stage 3: per unit, its trainable groups' places in the order
+  int staging_buffers_ = 0;                     // stages 2-3: the reducer's
   DType reduce_dtype_ = DType::kFloat32;
   bool exact_ = false;  // the groups' grads are reduced into `reduced`
   int64_t swaps_followed_ = 0;
