@@ -17,7 +17,6 @@ zerocore's rate over the copy's. The best of --repeats runs is reported
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -82,7 +81,7 @@ def _measure(rank, port, args, root):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, worker=False)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--layers", type=int, default=8)

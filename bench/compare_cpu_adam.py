@@ -32,7 +32,6 @@ in machine load hits all of them alike, with a short pause before each timed
 step (see SETTLE_S). Best-of-K times give the ratios.
 """
 
-import argparse
 import os
 import re
 import resource
@@ -42,6 +41,7 @@ import time
 
 import torch
 
+import _harness as harness
 import zerocore
 
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -54,7 +54,7 @@ FP32_SPEEDUP_TARGET = 1.0  # fp32 update vs the fastest peer
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, worker=False)
     ap.add_argument("--params", type=int, default=32 << 20)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--iters", type=int, default=10)

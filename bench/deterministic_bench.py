@@ -23,7 +23,6 @@ default's.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -83,7 +82,7 @@ def run(args, stage, deterministic):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, worker=False)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--dtype", default="fp32", choices=tuple(ELEMENT_BYTES))

@@ -46,6 +46,7 @@ def fsdp2_world_size_1() -> str:
 
 
 def main(argv=None) -> int:
+    # Not _harness.parser: _harness imports torch, which this report must not need to start.
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--require-gpu", action="store_true", help="exit 1 when torch sees no CUDA device")
     args = p.parse_args(argv)

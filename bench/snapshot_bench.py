@@ -23,7 +23,6 @@ they copy, and the process's peak resident memory.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -98,7 +97,7 @@ def _measure(rank, port, args, root):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, worker=False)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
