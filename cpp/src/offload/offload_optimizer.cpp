@@ -132,7 +132,7 @@ void OffloadOptimizer::copy_params() {
 
 void OffloadOptimizer::hand_to_compute() {
   Stream& compute = backend_.compute_stream();
-  order(compute, update_);  // with the verdict's readbacks queued behind the update
+  order(compute, update_);  // the update read the host grads and wrote the params the copies send
   order(compute, copy_);
 }
 

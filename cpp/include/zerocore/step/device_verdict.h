@@ -7,7 +7,7 @@
 // the compute stream; ZeroStep sums it over ranks on the data queue). The
 // update kernels skip while it is not zero, so a refused step changes
 // nothing, and neither does any step after it until the host has answered
-// it (clear()): the flag is sticky. Behind each step's update the flag is
+// it (clear()): the flag is sticky. Once each step is decided the flag is
 // copied to a small ring of pinned host slots; the host reads them when
 // they are there (a query, no wait) and learns which step was refused
 // first. Reading that is not in step with the other ranks (a GPU's lead
