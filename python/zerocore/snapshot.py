@@ -11,11 +11,12 @@ the next forward (where the loop has stepped its lr scheduler) the
 snapshot is sealed with the checkpoint manifest of that step (step and loss
 scale counters, hyperparameters, the named lr scheduler's state): its data
 checksummed (CRC-32C, in hardware where the CPU has it), its header
-written, the file renamed into place; then its mirrors are posted
-(snapshot_mirror.py: to the next snapshot_copies nodes, mirror_offsets)
-and travel behind that forward, backward and step, finished at the next
-snapshot (or wait, or close). Its checksums (one per tensor, one of the
-manifest) find any change before anything is used (snapshot_restore.py).
+written, the file renamed into place; then it is sent to its mirrors
+(snapshot_mirror.py: the next snapshot_copies nodes, mirror_offsets): on
+the training thread where the engine runs on the CPU, behind that forward
+and backward on a thread where it runs on a device (seal). Its checksums
+(one per tensor, one of the manifest) find any change before anything is
+used (snapshot_restore.py).
 """
 from __future__ import annotations
 
@@ -110,7 +111,6 @@ class Snapshots:
         # data starts, its size.
         self._entries, self._head_bytes, self._placed, self._size = None, 0, None, 0
         self._unsealed = None  # the step whose snapshot was taken and not sealed yet
-        self._posted = None  # the step whose mirrors travel behind the training thread (on the CPU)
         self._thread = None
         self._error = None
         # The shared memory the snapshots hold on this rank: the files of its folder (its own, its mirrors', two
@@ -187,11 +187,12 @@ class Snapshots:
     def seal(self):
         """The snapshot taken at the last step gets its manifest and is
         written and mirrored: behind this forward and backward, by a
-        thread, where the engine's work runs on a device; where it runs on
-        the CPU, written at once on the training thread (a thread would
-        take the training's own core: bench/RESULTS.md) and its mirrors
-        posted, moved by gloo's threads behind the step and finished at the
-        next wait. Not at the step itself: the loop steps its lr scheduler after the
+        thread, where the engine's work runs on a device; at once, on the
+        training thread, where it runs on the CPU (a thread would take the
+        training's own core, and the mirrors' traffic beside the step's
+        collectives, on a thread or posted and left to gloo's threads until
+        the next snapshot, cost more CPU than the mirrors alone:
+        bench/RESULTS.md). Not at the step itself: the loop steps its lr scheduler after the
         optimizer, which sets the lr of the step that follows, so the
         scheduler's state and the hyperparameters are read here, at the
         next forward (or wait)."""
@@ -200,8 +201,7 @@ class Snapshots:
         step, self._unsealed = self._unsealed, None
         args = (step, self._manifest_metadata(step))
         if not writes_behind(self.engine):
-            self._write_and_mirror(*args, finish=False)
-            self._posted = step
+            self._write_and_mirror(*args)
             self._raise_error()
             return
         self._thread = threading.Thread(target=self._write_and_mirror, args=args, name="zerocore-snapshot",
@@ -214,9 +214,6 @@ class Snapshots:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._posted is not None:
-            step, self._posted = self._posted, None
-            self._with_error_kept(step, self._finish)
         self._raise_error()
 
     def _raise_error(self):
@@ -225,29 +222,17 @@ class Snapshots:
             raise RuntimeError(f"zerocore: the snapshot of step {error[0]} failed on rank {self.rank} "
                                f"({type(error[1]).__name__}: {error[1]})") from error[1]
 
-    def _write_and_mirror(self, step, manifest_metadata, finish=True):
-        """The own file sealed and its mirrors posted (and, finish: waited
-        for). On the thread, a daemon: a process whose training ends by an
-        error (a peer died) exits without waiting for a mirror that will
-        never come."""
-        def write():
+    def _write_and_mirror(self, step, manifest_metadata):
+        # On a daemon thread: a process whose training ends by an error (a
+        # peer died) exits without waiting for a mirror that will never come.
+        try:
             self._seal_file(step, manifest_metadata)
             self._mirrors.post(self._own.newest(), self.generation, step)
-            if finish:
-                self._finish()
-        self._with_error_kept(step, write)
-
-    def _with_error_kept(self, step, fn):
-        try:
-            fn()
+            self._mirrors.finish()
+            prune(self.dir)
+            self.bytes_held = sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir))
         except BaseException as e:  # noqa: BLE001 - raised on the training thread at the next wait
             self._error = (step, e)
-
-    def _finish(self):
-        """The mirrors posted are whole and in place; the older files go."""
-        self._mirrors.finish()
-        prune(self.dir)
-        self.bytes_held = sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir))
 
     def _seal_file(self, step, manifest_metadata):
         """The own file of `step`, its data written (take): checksummed,

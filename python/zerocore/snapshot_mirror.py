@@ -2,11 +2,10 @@
 newest snapshot file sent to the ranks `offsets` after it
 (snapshot.mirror_offsets), and the files of the ranks as far before it
 received, each straight into the map of the older of the two files kept of
-that rank (snapshot_files.KeptFiles). post() starts them and returns;
-gloo's own threads move the bytes while the training thread goes on with
-the next step; finish() waits for them and puts the files received into
-place. Every rank posts the same sends and receives, one snapshot after
-another.
+that rank (snapshot_files.KeptFiles): post() starts every send and
+receive, finish() waits for them and puts the files received into place
+(snapshot.Snapshots.seal says on which thread). Every rank posts the same
+sends and receives, one snapshot after another.
 
 They travel over a gloo process group of their own, not the engine's
 data plane (comm.py's CommQueue, the comm stream), because that plane
