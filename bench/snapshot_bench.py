@@ -21,9 +21,10 @@ the bytes the snapshots hold (Snapshots.bytes_held: the files of its
 folder, two steps of its own and of its mirror's) against the partition
 they copy, and the process's peak resident memory. Last, the snapshot
 alone, repeated with no step between (--alone times): the CPU time of
-each piece, the copy (take), the seal (checksums, header, rename, mirrors
-posted) and the wait (the mirrors sent and received), which a loaded
-machine moves far less than a whole step.
+each piece, the copy (take), the seal (checksums, header, rename; on the
+CPU the mirrors sent and received too) and the wait (a device engine's
+thread, which writes and mirrors it), which a loaded machine moves far
+less than a whole step.
 """
 from __future__ import annotations
 
@@ -150,8 +151,8 @@ def main():
         print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
               f"({held / owned:.2f}x: two steps of its own file and of its mirror's); peak RSS {rss / 2**20:.0f} MiB (both engines)")
     for r, (*_, (take, seal, wait)) in enumerate(rows):
-        print(f"rank {r}: a snapshot alone, CPU: copy {take * 1e3:.1f} ms, seal (checksums, header, mirrors posted) "
-              f"{seal * 1e3:.1f} ms, wait (the mirrors) {wait * 1e3:.1f} ms: {(take + seal + wait) * 1e3:.1f} ms")
+        print(f"rank {r}: a snapshot alone, CPU: copy {take * 1e3:.1f} ms, seal {seal * 1e3:.1f} ms (checksums, header; "
+              f"on the CPU the mirrors), wait {wait * 1e3:.1f} ms: {(take + seal + wait) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":
