@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
-from zerocore import snapshot, snapshot_files
+from zerocore.io import snapshot, snapshot_files
 
 STAGE = 3
 

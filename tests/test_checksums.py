@@ -8,7 +8,8 @@ import zlib
 import pytest
 import torch
 
-from zerocore import _native, checkpoint_format, safetensors_file
+from zerocore import _native
+from zerocore.io import checkpoint_format, safetensors_file
 
 
 def _reference(data: bytes) -> int:

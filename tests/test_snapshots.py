@@ -23,8 +23,8 @@ import torch
 import snapshot_job
 import zerocore
 from dist_harness import run_ranks
-from zerocore import snapshot, snapshot_files
-from zerocore.save_load import rank_tensors
+from zerocore.io import snapshot, snapshot_files
+from zerocore.io.save_load import rank_tensors
 
 STEPS = 7
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_job.py")
