@@ -192,10 +192,10 @@ class Snapshots:
         training's own core, and the mirrors' traffic beside the step's
         collectives, on a thread or posted and left to gloo's threads until
         the next snapshot, cost more CPU than the mirrors alone:
-        bench/RESULTS.md). Not at the step itself: the loop steps its lr scheduler after the
-        optimizer, which sets the lr of the step that follows, so the
-        scheduler's state and the hyperparameters are read here, at the
-        next forward (or wait)."""
+        bench/RESULTS.md). Not at the step itself: the loop steps its lr
+        scheduler after the optimizer, which sets the lr of the step that
+        follows, so the scheduler's state and the hyperparameters are read
+        here, at the next forward (or wait)."""
         if self._unsealed is None:
             return
         step, self._unsealed = self._unsealed, None
