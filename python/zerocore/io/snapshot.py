@@ -84,7 +84,7 @@ def writes_behind(engine) -> bool:
 
 class Snapshots:
     """One engine's snapshots: taken after its steps (stepping), sealed
-    at the next forward and mirrored behind the step. mirror_group: a gloo
+    and mirrored at the next forward (on a device, behind it: seal). mirror_group: a gloo
     process group of the engine's ranks for the mirrors alone
     (snapshot_mirror.py says why; None: a rank alone, no mirrors)."""
 
