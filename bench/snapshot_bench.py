@@ -19,7 +19,12 @@ time of a step, every thread's (the block's last snapshot waited for), which
 other jobs on a shared machine disturb less than wall time; and per rank
 the bytes the snapshots hold (Snapshots.bytes_held: the files of its
 folder, two steps of its own and of its mirror's) against the partition
-they copy, and the process's peak resident memory.
+they copy, and the process's peak resident memory. Last, the snapshot
+alone, repeated with no step between (--alone times): the CPU time of
+each piece, the copy (take), the seal (checksums, header, rename; on the
+CPU the mirrors sent and received too) and the wait (a device engine's
+thread, which writes and mirrors it), which a loaded machine moves far
+less than a whole step.
 """
 from __future__ import annotations
 
@@ -72,6 +77,20 @@ def _timed_steps(engine, args, times, cpu):
     cpu.append((time.process_time() - cpu_start) / args.steps)
 
 
+def _snapshot_alone(snapshots, repeats) -> tuple:
+    """The median CPU time (all threads) of take, seal and wait, each
+    snapshot a step of its own with no training between."""
+    pieces = ([], [], [])
+    for _ in range(repeats):
+        snapshots.steps_done += 1  # as a step would
+        dist.barrier()
+        for spent, piece in zip(pieces, (snapshots.take, snapshots.seal, snapshots.wait)):
+            start = time.process_time()
+            piece()
+            spent.append(time.process_time() - start)
+    return tuple(statistics.median(p) for p in pieces)
+
+
 def _measure(rank, port, args, root):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
                             timeout=datetime.timedelta(minutes=10))
@@ -87,9 +106,10 @@ def _measure(rank, port, args, root):
         _timed_steps(snapshotting, args, times["snapshot"], cpu["snapshot"])
     snapshots = snapshotting.snapshots
     snapshots.wait()
+    alone = _snapshot_alone(snapshots, args.alone)
     owned = sum(t.numel() * t.element_size() for t in rank_tensors(snapshotting).values())
     row = (owned, snapshots.bytes_held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           statistics.median(cpu["plain"]), statistics.median(cpu["snapshot"]))
+           statistics.median(cpu["plain"]), statistics.median(cpu["snapshot"]), alone)
     rows = [None] * args.world
     dist.all_gather_object(rows, row)
     dist.destroy_process_group()
@@ -109,6 +129,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="steps of each engine per round")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dir", default="/dev/shm", help="where the snapshot folder goes")
+    parser.add_argument("--alone", type=int, default=8, help="snapshots alone, timed by piece")
     args = parser.parse_args()
     root = tempfile.mkdtemp(dir=args.dir, prefix="zerocore-snapshot-bench-")
     try:
@@ -123,12 +144,15 @@ def main():
           f"median of {len(times['plain'])} steps each")
     print(f"step without snapshots {plain * 1e3:8.1f} ms")
     print(f"step with snapshots    {snap * 1e3:8.1f} ms   ratio {snap / plain:.3f} (target <= 1.1)")
-    for r, (owned, held, rss, cpu_plain, cpu_snap) in enumerate(rows):
+    for r, (owned, held, rss, cpu_plain, cpu_snap, _) in enumerate(rows):
         print(f"rank {r}: CPU per step {cpu_plain * 1e3:.1f} ms without, {cpu_snap * 1e3:.1f} ms with snapshots "
               f"(all threads): ratio {cpu_snap / cpu_plain:.3f}")
     for r, (owned, held, rss, *_) in enumerate(rows):
         print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
               f"({held / owned:.2f}x: two steps of its own file and of its mirror's); peak RSS {rss / 2**20:.0f} MiB (both engines)")
+    for r, (*_, (take, seal, wait)) in enumerate(rows):
+        print(f"rank {r}: a snapshot alone, CPU: copy {take * 1e3:.1f} ms, seal {seal * 1e3:.1f} ms (checksums, header; "
+              f"on the CPU the mirrors), wait {wait * 1e3:.1f} ms: {(take + seal + wait) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
-from zerocore.io import snapshot
+from zerocore.io import snapshot, snapshot_files
 
 STAGE = 3
 
@@ -112,7 +112,7 @@ def _killer(args, rank, run):
 
     def die():
         if args.lose_dir:
-            shutil.rmtree(snapshot.holder_dir(run, rank), ignore_errors=True)
+            shutil.rmtree(snapshot_files.holder_dir(run, rank), ignore_errors=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     if where == "snapshot":  # the snapshot of step `when`, killed half-written: its data, not its header

@@ -23,7 +23,8 @@ import torch
 import snapshot_job
 import zerocore
 from dist_harness import run_ranks
-from zerocore.io import snapshot
+from zerocore.io import snapshot, snapshot_files
+from zerocore.io.save_load import rank_tensors
 
 STEPS = 7
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_job.py")
@@ -229,6 +230,37 @@ def test_a_lost_node_of_two_ranks_is_restored_from_the_next_node(tmp_path):
     assert restored == 3
     for name, value in reference.items():
         assert torch.equal(state[name], value), f"{name} differs from the uninterrupted run"
+
+
+def _snapshot_files_and_report(rank, world, folder):
+    """3 steps with snapshots, each rank a node of its own: (its memory
+    report, {file name: bytes} of its snapshot folder, the bytes of what it
+    owns)."""
+    model, opt = snapshot_job.model_and_optimizer()
+    engine = zerocore.wrap(model, opt, snapshot_job.config(snapshot="memory", snapshot_run_id="r",
+                                                           snapshot_dir=folder.format(rank=rank)))
+    snapshot_job.run_steps(engine, snapshot_job.scheduler(opt), 1, 3)
+    engine.snapshots.wait()
+    held = engine.snapshots.dir
+    files = {name: os.path.getsize(os.path.join(held, name)) for name in os.listdir(held)}
+    owned = sum(t.numel() * t.element_size() for t in rank_tensors(engine).values())
+    report = engine.memory_report()
+    engine.close()
+    return report, files, owned
+
+
+def test_the_memory_report_counts_the_snapshot_and_the_mirror(tmp_path):
+    """memory_report()["snapshots"] (host memory: /dev/shm) is every byte
+    of the rank's snapshot folder: the two newest files of its own and of
+    the peer it mirrors, each what the rank owns plus a header."""
+    for rank, (report, files, owned) in enumerate(run_ranks(_snapshot_files_and_report, 2,
+                                                            str(tmp_path / "node-{rank}"))):
+        assert report["snapshots"] == report["by_device"]["host"]["snapshots"] == sum(files.values())
+        assert report["by_device"]["device"]["snapshots"] == 0
+        held = sorted((int(m[3]), int(m[2])) for m in map(snapshot_files.FILE.fullmatch, files))
+        assert held == sorted([((rank + 1) % 2, 2), ((rank + 1) % 2, 3), (rank, 2), (rank, 3)]), files
+        for name, size in files.items():  # the peer owns as much (an even split of this model)
+            assert owned < size < owned + 65536, (name, size, owned)
 
 
 @pytest.mark.parametrize("nodes, copies, offsets", [

@@ -7,6 +7,7 @@
 #include "dlpack_tensor.h"
 #include "zerocore/kernels/cpu_exact_grid.h"
 #include "zerocore/kernels/cpu_features.h"
+#include "zerocore/kernels/crc32c.h"
 #include "zerocore/error.h"
 #include "zerocore/runtime/thread_pool.h"
 
@@ -36,6 +37,16 @@ void bind_cpu(nb::module_& m) {
         throw InvalidArgument("unknown CPU instruction set '" + name + "'; expected scalar, avx2 or avx512");
       },
       nb::arg("isa"), "Forces a SIMD path ('scalar', 'avx2', 'avx512'); it must be supported here.");
+  m.def(
+      "crc32c",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data, uint32_t crc) {
+        nb::gil_scoped_release release;  // a snapshot's checksums run beside the training thread on a device
+        return crc32c(data.data(), data.size(), crc);
+      },
+      nb::arg("data"), nb::arg("crc") = 0,
+      "The CRC-32C of data's bytes (a 1-D uint8 CPU array), continued from crc, the CRC-32C of the bytes before "
+      "them. See kernels/crc32c.h.");
+  m.def("crc32c_in_hardware", &crc32c_in_hardware, "Whether crc32c runs SSE4.2's instruction here.");
   m.def("set_num_threads", &set_num_threads, nb::arg("threads"), "Threads used by the CPU optimizers.");
   m.def("num_threads", &num_threads);
   m.def(

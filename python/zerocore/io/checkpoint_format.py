@@ -12,8 +12,9 @@ whichever files hold them. Rank 0's file also holds the module's buffers
 ("buffer/<name>"); every rank's, its RNG states ("rng/cpu",
 "rng/cuda/<device>").
 
-Every rank file names its save id and carries a CRC-32 of each of its
-tensors in its metadata; the manifest carries one of itself and lists the
+Every rank file names its save id and carries a CRC-32C of each of its
+tensors in its metadata (kernels/crc32c.h: in hardware on x86-64; files
+written before it carry zlib's CRC-32, under "crc32", still read); the manifest carries one of itself and lists the
 rank files with their sizes. So a file that is missing, truncated, from
 another save, or changed by a single bit is found, and named, before any
 of its values is used.
@@ -27,6 +28,7 @@ import zlib
 
 import torch
 
+from zerocore import _native
 from zerocore.io import safetensors_file
 
 MANIFEST = "zerocore.json"
@@ -39,8 +41,13 @@ class CheckpointError(RuntimeError):
     rank, with the engine as it was."""
 
 
-def crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(safetensors_file.tensor_bytes(t))
+def checksum(t: torch.Tensor) -> int:
+    """The CRC-32C of a contiguous CPU tensor's bytes."""
+    return _native.crc32c(t.reshape(-1).view(torch.uint8))
+
+
+# A rank file's checksums are under the name of their algorithm.
+_CHECKSUMS = {"crc32c": checksum, "crc32": lambda t: zlib.crc32(safetensors_file.tensor_bytes(t))}
 
 
 def rank_file(save_id: str, rank: int, world_size: int) -> str:
@@ -58,17 +65,17 @@ def write_rank_file(path, save_id: str, rank: int, world_size: int, tensors: dic
     file in memory, False). metadata: more strings to keep in its header."""
     # Checksummed and written from host memory: a CUDA engine's states come down here.
     tensors = {key: t.detach().contiguous().cpu() for key, t in tensors.items()}
-    crcs = {key: crc32(t) for key, t in tensors.items()}
+    crcs = {key: checksum(t) for key, t in tensors.items()}
     safetensors_file.write(path, [(k, t.dtype, t.shape, t) for k, t in tensors.items()],
                            rank_file_metadata(save_id, rank, world_size, crcs, metadata), fsync=fsync)
 
 
 def rank_file_metadata(save_id: str, rank: int, world_size: int, crcs: dict, metadata=None) -> dict:
     """A rank file's header metadata: `metadata` (more strings) and what
-    open_rank_file checks, its save id, rank, world size and the CRC-32 of
-    each tensor (crcs: key -> crc32 of its bytes)."""
+    open_rank_file checks, its save id, rank, world size and the CRC-32C
+    of each tensor (crcs: key -> checksum of its bytes)."""
     meta = {"format": FORMAT, "version": VERSION, "id": save_id, "rank": rank, "world_size": world_size,
-            "crc32": crcs}
+            "crc32c": crcs}
     return {**(metadata or {}), _META_KEY: json.dumps(meta, separators=(",", ":"))}
 
 
@@ -113,16 +120,18 @@ def read_manifest(directory) -> dict:
 
 
 def open_rank_file(path):
-    """A rank file, mapped, and its metadata (save id, rank, world size, a
-    checksum per tensor); CheckpointError when it is not one."""
+    """A rank file, mapped, and its metadata (save id, rank, world size,
+    "checksums": a checksum per tensor, "checksum": the function that
+    computes them); CheckpointError when it is not one."""
     try:
         reader = safetensors_file.Reader(path)
         meta = json.loads(reader.metadata[_META_KEY])
-        meta["crc32"] = dict(meta["crc32"])
+        algorithm = next(name for name in _CHECKSUMS if name in meta)
+        meta["checksums"], meta["checksum"] = dict(meta.pop(algorithm)), _CHECKSUMS[algorithm]
         meta["id"] = str(meta["id"])
-    except (safetensors_file.SafetensorsError, KeyError, ValueError, TypeError) as e:
+    except (safetensors_file.SafetensorsError, KeyError, ValueError, TypeError, StopIteration) as e:
         raise CheckpointError(f"{path}: not a zerocore rank file ({type(e).__name__}: {e})") from None
-    if set(meta["crc32"]) != set(reader.entries):
+    if set(meta["checksums"]) != set(reader.entries):
         raise CheckpointError(f"{path}: its header names other tensors than it was written with (corrupt)")
     return reader, meta
 
@@ -147,6 +156,7 @@ class CheckpointReader:
         self._stretches = {}  # (kind, name) -> [_Stretch] by first element
         self.named = {}  # (saving rank, other key: "buffer/...", "rng/...") -> reader
         self._crc = {}  # (reader path, key) -> stored checksum
+        self._checksum = {}  # reader path -> the function of its checksums
         for rank, entry in enumerate(m["files"]):  # None: a file this reader does not open (io/snapshot_restore.py)
             if entry is not None:
                 self.files.append(self._open(rank, entry))
@@ -163,7 +173,8 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or "
                                   "overwritten)")
         reader, meta = open_rank_file(path)
-        crcs, save_id = meta["crc32"], meta["id"]
+        crcs, save_id = meta["checksums"], meta["id"]
+        self._checksum[path] = meta["checksum"]
         if save_id != self.manifest["id"]:
             raise CheckpointError(f"{path}: belongs to save {save_id}, the manifest to save {self.manifest['id']} "
                                   "(files of different checkpoints mixed)")
@@ -215,7 +226,7 @@ class CheckpointReader:
         self._verify(self.named[(rank, key)], key)
 
     def _verify(self, reader, key):
-        if crc32(reader.get(key)) != self._crc[(reader.path, key)]:
+        if self._checksum[reader.path](reader.get(key)) != self._crc[(reader.path, key)]:
             raise CheckpointError(f"{reader.path}: checksum mismatch in {key}: the file is corrupt")
 
     # Reading -----------------------------------------------------------------

@@ -5,58 +5,38 @@ After every snapshot_every-th completed step each rank copies what it owns
 (a checkpoint's rank file: save_load.rank_tensors, its partition of the
 fp32 params and optimizer states, its RNG states, rank 0 the module's
 buffers), on the training thread, straight into the data of the file it
-writes next, in shared memory that outlives the process. At the next
-forward (where the loop has stepped its lr scheduler) the snapshot is
-sealed with the checkpoint manifest of that step (step and loss scale
-counters, hyperparameters, the named lr scheduler's state) and a
-background thread checksums the data, writes the file's header and renames
-it into place, then sends it to the rank's mirrors, the next
-snapshot_copies nodes (mirror_offsets), each of which receives it
-straight into a file of its own. The thread runs behind that forward and backward; the next
-snapshot waits for it first, as does close.
-
-The files, per node (Config.snapshot_dir, default /dev/shm/zerocore-snapshots):
-
-    <dir>/<run id>/rank-HHHHH/g<gen>.step-<step>.rank-RRRRR-of-WWWWW.safetensors
-
-held by rank H (its own, R == H, or a mirror of rank R's) of a world of W
-ranks, generation <gen> (one more at each restore: files of a timeline
-given up never mix with the one restored). Each is a checkpoint rank file
-(io/checkpoint_format.py) whose header has room reserved, so that its data
-can be written before its checksums. A file appears whole or not at all:
-a rank keeps the two newest steps of each rank it holds, each file mapped
-once, and writes over the older one under a temporary name, renamed into
-place when whole, so a rank killed mid-write leaves the previous step
-whole. Its checksums (one per tensor, one of the manifest) find any change
-before anything is used (io/snapshot_restore.py).
-
-The mirrors travel over a gloo process group of their own beside the data
-group, so they never take a place in the order of the engine's queues
-(comm/communicator.py): every rank's thread issues the same sends and receives, one
-snapshot after another.
+writes next, in shared memory that outlives the process
+(snapshot_files.py: the files, their names, the two kept of each rank). At
+the next forward (where the loop has stepped its lr scheduler) the
+snapshot is sealed with the checkpoint manifest of that step (step and loss
+scale counters, hyperparameters, the named lr scheduler's state): its data
+checksummed (CRC-32C, in hardware where the CPU has it), its header
+written, the file renamed into place; then it is sent to its mirrors
+(snapshot_mirror.py: the next snapshot_copies nodes, mirror_offsets): on
+the training thread where the engine runs on the CPU, behind that forward
+and backward on a thread where it runs on a device (seal). Its checksums
+(one per tensor, one of the manifest) find any change before anything is
+used (io/snapshot_restore.py).
 """
 from __future__ import annotations
 
 import json
 import mmap
 import os
-import re
 import socket
 import threading
 import weakref
-import zlib
 
 import torch
-import torch.distributed as dist
 
-from zerocore.io.checkpoint_format import crc32, rank_file_metadata
+from zerocore.io.checkpoint_format import checksum, rank_file_metadata
 from zerocore.io.safetensors_file import plan
 from zerocore.io.save_load import manifest_of, rank_tensors, set_hyperparameters
+from zerocore.io.snapshot_files import KeptFiles, file_name, holder_dir, manifest_crc, prune, runs, save_id
+from zerocore.io.snapshot_mirror import Mirrors
 
 DEFAULT_DIR = "/dev/shm/zerocore-snapshots"
 MANIFEST_KEY = "zerocore-snapshot"  # the step's checkpoint manifest, in each file's header
-FILE = re.compile(r"g(\d+)\.step-(\d+)\.rank-(\d+)-of-(\d+)\.safetensors")
-KEPT_STEPS = 2  # of each rank held: the newest whole while the next is written
 _BACKEND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a backend's buffers hold
 HEAD_ROOM = 2  # a file's header gets room for twice the first one's size: its manifest may grow
 
@@ -102,114 +82,11 @@ def writes_behind(engine) -> bool:
     return engine.device.type != "cpu"
 
 
-def holder_dir(run: str, rank: int) -> str:
-    return os.path.join(run, f"rank-{rank:05d}")
-
-
-def file_name(generation: int, step: int, rank: int, world_size: int) -> str:
-    return f"g{generation:04d}.step-{step:012d}.rank-{rank:05d}-of-{world_size:05d}.safetensors"
-
-
-def save_id(generation: int, step: int, world_size: int) -> str:
-    """The checkpoint save id every rank's file of one snapshot carries."""
-    return f"g{generation:04d}-s{step:012d}-w{world_size:05d}"
-
-
-def manifest_crc(text: str) -> int:
-    return zlib.crc32(text.encode())
-
-
-def mapped(f, access) -> torch.Tensor:
-    """The bytes of open file f, as a tensor over a memory map of it."""
-    return torch.frombuffer(mmap.mmap(f.fileno(), 0, access=access), dtype=torch.uint8)
-
-
-def _files_of(directory: str, rank: int) -> list:
-    """The names of rank `rank`'s files in `directory`, newest (step, then generation) first."""
-    files = [(int(m[2]), int(m[1]), m[0]) for m in map(FILE.fullmatch, os.listdir(directory))
-             if m and int(m[3]) == rank]
-    return [name for *_, name in sorted(files, reverse=True)]
-
-
-def prune(directory: str, keep=KEPT_STEPS):
-    """Of each rank's files in `directory`, the `keep` newest steps stay."""
-    ranks = {int(m[3]) for m in map(FILE.fullmatch, os.listdir(directory)) if m}
-    for rank in ranks:
-        for name in _files_of(directory, rank)[keep:]:
-            with_errors_ignored(os.remove, os.path.join(directory, name))
-
-
-def with_errors_ignored(fn, *args):
-    try:
-        fn(*args)
-    except FileNotFoundError:
-        pass  # another rank of the node pruned it first
-
-
-def _runs(placed: list) -> list:
-    """placed: (first byte in the file, tensor) in the file's order; the
-    same, with tensors that follow on both in the file and in memory (a
-    partition's stretches of one buffer do) made one, 1-D: a copy a run of
-    them, not one a tensor."""
-    runs = []
-    for first, t in placed:
-        if runs and t.is_contiguous() and t.numel():
-            at, run = runs[-1]
-            if (run.dim() == 1 and run.is_contiguous() and t.dtype == run.dtype and t.device == run.device
-                    and first == at + run.numel() * run.element_size()
-                    and t.untyped_storage().data_ptr() == run.untyped_storage().data_ptr()
-                    and t.storage_offset() == run.storage_offset() + run.numel()):
-                runs[-1] = (at, run.as_strided((run.numel() + t.numel(),), (1,)))
-                continue
-        runs.append((first, t.reshape(-1) if t.is_contiguous() else t))
-    return runs
-
-
-class _Files:
-    """The KEPT_STEPS newest files this rank keeps of one rank it holds
-    (its own snapshots, or its mirror of a peer's), each mapped once and
-    written over in turn: the older one is renamed to a temporary name,
-    written through its map and renamed into place, while the newer one
-    stays whole. A write never faults in, frees or zeroes a page of shared
-    memory again (most of what a fresh file costs)."""
-
-    def __init__(self, directory: str, rank: int):
-        self.dir = directory
-        self.tmp = os.path.join(directory, f"rank-{rank:05d}.tmp.{os.getpid()}")  # refused as a snapshot (FILE)
-        self.kept = []  # (name, map), oldest first
-        self.writing = None  # the map of the file under self.tmp
-
-    def open(self, size: int) -> torch.Tensor:
-        """The bytes of the file being written, `size` of them (what they
-        held is kept up to that size), under the temporary name."""
-        if self.writing is None and len(self.kept) == KEPT_STEPS:
-            name, self.writing = self.kept.pop(0)
-            try:
-                os.replace(os.path.join(self.dir, name), self.tmp)
-            except FileNotFoundError:  # removed meanwhile (the folder cleared by hand): a new file
-                self.writing = None
-        if self.writing is None or len(self.writing) != size:
-            self.writing = None  # unmapped before its file is cut (views left in it are never used)
-            with open(self.tmp, "a+b") as f:
-                f.truncate(size)
-                self.writing = mmap.mmap(f.fileno(), size)
-        return torch.frombuffer(self.writing, dtype=torch.uint8)
-
-    def commit(self, name: str):
-        """The file written is whole: renamed into place as `name`."""
-        os.replace(self.tmp, os.path.join(self.dir, name))
-        self.kept.append((name, self.writing))
-        self.writing = None
-
-    def newest(self) -> torch.Tensor:
-        return torch.frombuffer(self.kept[-1][1], dtype=torch.uint8)
-
-
 class Snapshots:
-    """One engine's snapshots: taken after its steps (stepping), written
-    and mirrored by a thread behind the next step. mirror_group: a gloo
-    process group of the engine's ranks for the mirrors alone (None: a
-    rank alone, no mirrors)."""
+    """One engine's snapshots: taken after its steps (stepping), sealed
+    and mirrored at the next forward (on a device, behind it: seal). mirror_group: a gloo
+    process group of the engine's ranks for the mirrors alone
+    (snapshot_mirror.py says why; None: a rank alone, no mirrors)."""
 
     def __init__(self, engine, mirror_group):
         cfg = engine.config
@@ -228,8 +105,8 @@ class Snapshots:
         self.restored_lr_scheduler = None  # its state restored, until one is named (keep_lr_scheduler)
         self.restored_param_groups = None  # the optimizer's hyperparameters restored
         self.fetched = []  # the ranks whose files of the step restored came from other nodes
-        self._own = _Files(self.dir, self.rank)
-        self._mirrors = {k: _Files(self.dir, (self.rank - k) % self.world_size) for k in self.offsets}
+        self._own = KeptFiles(self.dir, self.rank)
+        self._mirrors = Mirrors(mirror_group, self.rank, self.world_size, self.offsets, self.dir)
         # The own file's layout: its tensors (key, dtype, shape), the room for its header, where each one's
         # data starts, its size.
         self._entries, self._head_bytes, self._placed, self._size = None, 0, None, 0
@@ -278,7 +155,7 @@ class Snapshots:
             self._lay_out(HEAD_ROOM * len(head))
         file = self._own.open(self._size)
         backend = self.engine.backend
-        for first, t in _runs([(first, tensors[key].detach()) for (key, _, _), first in self._placed]):
+        for first, t in runs([(first, tensors[key].detach()) for (key, _, _), first in self._placed]):
             if t.dtype in _BACKEND_DTYPES:  # the engine's master and states (not the RNG's bytes, torch's own)
                 # torch copies on the compute stream: the checking backend finds a read no wait orders after
                 # the update that wrote it.
@@ -312,12 +189,13 @@ class Snapshots:
         written and mirrored: behind this forward and backward, by a
         thread, where the engine's work runs on a device; at once, on the
         training thread, where it runs on the CPU (a thread would take the
-        training's own core, and its mirror's traffic beside the step's
-        collectives cost more CPU than the mirror alone: bench/RESULTS.md).
-        Not at the step itself: the loop steps its lr scheduler after the
-        optimizer, which sets the lr of the step that follows, so the
-        scheduler's state and the hyperparameters are read here, at the
-        next forward (or wait)."""
+        training's own core, and the mirrors' traffic beside the step's
+        collectives, on a thread or posted and left to gloo's threads until
+        the next snapshot, cost more CPU than the mirrors alone:
+        bench/RESULTS.md). Not at the step itself: the loop steps its lr
+        scheduler after the optimizer, which sets the lr of the step that
+        follows, so the scheduler's state and the hyperparameters are read
+        here, at the next forward (or wait)."""
         if self._unsealed is None:
             return
         step, self._unsealed = self._unsealed, None
@@ -349,8 +227,8 @@ class Snapshots:
         # peer died) exits without waiting for a mirror that will never come.
         try:
             self._seal_file(step, manifest_metadata)
-            for k in self.offsets:
-                self._mirror(step, k)
+            self._mirrors.post(self._own.newest(), self.generation, step)
+            self._mirrors.finish()
             prune(self.dir)
             self.bytes_held = sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir))
         except BaseException as e:  # noqa: BLE001 - raised on the training thread at the next wait
@@ -360,7 +238,7 @@ class Snapshots:
         """The own file of `step`, its data written (take): checksummed,
         its header written, renamed into place."""
         file = self._own.open(self._size)
-        crcs = {key: crc32(file[first:first + nbytes]) for key, first, nbytes in self._extents()}
+        crcs = {key: checksum(file[first:first + nbytes]) for key, first, nbytes in self._extents()}
         sid = save_id(self.generation, step, self.world_size)
         metadata = rank_file_metadata(sid, self.rank, self.world_size, crcs, manifest_metadata)
         head, _ = plan(self._entries, metadata, self._head_bytes)
@@ -377,24 +255,6 @@ class Snapshots:
         """(key, first byte, bytes) of each tensor of the own file."""
         return [(key, first, torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size())
                 for (key, dtype, shape), first in self._placed]
-
-    def _mirror(self, step, k):
-        """This rank's newest file to rank + k, sent from its map; rank -
-        k's received straight into the map of the older of the two files
-        kept of it (_Files)."""
-        dst, src = (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
-        outgoing = self._own.newest()
-        incoming_size = torch.empty(1, dtype=torch.int64)
-        self._exchange(torch.tensor([outgoing.numel()], dtype=torch.int64), dst, incoming_size, src, k)
-        incoming = self._mirrors[k].open(int(incoming_size))
-        self._exchange(outgoing, dst, incoming, src, k)
-        self._mirrors[k].commit(file_name(self.generation, step, src, self.world_size))
-
-    def _exchange(self, out, dst, into, src, tag):
-        works = [dist.isend(out, group=self.group, group_dst=dst, tag=tag),
-                 dist.irecv(into, group=self.group, group_src=src, tag=tag)]
-        for w in works:
-            w.wait()
 
     def close(self):
         self.wait()

@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from zerocore.io import save_load
-from zerocore.io.checkpoint_format import CheckpointError, crc32, open_rank_file, rank_file, write_manifest
-from zerocore.io.snapshot import FILE, MANIFEST_KEY, manifest_crc, mapped, node_of, save_id, with_errors_ignored
+from zerocore.io.checkpoint_format import CheckpointError, open_rank_file, rank_file, write_manifest
+from zerocore.io.snapshot import MANIFEST_KEY, node_of
+from zerocore.io.snapshot_files import FILE, manifest_crc, mapped, save_id, with_errors_ignored
 
 
 class SnapshotLostError(RuntimeError):
@@ -70,8 +71,8 @@ def _check(path: str) -> tuple:
             text = reader.metadata.get(MANIFEST_KEY, "")
             if str(manifest_crc(text)) != reader.metadata.get(f"{MANIFEST_KEY}-crc32"):
                 return f"{path}: checksum mismatch in its manifest", None, None
-            for key, stored in meta["crc32"].items():
-                if crc32(reader.get(key)) != stored:
+            for key, stored in meta["checksums"].items():
+                if meta["checksum"](reader.get(key)) != stored:
                     return f"{path}: checksum mismatch in {key}", None, None
             stretches = [[*key[len("param/"):].rsplit("/", 1), shape.numel()]
                          for key, (_, shape, _) in reader.entries.items() if key.startswith("param/")]
