@@ -72,7 +72,8 @@ MUTATIONS = [
     Mutation("round-master", "the fp32 master is rounded to the 16-bit dtype after each update",
              ((TRAINING, "        self.step_count += applied\n",
                "        self.step_count += applied\n        for g in self.groups:\n"
-               "            if g.master is not None:\n                g.master.copy_(g.master.to(g.dtype))\n"),)),
+               "            if \"master\" in g.buffers:\n"
+               "                g.buffers[\"master\"].copy_(g.buffers[\"master\"].to(g.dtype))\n"),)),
     Mutation("stale-root-unit", "stage 3: the root unit's own buffer is never released, so it is gathered "
              "once and never again: forward and backward use its params from before the first step",
              (("cpp/src/schedule/gather_pool.cpp", "  if (p.residency == Residency::kReleased) return;\n",

@@ -82,7 +82,7 @@ def _states(engine) -> dict:
     engine.finish_update()  # a delayed update still running lands first
     out = {}
     for g in engine.groups:
-        for kind, buf in {"param": g.fp32_partition(), **g.state}.items():
+        for kind, buf in {"param": g.fp32_partition(), **g.optimizer_states()}.items():
             for index, first, values in g.owned_stretches(buf):
                 out.setdefault((kind, g.names[index][0]), []).append((first, values.clone()))
     return out
@@ -248,7 +248,8 @@ def _grad_bytes(rank, world):
             torch.manual_seed(0)
             model = TinyLM()
             engine = zerocore.wrap(model, _sgd(model.parameters()), zerocore.Config(stage=stage, deterministic=det))
-            shared = [g.grad_sums is not None and g.grad_sums.data_ptr() == g.grad_part.data_ptr()
+            shared = ["grad_sums" in g.buffers
+                      and g.buffers["grad_sums"].data_ptr() == g.buffers["grad_part"].data_ptr()
                       for g in engine.groups if g.trainable]
             out[stage, det] = engine.memory_report()["grad"], shared
             engine.close()

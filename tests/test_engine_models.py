@@ -437,7 +437,7 @@ def _eval_frees(rank, world):
     after = engine.memory_report()["param"]
     with engine.gathered_params():
         full = {k: v.clone() for k, v in model.state_dict().items()}
-    return y, at_rest, after, full, [g.gathered for g in engine.groups]
+    return y, at_rest, after, full, [g.binder.bound is not None for g in engine.groups]
 
 
 def test_no_grad_eval_forward_frees_stage3_params():

@@ -317,7 +317,7 @@ def test_init_from_a_state_dict_sets_buffers():
 
 def _optimizer_states(engine):
     """The moments (the fp32 masters are params, which a load sets)."""
-    return [t.clone() for g in engine.groups for t in g.state.values()]
+    return [t.clone() for g in engine.groups for t in g.optimizer_states().values()]
 
 
 def _load_into_trained(rank, world, stage, dtype, path):

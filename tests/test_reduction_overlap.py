@@ -31,7 +31,7 @@ LARGE, SMALL = 1 << 20, 512  # bytes per bucket: one bucket a group, or several
 
 def _reduced(unit) -> bool:
     """Some of the unit's reduced grads are in its grad partitions."""
-    return any(g.grad_part.any() for g in unit.groups if g.trainable)
+    return any(g.buffers["grad_part"].any() for g in unit.groups if g.trainable)
 
 
 def _reduced_at_backward_starts(rank, world, layers, bucket_bytes):

@@ -35,7 +35,7 @@ import weakref
 
 from torch import nn
 
-from zerocore import _native, compute_stream, devices, param_guards
+from zerocore import _native, compute_stream, devices
 from zerocore._native import EngineCore
 from zerocore.comm import Communicator
 from zerocore.config import Config
@@ -46,7 +46,8 @@ from zerocore.engine_reports import Reports
 from zerocore.engine_state_io import StateIO
 from zerocore.engine_training import Training
 from zerocore.exact_grads import ExactGradSum
-from zerocore.flat_group import TORCH_DTYPES
+from zerocore.state import guards
+from zerocore.state.flat_group import TORCH_DTYPES
 from zerocore.grad_reducer import FullGradReducer, StagedReducer
 from zerocore.grouping import build_groups, param_names
 from zerocore.loss_scale import LossScaler
@@ -121,7 +122,7 @@ class Engine(Training, StateIO, Reports):
             g.fill(initializer.values_later)
         fill_agreeing(initializer, self.comm, self._places())
         for g in self.groups:
-            g.note_param_versions()
+            g.binder.note_param_versions()
         self.num_trainable_params = sum(p.numel() for p in params if p.requires_grad)
         # A param of each group held whole, in the dtype it trains in: a cast after wrap raises at the forward.
         self._dtype_probes = [(g.params[0], g.names[0][0], g.params[0].dtype) for g in self.groups
@@ -184,7 +185,7 @@ class Engine(Training, StateIO, Reports):
         if placement.partitions_params:
             self.scheduler = UnitScheduler(self.units, self.core.schedule, self.backend, self._attach_unit_grads)
         # Stage 3: module.state_dict() and load_state_dict() refuse while params are released.
-        self._state_guards = param_guards.guard_module_state(
+        self._state_guards = guards.guard_module_state(
             module, {id(p) for u in self.units for g in u.groups for p in g.params})
         # The user's optimizer drives the engine (optim.drive_engine); its
         # param_groups hold the hyperparameters every step reads.
@@ -234,7 +235,7 @@ class Engine(Training, StateIO, Reports):
                 h.remove()
         for name, p in module.named_parameters():
             p.grad = None
-            param_guards.restore(p, state[name])
+            guards.restore(p, state[name])
         self._cast_buffers(lambda name, _: self._buffer_dtypes[name])  # rank 0's values since full_state_dict
         del module._zerocore_engine
         release_optimizer(self.optimizer)

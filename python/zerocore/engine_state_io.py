@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from zerocore import param_guards, save_load
+from zerocore import save_load
+from zerocore.state import guards
 from zerocore.grouping import param_names
 from zerocore.materialize import IncompatibleKeys, Loader
 from zerocore.positions import engine_call
@@ -34,7 +35,7 @@ class StateIO:
                     out[name] = value
         for name, b in self.module.named_buffers():
             out[name] = b.detach().clone()
-        return {k: out[k] for k in param_guards.state_dict_keys(self.module)}
+        return {k: out[k] for k in guards.state_dict_keys(self.module)}
 
     @engine_call("load_state_dict()")
     def load_state_dict(self, source, strict=True) -> IncompatibleKeys:
@@ -99,12 +100,12 @@ class StateIO:
             self.finish_update()
             if self.scheduler:
                 self.scheduler.gather_all()
-            before = [g.snapshot_partition() for g in self.groups]
+            before = [g.binder.snapshot_partition() for g in self.groups]
         try:
             yield self.module
         finally:
             with self.positions.inside("the end of gathered_params()", self.step_count + 1):
                 for g, snap in zip(self.groups, before):
-                    g.write_back(snap)
+                    g.binder.write_back(snap)
                 if self.scheduler:
                     self.scheduler.free_all()

@@ -26,7 +26,7 @@ import torch
 from zerocore import _native, interrupts
 from zerocore.comm import MICRO_BATCHES, CollectiveOrderError
 from zerocore.loss_scale import NonFiniteGradientError
-from zerocore.param_guards import dtype_changed
+from zerocore.state.guards import dtype_changed
 from zerocore.positions import engine_call
 from zerocore.stage3 import UNIT_HOOKS
 
@@ -57,7 +57,7 @@ class Training:
             if p.dtype != dtype:
                 cast = p.dtype
                 for g in self.groups:
-                    g.undo_casts()
+                    g.binder.undo_casts()
                 raise dtype_changed(name, cast, dtype)
         buffers = next(self.module.buffers(), None) is not None  # compiled, a model without them has no graph break
         if torch.is_grad_enabled():  # one that raises, or has no backward, counts: the step's meeting compares them
@@ -195,7 +195,7 @@ class Training:
         self._backward_calls += 1
         for g in self.groups:
             if g.trainable:
-                g.hide_grads()
+                g.binder.hide_grads()
 
     def _attach_unit_grads(self, unit):
         """Stage 3, before a unit's backward (UnitScheduler's
@@ -339,7 +339,7 @@ class Training:
         rank), so the module and the engine hold the latest params. Reading
         or saving the model calls it first; nothing to do otherwise. Call
         it on every rank. Before it, writes the user made to params held
-        whole reach the fp32 masters (FlatGroup.carry_param_writes), and the
+        whole reach the fp32 masters (ParamBinder.carry_param_writes), and the
         device's verdicts not read yet are (a step it refused raises
         NonFiniteGradientError here, on every rank)."""
         self._carry_param_writes()
@@ -364,7 +364,7 @@ class Training:
 
     def _carry_param_writes(self):
         for g in self.groups:
-            g.carry_param_writes()
+            g.binder.carry_param_writes()
 
     def _end_step(self):
         self._forget_reduction()
@@ -378,7 +378,7 @@ class Training:
         refuses, as every call does (positions.engine_call)."""
         self.comm.failure.check()
         for g in self.groups:
-            g.zero_grad()
+            g.binder.zero_grad()
         self.reducer.drop_staged()
         self._forget_reduction()
 

@@ -26,8 +26,7 @@ import shutil
 
 import torch
 
-from zerocore import param_guards
-from zerocore.flat_group import FlatGroup
+from zerocore.state import guards, views
 from zerocore.checkpoint_format import (FORMAT, MANIFEST, VERSION, CheckpointError, CheckpointReader, rank_file,
                                         stretch_key, write_manifest, write_rank_file)
 
@@ -91,7 +90,7 @@ def manifest_of(engine, save_id, sizes, lr_scheduler, extra) -> dict:
                     "group": group_of.get(id(p))} for p, names in _params(engine)],
         "buffers": {name: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", "")}
                     for name, b in engine.module.named_buffers()},
-        "state_dict_keys": param_guards.state_dict_keys(engine.module),
+        "state_dict_keys": guards.state_dict_keys(engine.module),
         "lr_scheduler": lr_scheduler, "extra": extra,
         "files": [{"path": rank_file(save_id, r, len(sizes)), "bytes": n} for r, n in enumerate(sizes)],
     }
@@ -104,7 +103,7 @@ def rank_tensors(engine) -> dict:
     for g in engine.groups:
         if g.plan.world_size == 1 and rank != 0:
             continue  # replicated on every rank (stage 0): rank 0 writes it
-        buffers = {"param": g.fp32_partition(), **g.state}
+        buffers = {"param": g.fp32_partition(), **g.optimizer_states()}
         for kind, buf in buffers.items():
             for index, first, values in g.owned_stretches(buf):
                 out[stretch_key(kind, g.names[index][0], first)] = values
@@ -204,7 +203,7 @@ def plan_reads(engine):
         for index in range(len(g.params)):
             name = g.names[index][0]
             jobs = [(g.param_stretches(index), "param")]
-            jobs += [(g.state_stretches(kind, index), kind) for kind in g.state]
+            jobs += [(g.state_stretches(kind, index), kind) for kind in g.optimizer_states()]
             for stretches, kind in jobs:
                 loads.append((stretches, kind, name))
                 wanted += [(kind, name, first, n) for first, n, _ in stretches]
@@ -243,7 +242,7 @@ def _apply(engine, ckpt, loads, lr_scheduler):
     if engine.scheduler:
         engine.scheduler.free_all()  # no gathered copy of the old values survives
     for stretches, kind, name in loads:
-        FlatGroup.load(stretches, lambda first, n, kind=kind, name=name: ckpt.read(kind, name, first, n))
+        views.load(stretches, lambda first, n, kind=kind, name=name: ckpt.read(kind, name, first, n))
     with torch.no_grad():
         for name, b in engine.module.named_buffers():
             b.copy_(ckpt.get(f"buffer/{name}").view(b.shape))

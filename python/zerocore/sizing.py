@@ -377,7 +377,7 @@ def _engine_layout(module, config, world_size: int, state_names, units) -> dict:
     (grouping.build_groups) and each group's buffer_plan, with no process
     group and no memory."""
     from zerocore import _native
-    from zerocore.flat_group import TORCH_DTYPES
+    from zerocore.state.flat_group import TORCH_DTYPES
     from zerocore.grouping import build_groups, param_names
     from zerocore.placement import Placement
 

@@ -70,7 +70,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import zerocore
 from zerocore import interrupts
-from zerocore.flat_group import NATIVE_NAMES
+from zerocore.state.flat_group import NATIVE_NAMES
 from zerocore.grad_reducer import outside_engine_backward
 
 
@@ -193,7 +193,7 @@ class UnitScheduler:
             address, buffer = bind
             flat = self._flat(address, unit, buffer)
             for g, (start, end) in zip(unit.groups, unit.spans):
-                g.bind(flat[start:end])
+                g.binder.bind(flat[start:end])
             self.bound[unit.index] = address
             self.at[address] = unit
 
@@ -202,7 +202,7 @@ class UnitScheduler:
         for index in released:
             unit = self.units[index]
             for g in unit.groups:
-                g.unbind()
+                g.binder.unbind()
             address = self.bound.pop(index)
             if self.at.get(address) is unit:
                 del self.at[address]
@@ -379,7 +379,7 @@ class UnitScheduler:
             self.native.gather_into(u.index, buffer)
             flat = zerocore.to_torch(buffer)
             for g, (start, end) in zip(u.groups, u.spans):
-                g.bind(flat[start:end], keep_views=False)
+                g.binder.bind(flat[start:end], keep_views=False)
 
     def free_all(self):
         """After gathered_params: every unit's params may have been edited,
@@ -389,7 +389,7 @@ class UnitScheduler:
         self.native.unbind_all()
         for u in self.units:
             for g in u.groups:
-                g.unbind()
+                g.binder.unbind()
         self.bound.clear()
         self.at.clear()
 
