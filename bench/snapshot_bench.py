@@ -87,7 +87,7 @@ def _measure(rank, port, args, root):
         _timed_steps(snapshotting, args, times["snapshot"], cpu["snapshot"])
     snapshots = snapshotting.snapshots
     snapshots.wait()
-    owned = sum(t.numel() * t.element_size() for t in rank_tensors(snapshotting).values())
+    owned = sum(t.numel() * t.element_size() for t in rank_tensors(snapshotting.parts).values())
     row = (owned, snapshots.bytes_held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            statistics.median(cpu["plain"]), statistics.median(cpu["snapshot"]))
     rows = [None] * args.world

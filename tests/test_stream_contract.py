@@ -79,9 +79,9 @@ def _record_keys(rank, world, stage):
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), **HP),
                            zerocore.Config(stage=stage, bucket_bytes=256))
     engine_train(engine, rank, world, 2, 1)
-    groups = {"data": engine.comm.group, "control": engine.control.group,
-              "reductions": engine.reduce_comm.group if engine.reduce_comm else None,
-              "rounds": engine.rounds_comm.group if stage == 3 else None}
+    groups = {"data": engine.parts.comm.group, "control": engine.parts.control.group,
+              "reductions": engine.parts.reduce_comm.group if engine.parts.reduce_comm else None,
+              "rounds": engine.parts.rounds_comm.group if stage == 3 else None}
     backends = {name: dist.get_backend(g) for name, g in groups.items() if g is not None}
     engine.close()
     by_group = {name: [key for g, key in calls if g is groups[name]] for name in groups}

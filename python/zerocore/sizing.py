@@ -425,7 +425,7 @@ def estimate(model, world_size=1, dtype: str = "bf16", optimizer: str = "adamw",
     (reduce_dtype, bucket_bytes, persist_threshold, delayed_update) apply,
     its stage, dtype and offload come from the arguments. str() of the
     result is a table; .row(world_size, stage, offload) one row."""
-    from zerocore.optim import state_names as optimizer_state_names
+    from zerocore.engine.optimizer_bridge import state_names as optimizer_state_names
 
     dtype = _check(dtype, optimizer, stages, offload)
     m = as_model(model)

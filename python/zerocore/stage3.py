@@ -167,7 +167,7 @@ class UnitScheduler:
         # This rank's forward ended with no hook since (end_forward): its
         # peers may still need its answers in their forward's rounds, which
         # the next hook, backward or step gives, so nothing may wait for
-        # them before that (Training._meet).
+        # them before that (engine/meeting.py).
         self.joining = False
         self.handles = []
         for u in units:
@@ -356,7 +356,7 @@ class UnitScheduler:
         self._unbind_released()
 
     def close_passes(self):
-        """Before the step's first collective (Training._meet): a forward
+        """Before the step's first collective (engine/meeting.py): a forward
         this rank ended is over on every rank, as the step's own exchange
         would make it first (UnitSchedule::release_all), so no peer still
         waits for this rank's rounds; what it releases unbinds."""
