@@ -57,7 +57,6 @@ class EngineParts:
     backend: object
     compute_stream: object  # torch's current stream, followed between steps (compute_stream.py)
     dtype: torch.dtype  # the params' training dtype (Config.dtype)
-    reduce_dtype: torch.dtype
     scaler: LossScaler
     # Where this rank is in the engine, for its peers: a collective that waits long finds ranks in different ones.
     positions: Positions
@@ -71,7 +70,7 @@ class EngineParts:
     units: list  # stage 3's units (grouping.py); empty at stages 0-2
     exact: Optional[ExactGradSum]  # Config(deterministic=True): the grads' exact sums
     update: object  # where this rank's partition is updated: InPlaceUpdate or OffloadUpdate
-    core: EngineCore  # the native core: reduction, stage 3's schedule, the step
+    core: EngineCore  # the native core, which owns the native parts below: reduction, stage 3's schedule, the step
     zero_step: object  # core.zero_step: the step in one native call
     param_gather: object  # core.param_gather: stages 1-3's updated blocks into every rank's params
     reducer: object  # FullGradReducer (stages 0-1) or StagedReducer (stages 2-3)
@@ -183,9 +182,9 @@ def build_parts(module, optimizer, config=None, *, group=None, units=None, init=
         if placement.partitions_params else None
     return EngineParts(
         module=module, optimizer=optimizer, config=cfg, placement=placement, kind=kind, state_names=optimizer_states,
-        device=where.device, backend=backend, compute_stream=stream, dtype=dtype,
-        reduce_dtype=reduce_dtype, scaler=scaler, positions=positions, control=control, comm=comm,
-        reduce_comm=reduce_comm, rounds_comm=rounds_comm, groups=groups, units=units, exact=exact, update=update,
+        device=where.device, backend=backend, compute_stream=stream, dtype=dtype, scaler=scaler, positions=positions,
+        control=control, comm=comm, reduce_comm=reduce_comm, rounds_comm=rounds_comm, groups=groups, units=units,
+        exact=exact, update=update,
         core=core, zero_step=core.zero_step, param_gather=core.param_gather, reducer=reducer, scheduler=scheduler,
         state_guards=guards.guard_module_state(module, {id(p) for u in units for g in u.groups for p in g.params}),
         dtype_probes=[(g.params[0], g.names[0][0], g.params[0].dtype) for g in groups if g.params and not g.sharded],
