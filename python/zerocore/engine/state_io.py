@@ -24,7 +24,8 @@ class StateIO:
     `snapshots` (Config(snapshot="memory"), else None) hear of each save."""
 
     def __init__(self, parts: EngineParts, loop: TrainingLoop, snapshots=None):
-        self.parts, self.loop, self.progress = parts, loop, loop.progress
+        self.parts, self.loop = parts, loop
+        self.progress = loop.progress  # the step and micro-batch engine_call notes (positions.py)
         self.snapshots = snapshots
 
     # State dicts -----------------------------------------------------------
