@@ -16,8 +16,8 @@ from torch import nn
 import zerocore
 from dist_harness import RankError, run_ranks
 from models import DIM, TinyLM, lm_batch, lm_loss, local, make
-from zerocore import safetensors_file
 from zerocore.engine.build import param_places
+from zerocore.io import safetensors_file
 
 SEED = 5
 STEPS = 3

@@ -17,8 +17,8 @@ import zerocore
 from dist_harness import run_ranks
 from models import assert_state_close, engine_train, make, reference_train
 from zerocore import _native
-from zerocore import comm as zcomm
-from zerocore.process_group import ProcessGroupTransport
+from zerocore.comm import communicator as zcomm
+from zerocore.comm.process_group import ProcessGroupTransport
 
 STEPS, ACCUM = 3, 2
 HP = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99))
@@ -100,7 +100,7 @@ def test_control_traffic_goes_on_the_control_group(stage):
         gathers = [bucket for kind, _, bucket, _ in control if kind == Kind.ALL_GATHER]
         # Start-up checks, both steps' exchanges (with the order fingerprint
         # and, at stages 2-3, the late grads: no agreement of their own) and
-        # the ranks' meetings on their micro-batch counts (Training._meet).
+        # the ranks' meetings on their micro-batch counts (engine/meeting.py).
         assert set(gathers) == {Purpose.NORMS, Purpose.AGREEMENT, Purpose.MICRO_BATCHES}
         assert gathers.count(Purpose.NORMS) == 2
         assert [kind for kind, _, _, _ in control if kind != Kind.ALL_GATHER] == []

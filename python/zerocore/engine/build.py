@@ -18,23 +18,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import _native, compute_stream, devices
+from zerocore import _native
+from zerocore.runtime import compute_stream, devices
 from zerocore._native import EngineCore
-from zerocore.comm import Communicator
+from zerocore.comm.communicator import Communicator
 from zerocore.config import Config
 from zerocore.engine.checks import check_same_model, model_problem, warn_of_param_dtypes
 from zerocore.engine.optimizer_bridge import read_optimizer, state_names
-from zerocore.exact_grads import ExactGradSum
-from zerocore.grad_reducer import FullGradReducer, StagedReducer
-from zerocore.grouping import build_groups, param_names
-from zerocore.loss_scale import LossScaler
-from zerocore.materialize import Initializer
-from zerocore.offload import OffloadUpdate, host_memory_problem
-from zerocore.partition_update import InPlaceUpdate
-from zerocore.placement import Placement
-from zerocore.positions import Positions
-from zerocore.process_group import private_group
-from zerocore.stage3 import UnitScheduler
+from zerocore.state.exact_grads import ExactGradSum
+from zerocore.hooks.grad_reducer import FullGradReducer, StagedReducer
+from zerocore.state.grouping import build_groups, param_names
+from zerocore.ops.loss_scale import LossScaler
+from zerocore.state.materialize import Initializer
+from zerocore.state.offload import OffloadUpdate, host_memory_problem
+from zerocore.state.partition_update import InPlaceUpdate
+from zerocore.state.placement import Placement
+from zerocore.comm.positions import Positions
+from zerocore.comm.process_group import private_group
+from zerocore.hooks.stage3 import UnitScheduler
 from zerocore.state import guards
 from zerocore.state.flat_group import TORCH_DTYPES
 

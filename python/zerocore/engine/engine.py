@@ -39,9 +39,9 @@ from zerocore.engine.optimizer_bridge import release as release_optimizer
 from zerocore.engine.reports import Reports
 from zerocore.engine.state_io import StateIO
 from zerocore.engine.training import TrainingLoop, training_call
-from zerocore.materialize import IncompatibleKeys
-from zerocore.snapshot import Snapshots
-from zerocore.snapshot_restore import restore as restore_snapshots
+from zerocore.state.materialize import IncompatibleKeys
+from zerocore.io.snapshot import Snapshots
+from zerocore.io.snapshot_restore import restore as restore_snapshots
 from zerocore.state import guards
 
 

@@ -6,7 +6,7 @@ collectives their peers never issue.
 """
 from __future__ import annotations
 
-from zerocore.comm import MICRO_BATCHES, CollectiveOrderError
+from zerocore.comm.communicator import MICRO_BATCHES, CollectiveOrderError
 
 # Where a rank is in its step: before a micro-batch's forward or backward, or at the step.
 PLACES = ("forward", "backward", "step")

@@ -7,7 +7,7 @@ checked against (docs/formulas.md).
 """
 from __future__ import annotations
 
-from zerocore import activation_checkpoint
+from zerocore.zero_r import buffers as checkpoint_buffers
 from zerocore.engine.build import EngineParts
 
 
@@ -37,8 +37,8 @@ class Reports:
             (parts.scheduler.native.buffer_bytes if parts.scheduler else 0) + parts.zero_step.device_buffer_bytes
         # The step's exchange row and verdict readbacks; the landing buffer of reduced grads bound for the host.
         by["host"]["comm_buffers"] = parts.zero_step.buffer_bytes + getattr(parts.reducer, "landing_bytes", 0)
-        by["device"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=False)
-        by["host"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=True)
+        by["device"]["activations"] = checkpoint_buffers.buffer_bytes(offloaded=False)
+        by["host"]["activations"] = checkpoint_buffers.buffer_bytes(offloaded=True)
         if self.snapshots:  # Config(snapshot="memory"): their files (own and mirrors')
             by["device"]["snapshots"], by["host"]["snapshots"] = 0, self.snapshots.bytes_held
         return {**{k: by["device"][k] + by["host"][k] for k in by["device"]}, "by_device": by}

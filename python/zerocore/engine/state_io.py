@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 
-from zerocore import save_load
+from zerocore.io import save_load
 from zerocore.engine.build import EngineParts, param_places
 from zerocore.engine.training import TrainingLoop
-from zerocore.grouping import param_names
-from zerocore.materialize import IncompatibleKeys, Loader
-from zerocore.positions import engine_call
+from zerocore.state.grouping import param_names
+from zerocore.state.materialize import IncompatibleKeys, Loader
+from zerocore.comm.positions import engine_call
 from zerocore.state import guards
 
 

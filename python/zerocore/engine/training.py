@@ -25,12 +25,13 @@ import math
 
 import torch
 
-from zerocore import _native, interrupts
+from zerocore import _native
+from zerocore.runtime import interrupts
 from zerocore.engine.build import EngineParts
 from zerocore.engine.meeting import meet
-from zerocore.loss_scale import NonFiniteGradientError
-from zerocore.positions import engine_call
-from zerocore.stage3 import UNIT_HOOKS
+from zerocore.ops.loss_scale import NonFiniteGradientError
+from zerocore.comm.positions import engine_call
+from zerocore.hooks.eager import UNIT_HOOKS
 from zerocore.state.guards import dtype_changed
 
 # Why a graph breaks at the engine's calls: dynamo's error under fullgraph=True.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 import zerocore
-from zerocore.comm import Communicator
+from zerocore.comm.communicator import Communicator
 from zerocore.state import views
 from zerocore.state.binding import ParamBinder
 

@@ -49,7 +49,7 @@ def plan(entries, metadata=None, header_bytes=0) -> tuple:
     aligned to its element in the file (the data starts 8-byte aligned).
     Where each entry's bytes go depends on the entries and header_bytes
     alone: a file whose head is reserved may have its data written first
-    and its header (checksums, say) after (snapshot.py)."""
+    and its header (checksums, say) after (io/snapshot.py)."""
     order = sorted(entries, key=lambda e: -torch.empty(0, dtype=e[1]).element_size())
     header, offsets, offset = {}, [], 0
     if metadata:

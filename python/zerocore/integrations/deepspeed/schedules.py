@@ -1,6 +1,6 @@
 """DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR,
 WarmupCosineLR) as torch LR schedulers, for the `scheduler` block of a
-DeepSpeed config (deepspeed_config.py).
+DeepSpeed config (integrations/deepspeed/config.py).
 
 DeepSpeed counts batches from -1: its scheduler sets iteration -1's rate at
 construction and each step() moves one iteration on, so the first two steps

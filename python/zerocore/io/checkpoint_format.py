@@ -27,7 +27,7 @@ import zlib
 
 import torch
 
-from zerocore import safetensors_file
+from zerocore.io import safetensors_file
 
 MANIFEST = "zerocore.json"
 FORMAT, VERSION = "zerocore-checkpoint", 1
@@ -147,7 +147,7 @@ class CheckpointReader:
         self._stretches = {}  # (kind, name) -> [_Stretch] by first element
         self.named = {}  # (saving rank, other key: "buffer/...", "rng/...") -> reader
         self._crc = {}  # (reader path, key) -> stored checksum
-        for rank, entry in enumerate(m["files"]):  # None: a file this reader does not open (snapshot_restore.py)
+        for rank, entry in enumerate(m["files"]):  # None: a file this reader does not open (io/snapshot_restore.py)
             if entry is not None:
                 self.files.append(self._open(rank, entry))
         for stretches in self._stretches.values():

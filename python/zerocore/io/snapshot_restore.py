@@ -1,5 +1,5 @@
 """Restoring the newest snapshot at a restart (Config(snapshot="memory"),
-docs/snapshots.md; snapshot.py writes them).
+docs/snapshots.md; io/snapshot.py writes them).
 
 At wrap, before the first step, the ranks:
 
@@ -12,7 +12,7 @@ At wrap, before the first step, the ranks:
    own or a mirror. A file that fails its checksums is refused, named in a
    warning on every rank, and never read;
 3. make, each in a folder of its own, a view of that step as a checkpoint
-   (checkpoint_format.py's layout) that lists the files it reads: those
+   (io/checkpoint_format.py's layout) that lists the files it reads: those
    holding stretches of its partition (at another world size, the new
    one's), rank 0's (the buffers) and its own rank's (its RNG states). A
    file its node holds is linked; one it lacks comes from the rank that
@@ -36,9 +36,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from zerocore import save_load
-from zerocore.checkpoint_format import CheckpointError, crc32, open_rank_file, rank_file, write_manifest
-from zerocore.snapshot import FILE, MANIFEST_KEY, manifest_crc, mapped, node_of, save_id, with_errors_ignored
+from zerocore.io import save_load
+from zerocore.io.checkpoint_format import CheckpointError, crc32, open_rank_file, rank_file, write_manifest
+from zerocore.io.snapshot import FILE, MANIFEST_KEY, manifest_crc, mapped, node_of, save_id, with_errors_ignored
 
 
 class SnapshotLostError(RuntimeError):

@@ -22,17 +22,17 @@ The files, per node (Config.snapshot_dir, default /dev/shm/zerocore-snapshots):
 held by rank H (its own, R == H, or a mirror of rank R's) of a world of W
 ranks, generation <gen> (one more at each restore: files of a timeline
 given up never mix with the one restored). Each is a checkpoint rank file
-(checkpoint_format.py) whose header has room reserved, so that its data
+(io/checkpoint_format.py) whose header has room reserved, so that its data
 can be written before its checksums. A file appears whole or not at all:
 a rank keeps the two newest steps of each rank it holds, each file mapped
 once, and writes over the older one under a temporary name, renamed into
 place when whole, so a rank killed mid-write leaves the previous step
 whole. Its checksums (one per tensor, one of the manifest) find any change
-before anything is used (snapshot_restore.py).
+before anything is used (io/snapshot_restore.py).
 
 The mirrors travel over a gloo process group of their own beside the data
 group, so they never take a place in the order of the engine's queues
-(comm.py): every rank's thread issues the same sends and receives, one
+(comm/communicator.py): every rank's thread issues the same sends and receives, one
 snapshot after another.
 """
 from __future__ import annotations
@@ -48,9 +48,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from zerocore.checkpoint_format import crc32, rank_file_metadata
-from zerocore.safetensors_file import plan
-from zerocore.save_load import manifest_of, rank_tensors, set_hyperparameters
+from zerocore.io.checkpoint_format import crc32, rank_file_metadata
+from zerocore.io.safetensors_file import plan
+from zerocore.io.save_load import manifest_of, rank_tensors, set_hyperparameters
 
 DEFAULT_DIR = "/dev/shm/zerocore-snapshots"
 MANIFEST_KEY = "zerocore-snapshot"  # the step's checkpoint manifest, in each file's header

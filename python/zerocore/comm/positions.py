@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from zerocore.comm_errors import RankDisagreementError
+from zerocore.comm.errors import RankDisagreementError
 
 PUBLISH_PERIOD = 0.5  # seconds, at most, between a change of position and its publication
 

@@ -2,7 +2,7 @@
 rank involved: CollectiveOrderError (the step's exchange found them apart,
 or their micro-batch counts differ) and RankDisagreementError (a collective
 waited long and its peers' positions show them in different ones:
-positions.py)."""
+comm/positions.py)."""
 from zerocore import _native
 
 

@@ -34,7 +34,7 @@ held as trainable ones are, with no grads or optimizer state.
 memory_coefficients holds these rules, as bytes per param by category and
 by where they live; predicted_memory_by_device and predicted_memory are
 its products, largest_numel its inverse (zerocore.estimate and
-zerocore.largest_model, sizing.py, put them to use).
+zerocore.largest_model, sizing/estimate.py, put them to use).
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 from zerocore.config import Config, DynamicLossScale
-from zerocore.deepspeed_schedules import SCHEDULES
+from zerocore.integrations.deepspeed.schedules import SCHEDULES
 
 # Keys that change no result in zerocore, with why.
 _NO_EFFECT_TOP = {
@@ -336,7 +336,7 @@ class DeepSpeedConfig:
 
     def scheduler(self, optimizer):
         """The LR scheduler the "scheduler" block names, on `optimizer`, with
-        DeepSpeed's rates (deepspeed_schedules.py); None without the block.
+        DeepSpeed's rates (integrations/deepspeed/schedules.py); None without the block.
         Call its step() after each engine.step() that applied (DeepSpeed's
         engine does not step it after a step an fp16 overflow skipped)."""
         block = self._scheduler_block

@@ -40,7 +40,7 @@ from fractions import Fraction
 import torch
 
 from zerocore import _native
-from zerocore.comm import ControlPurpose
+from zerocore.comm.communicator import ControlPurpose
 
 HEADROOM = 8  # bits a step's largest grad (times the count) may grow over the last one's before a skip
 LIMIT_BITS = 62  # count * (largest |grad| in grid units + 1) below 2**62: no int64 partial sum overflows

@@ -55,7 +55,7 @@ from torch import nn
 import zerocore
 from zerocore.state import guards
 from zerocore.state.flat_group import NATIVE_NAMES
-from zerocore.safetensors_file import Reader
+from zerocore.io.safetensors_file import Reader
 
 _MALLOC_MMAP_THRESHOLD = 128 << 10  # glibc's initial M_MMAP_THRESHOLD
 

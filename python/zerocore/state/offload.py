@@ -46,7 +46,7 @@ from zerocore import _native, ops
 
 
 class OffloadUpdate:
-    """The host step of a rank's partition (partition_update.py's interface)."""
+    """The host step of a rank's partition (state/partition_update.py's interface)."""
 
     def __init__(self, groups, placement, config, backend):
         buckets, run_grad_bytes, up_bytes = [], 0, 0

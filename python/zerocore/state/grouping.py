@@ -1,14 +1,14 @@
 """How wrap lays a module's params out: which stage-3 unit owns each param,
 which units are coalesced into one, and the flat groups (state/flat_group.py)
 they go into, in reduction order. The engine builds its store from this
-plan, and zerocore.estimate (sizing.py) counts the bytes of the same plan
+plan, and zerocore.estimate (sizing/estimate.py) counts the bytes of the same plan
 without allocating any."""
 from __future__ import annotations
 
 from torch import nn
 
 from zerocore.state.flat_group import FlatGroup
-from zerocore.stage3 import Unit, find_units
+from zerocore.state.units import Unit, find_units
 
 
 def param_names(module):

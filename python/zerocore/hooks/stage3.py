@@ -12,12 +12,7 @@ the params view), and declares the compute stream's reads of the unit's
 params to the backend, so the checking backend orders them against the
 gathers.
 
-A unit is a module whose params are gathered together: by default the
-modules held directly by the outermost nn.ModuleList/nn.Sequential
-containers (the transformer blocks of a typical model; ModuleDicts are
-looked through, having no forward of their own), the modules held by a
-ModuleList or ModuleDict inside such a unit (the experts of a mixture-of-
-experts layer), plus the root for everything else.
+A unit (state/units.py) is a module whose params are gathered together.
 
 Ranks may run different units, a different number of times (experts chosen
 by the data): every hook that needs params posts a round of the native
@@ -37,90 +32,26 @@ schedule, in which the ranks agree on what to gather and when to reduce
 Prefetch is only ever a guess: a wrong one costs a gather, never a wrong
 result, and every rank makes the same guesses.
 
-torch.compile: the module hooks and the saved-tensor hooks are
-torch.compiler.disable'd (FSDP2's are too): they call the native schedule
-and rebind params, which dynamo must not trace. A compiled module's graphs
-break at each unit's hooks, so a unit's forward is a graph of its own
-(and its backward, through AOTAutograd), called with the params its
-pre-hook bound; the params it saves for backward go through _pack like
-any others. (A root forward that calls its units in a loop runs its own
-code eagerly: dynamo gives up on a frame with a graph break in a loop.)
-fullgraph=True across units cannot work and raises with UNIT_HOOKS as the
-reason; the backward hooks run inside engine.backward, which is eager.
+torch.compile: the hooks run eagerly (hooks/eager.py).
 
 Each hook's native call and the binding that mirrors what it did happen
 under interrupts.deferred(): a Ctrl-C between them would leave the params of
-a unit the schedule bound pointing at placeholders (interrupts.py).
+a unit the schedule bound pointing at placeholders (runtime/interrupts.py).
 
-Saved tensors: a released unit may be gathered again into another buffer
-of the pool. Autograd saves a leaf param as the param itself, which follows
-the rebinding; a view of a param (W.t() inside a linear) it saves as is, so
-forward runs under saved_tensors_hooks (SavedParamViews) that pack such a
-view as (unit, offset, sizes, strides) and unpack it as a view of the
-buffer the unit is gathered in when backward needs it.
+Saved tensors: views of gathered params are packed and unpacked by
+SavedParamViews (hooks/saved_param_views.py).
 """
 from __future__ import annotations
 
-import functools
-import weakref
-
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import zerocore
-from zerocore import interrupts
+from zerocore.runtime import interrupts
 from zerocore.state.flat_group import NATIVE_NAMES
-from zerocore.grad_reducer import outside_engine_backward
-
-
-# Why a graph breaks at a unit's hooks: dynamo's error under fullgraph=True.
-UNIT_HOOKS = ("zerocore stage 3 gathers and releases a unit's params in its module hooks, which run eagerly: a "
-              "graph breaks at each unit. Compile without fullgraph=True, or compile each unit with "
-              "torch.compile(unit, fullgraph=True) before zerocore.wrap (its hooks then run outside the graph)")
-_eager = torch.compiler.disable(reason=UNIT_HOOKS)
-
-
-def find_units(module: nn.Module, units=None) -> list:
-    """The unit modules, root first. `units` may list module classes or
-    modules to use instead of the default policy."""
-    if units is not None:
-        classes = tuple(u for u in units if isinstance(u, type))
-        chosen = {id(u) for u in units if isinstance(u, nn.Module)}
-        picked = [m for m in module.modules() if m is not module and (id(m) in chosen or isinstance(m, classes))]
-        return [module] + picked
-
-    picked = []
-    containers = (nn.ModuleList, nn.ModuleDict)  # hold modules, have no forward
-
-    def visit(m, inside_unit):
-        for child in m.children():
-            listed = isinstance(m, containers) if inside_unit else isinstance(m, (nn.ModuleList, nn.Sequential))
-            if listed and not isinstance(child, containers) and any(True for _ in child.parameters()):
-                picked.append(child)
-                visit(child, True)
-            else:
-                visit(child, inside_unit)
-
-    visit(module, False)
-    return [module] + picked
-
-
-class Unit:
-    def __init__(self, index, modules, groups):
-        self.index = index  # in the native schedule; the root is 0
-        # The modules gathered as this unit: one, or a run coalesced at wrap
-        # (grouping.coalesce), in the order their nn.Sequential calls them.
-        self.modules = modules
-        self.groups = groups  # FlatGroups of sharded params
-        self.schedule = None  # set by UnitScheduler
-        self.elems = 0  # of its buffer, and its groups' (start, end) in it: set by UnitScheduler
-        self.spans = []
-
-    @property
-    def gathered(self) -> bool:
-        """Gathered, or being gathered, in the pool (prefetches count)."""
-        return self.schedule is not None and self.schedule.gathered(self.index)
+from zerocore.hooks.eager import eager
+from zerocore.hooks.grad_reducer import outside_engine_backward
+from zerocore.hooks.saved_param_views import SavedParamViews
 
 
 class _PostBackward(torch.autograd.Function):
@@ -234,7 +165,7 @@ class UnitScheduler:
     # recomputation in backward, which runs one module) ends it there, so
     # the schedule sees every forward call opened and ended once.
     def _pre_forward(self, unit, position):
-        @_eager
+        @eager
         def hook(module, args, kwargs):
             run = self.open_run
             if run is not None and run[0] is unit and position == run[1] + 1:
@@ -271,7 +202,7 @@ class UnitScheduler:
         self.saving = on
 
     def _post_forward(self, unit, position):
-        @_eager
+        @eager
         def hook(module, args, output):
             run = self.open_run
             if run is not None and run[0] is unit:
@@ -301,7 +232,7 @@ class UnitScheduler:
         if unit.index == 0 and not self.in_backward:  # the end of the forward, however it was called
             self.end_forward()
 
-    @_eager
+    @eager
     def end_forward(self, failed=False):
         """After the root's forward (or its failure): posts this rank's
         done-round (a failure waits for the other ranks to hear of it)."""
@@ -392,42 +323,3 @@ class UnitScheduler:
                 g.binder.unbind()
         self.bound.clear()
         self.at.clear()
-
-
-class SavedParamViews(torch.autograd.graph.saved_tensors_hooks):
-    """What forward saves for backward, with views of gathered params packed
-    as (unit, storage offset, sizes, strides) and unpacked as views of the
-    buffer the unit is gathered in by then, which may be another one."""
-
-    def __init__(self, scheduler):
-        # Hooks that hold the scheduler weakly and not this object: no
-        # reference cycle, so a closed engine's memory goes at once.
-        ref = weakref.ref(scheduler)
-        super().__init__(functools.partial(_pack, ref), functools.partial(_unpack, ref))
-
-
-@_eager
-def _pack(scheduler, t):
-    if t.layout == torch.strided and not t.is_meta:
-        unit = scheduler().at.get(t.untyped_storage().data_ptr())
-        if unit is not None:
-            return _ParamView(unit, t.storage_offset(), t.shape, t.stride())
-    return t
-
-
-@_eager
-def _unpack(scheduler, packed):
-    if isinstance(packed, _ParamView):
-        live = scheduler()
-        if live is None:
-            raise RuntimeError("zerocore: this backward needs params of an engine that was closed (engine.close()); "
-                               "run backward before closing the engine")
-        return live.buffer_of(packed.unit).as_strided(packed.sizes, packed.strides, packed.offset)
-    return packed
-
-
-class _ParamView:
-    __slots__ = ("unit", "offset", "sizes", "strides")
-
-    def __init__(self, unit, offset, sizes, strides):
-        self.unit, self.offset, self.sizes, self.strides = unit, offset, sizes, strides

@@ -8,7 +8,7 @@ each through its event (never "the call returned": nothing reads an output
 or reuses an input before waiting for it), over a ProcessGroupTransport
 (torch.distributed; on a CudaBackend it issues CUDA tensors' collectives on
 the comm stream itself), over zerocore's own NCCL transport (the data
-group with Config(nccl="native"): zerocore/nccl.py) or, for a rank alone (no
+group with Config(nccl="native"): zerocore/comm/nccl.py) or, for a rank alone (no
 process group, or a group of one: one GPU under torchrun), a queue of its
 own where every collective is the identity: a copy on the comm stream where
 its output is not its input, issued by the caller, with no transport,
@@ -47,10 +47,11 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from zerocore import _native, devices
-from zerocore import nccl as native_nccl
-from zerocore.comm_errors import CollectiveOrderError
-from zerocore.process_group import Failure, ProcessGroupTransport, group_timeout
+from zerocore import _native
+from zerocore.runtime import devices
+from zerocore.comm import nccl as native_nccl
+from zerocore.comm.errors import CollectiveOrderError
+from zerocore.comm.process_group import Failure, ProcessGroupTransport, group_timeout
 
 CollectiveKind = _native.CollectiveKind
 # The data plane's kinds by name, in native CollectiveKind's order (the queue's stats').
@@ -102,12 +103,12 @@ class Communicator:
     tensors. plane: its comm stream's (zerocore._native.StreamPlane),
     CONTROL for a group of the control plane (agreements, rounds). nccl:
     Config.nccl, for the data plane on CUDA: "native" makes the queue over
-    zerocore's own NCCL transport (zerocore/nccl.py) instead of a
+    zerocore's own NCCL transport (zerocore/comm/nccl.py) instead of a
     ProcessGroupTransport, also for a group of one (else a rank alone's
     queue), the one way to run the engine over it on a single GPU. names:
     the CollectiveNames of the Communicator of the same flat groups (the
     reductions' beside the data's); None: its own. positions: the engine's
-    zerocore.positions.Positions, where the transport notes its collectives
+    zerocore.comm.positions.Positions, where the transport notes its collectives
     as queue `name` and finds ranks in different ones (None: none kept)."""
 
     def __init__(self, group, fails_with=None, control=None, *, backend, plane=_native.StreamPlane.DEVICE,

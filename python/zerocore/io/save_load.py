@@ -5,7 +5,7 @@ and RNG states into a new folder named by the save's id, with no gather;
 rank 0 adds the module's buffers. Once every rank's file is on disk, rank 0
 commits the save by renaming the manifest into place, then removes the
 folders of older saves. A save that fails or dies on any rank before the
-rename leaves the previous checkpoint as it was (checkpoint_format.py has
+rename leaves the previous checkpoint as it was (io/checkpoint_format.py has
 the layout; docs/checkpoint.md, what users need to know).
 
 Load: every rank opens the manifest and the rank files, checks them
@@ -27,7 +27,7 @@ import shutil
 import torch
 
 from zerocore.state import guards, views
-from zerocore.checkpoint_format import (FORMAT, MANIFEST, VERSION, CheckpointError, CheckpointReader, rank_file,
+from zerocore.io.checkpoint_format import (FORMAT, MANIFEST, VERSION, CheckpointError, CheckpointReader, rank_file,
                                         stretch_key, write_manifest, write_rank_file)
 
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")

@@ -1,4 +1,4 @@
-"""zerocore.export: a checkpoint's consolidated model as one safetensors file.
+"""zerocore.io.export: a checkpoint's consolidated model as one safetensors file.
 
 The file holds what module.state_dict() would: every param in fp32 under
 each of its names (tied weights under each), and the persistent buffers,
@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from zerocore import safetensors_file
-from zerocore.checkpoint_format import CheckpointReader
+from zerocore.io import safetensors_file
+from zerocore.io.checkpoint_format import CheckpointReader
 
 
 def export(checkpoint, out):

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from zerocore import devices
+from zerocore.runtime import devices
 
 _FOLLOWING = "zerocore: engine.forward follows torch's current CUDA stream on the host, a graph break before the module"
 

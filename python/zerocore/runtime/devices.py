@@ -11,7 +11,7 @@ on (decide).
   beside another, such as "cpu:gloo,cuda:nccl").
 - A module all on one CUDA device k runs on a CudaBackend of device k whose
   compute stream is torch's current stream there (followed from step to
-  step: zerocore/compute_stream.py), where zerocore was built
+  step: zerocore/runtime/compute_stream.py), where zerocore was built
   with CUDA and torch can use a GPU (cuda_usable()); its data collectives run
   over a group that moves CUDA tensors (NCCL: "cpu:gloo,cuda:nccl"), its
   control plane on gloo groups the engine makes beside it; under
@@ -186,7 +186,7 @@ def _backend_for(device: torch.device):
 
 def current_stream(device: torch.device) -> int:
     """The cudaStream_t of torch's current stream on `device`: the compute
-    stream of the engine's CUDA backend (zerocore/compute_stream.py keeps
+    stream of the engine's CUDA backend (zerocore/runtime/compute_stream.py keeps
     it so from step to step)."""
     return torch.cuda.current_stream(device).cuda_stream
 

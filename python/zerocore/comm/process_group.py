@@ -53,7 +53,7 @@ its issue or from waiting for its works; on NCCL torch's watchdog acts too. Afte
 any failed collective the ranks are out of step, so the transports of one
 engine share a Failure: every later collective, on any of its groups, fails
 at once with the first error instead of waiting for a peer. Where the
-first is a RankDisagreementError (zerocore/positions.py), the rank also
+first is a RankDisagreementError (zerocore/comm/positions.py), the rank also
 hangs up its gloo groups (hang_up): a peer waiting in the ring's sends and
 receives, which cannot be waited in slices and so are never diagnosed in
 place, fails at once and raises the error found, then hangs up in turn.
@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from zerocore._native import CollectiveTimeoutError
-from zerocore.comm_errors import RankDisagreementError
+from zerocore.comm.errors import RankDisagreementError
 
 # torch 2.13 renamed the tensor collectives; keep working with older names (every
 # caller in zerocore goes through these two).
@@ -168,7 +168,7 @@ _WAIT_EXPIRED = "Operation timed out"
 
 
 class ProcessGroupTransport:
-    """positions: the engine's zerocore.positions.Positions (None: none
+    """positions: the engine's zerocore.comm.positions.Positions (None: none
     kept), where this transport notes its collectives as queue `queue`
     and, once one has waited its diagnose_after, finds ranks in different
     collectives (on gloo, whose host waits are here)."""
@@ -272,7 +272,7 @@ class ProcessGroupTransport:
         if device.type == "cuda":
             if self.stream is None:
                 raise TypeError(f"{self.describe(key)}: CUDA tensors on a queue whose backend is not a CudaBackend; "
-                                "the engine's backend follows the module's device (zerocore/devices.py)")
+                                "the engine's backend follows the module's device (zerocore/runtime/devices.py)")
             # The tensors' device made current on this (the queue's issuing)
             # thread, whatever it was: torch's NCCL group and its stream
             # context work on the current device.
