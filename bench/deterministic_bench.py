@@ -52,7 +52,7 @@ def _measure(rank, port, args, stage, deterministic):
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             engine.reset_comm_stats()
-            moved_before = engine.exact.bytes_moved if engine.exact else 0
+            moved_before = engine.parts.exact.bytes_moved if engine.parts.exact else 0
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(per_rank):
@@ -66,11 +66,11 @@ def _measure(rank, port, args, stage, deterministic):
     stats = engine.comm_stats()
     data = {k: v * ELEMENT_BYTES[args.dtype] / args.steps for k, v in stats.items()
             if isinstance(v, (int, float)) and k in ("all_reduce", "reduce_scatter", "all_gather")}
-    if engine.exact:  # the grads' reductions move int64: 8 bytes an element, not the dtype's
+    if engine.parts.exact:  # the grads' reductions move int64: 8 bytes an element, not the dtype's
         for kind in ("all_reduce", "reduce_scatter"):
             if kind in data:
                 data[kind] *= 8 / ELEMENT_BYTES[args.dtype]
-        data["agreements (control all-gathers)"] = (engine.exact.bytes_moved - moved_before) / args.steps
+        data["agreements (control all-gathers)"] = (engine.parts.exact.bytes_moved - moved_before) / args.steps
     engine.close()
     dist.destroy_process_group()
     return (statistics.median(times[args.warmup:]), report["param"] + report["grad"] + report["optim"],

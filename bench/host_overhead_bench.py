@@ -123,7 +123,7 @@ def build(name, model, rank, world):
         zerocore.set_num_threads(1)
         engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                zerocore.Config(stage=int(name[4:])))
-        schedule = getattr(engine.scheduler, "native", None)
+        schedule = getattr(engine.parts.scheduler, "native", None)
         counts = {}
 
         def step(x):
@@ -133,7 +133,7 @@ def build(name, model, rank, world):
             engine.backward(loss)
             # The queue's trace restarts at the step's order check: just
             # before it, it holds every data-plane collective since the last.
-            counts["data"] = len(engine.comm.trace)
+            counts["data"] = len(engine.parts.comm.trace)
             engine.step()
             engine.zero_grad()
             counts["rounds"] = (schedule.rounds - rounds) if schedule else 0

@@ -62,7 +62,7 @@ def _engine(args, config):
         cfg.update(delayed_update=True, delayed_update_warmup=1)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), zerocore.Config(**cfg))
     if config == "serial":
-        engine.update.serial = True
+        engine.parts.update.serial = True
     return engine
 
 

@@ -107,7 +107,7 @@ def _measure(rank, port, args, root):
     snapshots = snapshotting.snapshots
     snapshots.wait()
     alone = _snapshot_alone(snapshots, args.alone)
-    owned = sum(t.numel() * t.element_size() for t in rank_tensors(snapshotting).values())
+    owned = sum(t.numel() * t.element_size() for t in rank_tensors(snapshotting.parts).values())
     row = (owned, snapshots.bytes_held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            statistics.median(cpu["plain"]), statistics.median(cpu["snapshot"]), alone)
     rows = [None] * args.world

@@ -69,10 +69,10 @@ class StepBreakdown:
     # Stage 3's hooks --------------------------------------------------------
     def instrument(self, engine):
         """Times the stage 3 engine's hooks and native calls (see the module's doc)."""
-        scheduler = engine.scheduler
+        scheduler = engine.parts.scheduler
         self.schedule = scheduler.native
         scheduler.native = _Timed(scheduler.native, self.totals, "schedule", SCHEDULE_CALLS)
-        engine.reducer.native = _Timed(engine.reducer.native, self.totals, "reducer", REDUCER_CALLS)
+        engine.parts.reducer.native = _Timed(engine.parts.reducer.native, self.totals, "reducer", REDUCER_CALLS)
         for h in scheduler.handles:  # module forward pre/post hooks
             hooks = h.hooks_dict_ref()
             hooks[h.id] = self._hook("hook.forward", hooks[h.id])
@@ -82,7 +82,7 @@ class StepBreakdown:
         views = scheduler.saved_views
         views.pack_hook = self._hook("hook.saved_tensors", views.pack_hook)
         views.unpack_hook = self._hook("hook.saved_tensors", views.unpack_hook)
-        for h in engine.reducer.hooks:  # each param's post-accumulate-grad hook
+        for h in engine.parts.reducer.hooks:  # each param's post-accumulate-grad hook
             hooks = h.hooks_dict_ref()
             hooks[h.id] = self._hook("hook.grad", hooks[h.id])
 
@@ -161,7 +161,7 @@ def collectives_alone(engine, trace, repeats: int = 3) -> dict:
 
     # A group of its own: the engine's may have gathers in flight (the
     # next forward's first units, gathered at the step's end).
-    group = dist.new_group(dist.get_process_group_ranks(engine.comm.group))
+    group = dist.new_group(dist.get_process_group_ranks(engine.parts.comm.group))
     world = dist.get_world_size(group)
     transport = ProcessGroupTransport(group)
     largest = max(n for *_, n in trace)
@@ -201,7 +201,7 @@ def collectives_alone(engine, trace, repeats: int = 3) -> dict:
 
 def stage3_schedule(engine):
     """The engine's native unit schedule if it is stage 3's (with rounds), else None."""
-    schedule = getattr(engine.scheduler, "native", None)
+    schedule = getattr(engine.parts.scheduler, "native", None)
     return schedule if hasattr(schedule, "rounds") else None
 
 

@@ -167,7 +167,7 @@ def worker(args) -> None:
             probe("fwd")
             engine.backward(loss)
             probe("bwd")
-            trace[:] = engine.comm.trace  # the step's data-plane collectives (the step's check restarts it)
+            trace[:] = engine.parts.comm.trace  # the step's data-plane collectives (the step's check restarts it)
             engine.step()
             probe("opt")
             engine.zero_grad()

@@ -47,7 +47,7 @@ class Mutation:
         return any(path.startswith("cpp/") for path, _, _ in self.edits)
 
 
-TRAINING = "python/zerocore/engine_training.py"
+TRAINING = "python/zerocore/engine/training.py"
 STEP = "cpp/src/step/zero_step.cpp"
 GRAD_SCALE = "double grad_scale = 1.0 / ((options.exact ? 1 : parts_.data->world_size()) * loss_scale());"
 # Stage 3's end-of-step round: the next forward's first units, gathered
@@ -61,18 +61,19 @@ MUTATIONS = [
              "accumulated grads scaled down by the backward calls: the engine's contract (and torch's, calling "
              "backward k times) is their sum, so a 1/accum factor is the bug here; the native step does not know "
              "the number of calls, so each call's loss is divided by its place in the step (1, 2, ...)",
-             ((TRAINING, "(loss * self.scaler.scale if self.scaler.enabled else loss).backward()",
-               "(loss * self.scaler.scale / (self._backward_calls + 1)).backward()"),)),
+             ((TRAINING, "(loss * self.parts.scaler.scale if self.parts.scaler.enabled else loss).backward()",
+               "(loss * self.parts.scaler.scale / (self.progress.backward_calls + 1)).backward()"),)),
     Mutation("drop-accumulation", "each backward call drops the grads of the ones before it (only the last "
              "micro-batch counts)",
-             ((TRAINING, "        self.reducer.before_backward()\n",
-               "        self.zero_grad()\n        self.reducer.before_backward()\n"),)),
+             ((TRAINING, "        self.parts.reducer.before_backward()\n",
+               "        self.zero_grad()\n        self.parts.reducer.before_backward()\n"),)),
     Mutation("skip-unscale", "the loss scale is not divided out of the grads",
              ((STEP, GRAD_SCALE, "double grad_scale = 1.0 / (options.exact ? 1 : parts_.data->world_size());"),)),
     Mutation("round-master", "the fp32 master is rounded to the 16-bit dtype after each update",
-             ((TRAINING, "        self.step_count += applied\n",
-               "        self.step_count += applied\n        for g in self.groups:\n"
-               "            if g.master is not None:\n                g.master.copy_(g.master.to(g.dtype))\n"),)),
+             ((TRAINING, "        self.progress.step_count += applied\n",
+               "        self.progress.step_count += applied\n        for g in self.parts.groups:\n"
+               "            if \"master\" in g.buffers:\n"
+               "                g.buffers[\"master\"].copy_(g.buffers[\"master\"].to(g.dtype))\n"),)),
     Mutation("stale-root-unit", "stage 3: the root unit's own buffer is never released, so it is gathered "
              "once and never again: forward and backward use its params from before the first step",
              (("cpp/src/schedule/gather_pool.cpp", "  if (p.residency == Residency::kReleased) return;\n",

@@ -58,7 +58,7 @@ def batch(step, rank):
 
 def run_steps(engine, sched, first, last, before=lambda step, place: None):
     """Steps first..last (1-based), each: forward, backward, step, zero_grad, the scheduler."""
-    rank = engine.comm.rank
+    rank = engine.parts.comm.rank
     for step in range(first, last + 1):
         x, y = batch(step, rank)
         x = x + 0.01 * torch.randn_like(x)  # the RNG restored too

@@ -384,11 +384,11 @@ def _fp16_scale_round_trip(rank, world, path):
     engine, scheduler = _engine(2, "fp16")
     _train(engine, scheduler, rank, world, range(1))
     # As after overflows and clean steps.
-    engine.scaler.load_state_dict({"scale": 2.0**10, "clean_steps": 7, "hysteresis": 1})
+    engine.parts.scaler.load_state_dict({"scale": 2.0**10, "clean_steps": 7, "hysteresis": 1})
     engine.save(path)
     resumed, _ = _engine(2, "fp16", seed=1)
     resumed.load(path)
-    return (resumed.loss_scale, resumed.scaler.state_dict()["clean_steps"], resumed.step_count), engine.step_count
+    return (resumed.loss_scale, resumed.parts.scaler.state_dict()["clean_steps"], resumed.step_count), engine.step_count
 
 
 def test_the_loss_scale_and_its_clean_steps_come_back(tmp_path):

@@ -69,7 +69,7 @@ def _train(rank, world, model_fn, config, batch, accum, forward):
                            {"stage": 3, **config})
     state = engine_train(engine, rank, world, STEPS, accum, batch=batch,
                          forward=forward and functools.partial(forward, rank))
-    return state, [len(u.modules) for u in engine.units]
+    return state, [len(u.modules) for u in engine.parts.units]
 
 
 def check(model_fn, config, runs, batch=lm_batch, world=2, accum=1, forward=None, reference_forward=None):
@@ -131,22 +131,22 @@ def _collectives_a_step(rank, world, coalesce_bytes):
     counts = []
     for step in range(3):
         x, _ = lm_batch(step, 0, world)
-        rounds = engine.scheduler.native.rounds
+        rounds = engine.parts.scheduler.native.rounds
         engine.backward(engine(x.chunk(world)[rank]).square().mean())
         # Restarted at the step's order check: this step's gathers and reductions (on a queue of their own).
-        data = len(engine.comm.trace) + len(engine.reduce_comm.trace)
+        data = len(engine.parts.comm.trace) + len(engine.parts.reduce_comm.trace)
         engine.step()
         engine.zero_grad()
-        counts.append((data, engine.scheduler.native.rounds - rounds))
+        counts.append((data, engine.parts.scheduler.native.rounds - rounds))
     # The plan: each unit gathered for its forward and again for its
     # backward, one all-gather a bucket of each group, except the root,
     # gathered once; one reduce-scatter a bucket of each trainable group;
     # and the step's verdict on finite grads, summed over ranks (fp32: the
     # step decides on the device).
-    buckets = [sum(len(g.buckets) for g in u.groups) for u in engine.units]
-    planned = buckets[0] + 2 * sum(buckets[1:]) + sum(len(g.buckets) for u in engine.units for g in u.groups
+    buckets = [sum(len(g.buckets) for g in u.groups) for u in engine.parts.units]
+    planned = buckets[0] + 2 * sum(buckets[1:]) + sum(len(g.buckets) for u in engine.parts.units for g in u.groups
                                                       if g.trainable) + 1
-    return counts[1:], planned, len(engine.units)
+    return counts[1:], planned, len(engine.parts.units)
 
 
 def test_collectives_a_step_are_the_plans():

@@ -22,7 +22,7 @@ from models import assert_state_close, make
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interrupted_job.py")
 WORLD = 2
 # Where it comes out: the engine's calls in the KeyboardInterrupt's traceback; the steps applied after the handler.
-EXPECTED = {"forward": ("forward", 1), "backward": ("backward", 1), "step": ("_step", 2)}
+EXPECTED = {"forward": ("forward", 1), "backward": ("backward", 1), "step": ("step", 2)}
 
 
 def _interrupt(folder, where):

@@ -221,7 +221,7 @@ def _whole(rank, world, threshold):
                                                               "stage3_param_persistence_threshold": threshold}})
     model = torch.nn.Sequential(torch.nn.Linear(10, 5), torch.nn.Linear(5, 3))
     engine = zerocore.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
-    whole = sorted(name for g in engine.groups if not g.sharded for names in g.names for name in names)
+    whole = sorted(name for g in engine.parts.groups if not g.sharded for names in g.names for name in names)
     engine.close()
     return whole
 

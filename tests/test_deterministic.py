@@ -81,8 +81,8 @@ def _states(engine) -> dict:
     """This rank's stretches of the fp32 params and optimizer states: {(kind, name): [(first, values)]}."""
     engine.finish_update()  # a delayed update still running lands first
     out = {}
-    for g in engine.groups:
-        for kind, buf in {"param": g.fp32_partition(), **g.state}.items():
+    for g in engine.parts.groups:
+        for kind, buf in {"param": g.fp32_partition(), **g.optimizer_states()}.items():
             for index, first, values in g.owned_stretches(buf):
                 out.setdefault((kind, g.names[index][0]), []).append((first, values.clone()))
     return out
@@ -110,7 +110,7 @@ def _train(engine, rank, order, case, steps, first_step=0):
             loss = lm_loss(engine(x), y) * (factor(step, micro) if factor else 1.0)
             engine.backward(loss)
         norm = float(engine.clip_grad_norm_(clip)) if clip else None
-        results.append((engine.step(), norm, engine.loss_scale, getattr(engine.update, "pending", False)))
+        results.append((engine.step(), norm, engine.loss_scale, getattr(engine.parts.update, "pending", False)))
         engine.zero_grad()
         if step == STEPS - 2:  # where the resume test saves, which lands a delayed update: every job lands it
             engine.finish_update()
@@ -248,8 +248,9 @@ def _grad_bytes(rank, world):
             torch.manual_seed(0)
             model = TinyLM()
             engine = zerocore.wrap(model, _sgd(model.parameters()), zerocore.Config(stage=stage, deterministic=det))
-            shared = [g.grad_sums is not None and g.grad_sums.data_ptr() == g.grad_part.data_ptr()
-                      for g in engine.groups if g.trainable]
+            shared = ["grad_sums" in g.buffers
+                      and g.buffers["grad_sums"].data_ptr() == g.buffers["grad_part"].data_ptr()
+                      for g in engine.parts.groups if g.trainable]
             out[stage, det] = engine.memory_report()["grad"], shared
             engine.close()
     return out

@@ -97,7 +97,7 @@ def _train(rank, world, model_fn, batch, accum, stages):
         held = {kind: n - before[kind] for kind, n in backend.allocated_bytes().items()}
         out[f"stage {stage} memory"] = engine.memory_report(), held
         if stage == 3:
-            out["experts are units"] = sum(isinstance(u.modules[0], Block) for u in engine.units)
+            out["experts are units"] = sum(isinstance(u.modules[0], Block) for u in engine.parts.units)
         engine.close()
     return out
 
@@ -176,10 +176,10 @@ def _blocking_rounds_per_step(rank, world, layers):
     x, y = lm_batch(0, 0, world)
     counts = []
     for _ in range(3):
-        before = engine.scheduler.native.blocking_rounds
+        before = engine.parts.scheduler.native.blocking_rounds
         engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
         engine.step()
-        counts.append(engine.scheduler.native.blocking_rounds - before)
+        counts.append(engine.parts.scheduler.native.blocking_rounds - before)
     return counts
 
 

@@ -39,7 +39,7 @@ def measure(rank, world, dtype, accum):
             if step == 1:
                 comm = engine.comm_stats()
         out[stage] = dict(memory=engine.memory_report(), memory_at_wrap=memory_at_wrap, arena=arena, comm=comm,
-                          numel=engine.num_trainable_params, padding=engine.padding_elems, root=engine.root_numel)
+                          numel=engine.num_trainable_params, padding=engine.parts.padding_elems, root=engine.root_numel)
     return out
 
 

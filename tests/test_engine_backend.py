@@ -57,9 +57,10 @@ def _on_a_checker_of_its_own(rank, world, seed):
         checker = _native.CheckingBackend(seed=seed + rank, throw_on_violation=False)
         model = make()
         engine = zerocore.wrap(model, _adamw(model), zerocore.Config(bucket_bytes=TINY, **config), backend=checker)
-        queues = [engine.comm.queue, engine.control.queue] + ([engine.rounds_comm.queue] if engine.scheduler else [])
+        parts = engine.parts
+        queues = [parts.comm.queue, parts.control.queue] + ([parts.rounds_comm.queue] if parts.scheduler else [])
         layout = (engine.backend is checker and all(q.backend is checker for q in queues),
-                  dist.get_backend(engine.control.group), engine.control.group is not engine.comm.group)
+                  dist.get_backend(parts.control.group), parts.control.group is not parts.comm.group)
         state = engine_train(engine, rank, world, STEPS, ACCUM)
         engine.close()
         out.append((config, state, layout, checker.violations(), checker.host_waits()))
@@ -91,7 +92,7 @@ def _two_engines(rank, world):
     b = zerocore.wrap(b_model, _adamw(b_model), zerocore.Config(stage=1, bucket_bytes=TINY),
                       backend=_native.CheckingBackend(seed=rank + 7, throw_on_violation=False))
     second = b.backend
-    assert second is not first and b.comm.queue.backend is second and a.comm.queue.backend is first
+    assert second is not first and b.parts.comm.queue.backend is second and a.parts.comm.queue.backend is first
     waits = []
     for step in range(STEPS):
         for engine in (a, b):

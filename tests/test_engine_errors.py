@@ -117,7 +117,7 @@ def test_a_problem_on_one_rank_fails_every_rank():
 
 
 def _snapshot(engine):
-    state = [(g.master, *g.state.values()) for g in engine.groups if g.trainable]
+    state = [(g.buffers.get("master"), *g.optimizer_states().values()) for g in engine.parts.groups if g.trainable]
     return engine.full_state_dict(), [[t.clone() for t in ts if t is not None] for ts in state]
 
 

@@ -213,10 +213,10 @@ def _gathered_during_backward(rank, world):
     seen = []
     for b in model.blocks:
         b.register_full_backward_pre_hook(
-            lambda m, g: seen.append(sum(u.gathered for u in engine.units if m not in u.modules)))
+            lambda m, g: seen.append(sum(u.gathered for u in engine.parts.units if m not in u.modules)))
     x, y = lm_batch(0, 0, world)
     engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
-    return seen, sum(u.gathered for u in engine.units), engine.scheduler.native.pool_slots
+    return seen, sum(u.gathered for u in engine.parts.units), engine.parts.scheduler.native.pool_slots
 
 
 def test_stage3_releases_each_unit_at_its_post_backward_point():
@@ -245,9 +245,9 @@ def _nested_units(rank, world):
     model = make()
     engine = zerocore.wrap(model, adamw(model.parameters()), {"stage": 3, "prefetch_bytes": 0},
                            units=[Block, nn.Linear])
-    planned = engine.scheduler.native.pool_slots
+    planned = engine.parts.scheduler.native.pool_slots
     state = engine_train(engine, rank, world, STEPS, 1)
-    return state, planned, engine.scheduler.native.pool_slots, len(engine.units)
+    return state, planned, engine.parts.scheduler.native.pool_slots, len(engine.parts.units)
 
 
 def test_nested_units_train_the_same_and_grow_the_pool_once():
@@ -437,7 +437,7 @@ def _eval_frees(rank, world):
     after = engine.memory_report()["param"]
     with engine.gathered_params():
         full = {k: v.clone() for k, v in model.state_dict().items()}
-    return y, at_rest, after, full, [g.gathered for g in engine.groups]
+    return y, at_rest, after, full, [g.binder.bound is not None for g in engine.parts.groups]
 
 
 def test_no_grad_eval_forward_frees_stage3_params():

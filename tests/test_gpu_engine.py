@@ -73,9 +73,9 @@ def test_wrap_runs_a_cuda_module_on_a_cuda_backend_beside_a_gloo_control_plane(w
     backend = engine.backend
     assert isinstance(backend, zerocore._native.CudaBackend) and backend.device == world1.index
     assert backend.stream_handle(backend.compute_stream()) == torch.cuda.current_stream(world1).cuda_stream
-    assert engine.comm.queue.backend is backend and engine.control.queue.backend is backend
-    assert dist.get_backend(engine.control.group) == "gloo"
-    assert "nccl" in dist.get_backend_config(engine.comm.group)
+    assert engine.parts.comm.queue.backend is backend and engine.parts.control.queue.backend is backend
+    assert dist.get_backend(engine.parts.control.group) == "gloo"
+    assert "nccl" in dist.get_backend_config(engine.parts.comm.group)
     engine.close()
 
 

@@ -82,7 +82,7 @@ def _train(rank, world, configs, model_fn=make, batch=lm_batch):
     for config in configs:
         model = model_fn().to(device)
         engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(bucket_bytes=256, **config))
-        assert engine.device == device and engine.comm.world_size == world
+        assert engine.device == device and engine.parts.comm.world_size == world
         out.append(_cpu(engine_train(engine, rank, world, STEPS, ACCUM, batch=_on(device, batch))))
         engine.close()
     return out

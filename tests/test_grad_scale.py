@@ -97,7 +97,7 @@ def _train_keeping_params_whole(rank, world):
     model = make()
     engine = zerocore.wrap(model, sgd(model.parameters()),
                            {"bucket_bytes": SMALL, "persist_threshold": PERSIST, "stage": 3})
-    whole = {n for g in engine.groups if not g.sharded for names in g.names for n in names}
+    whole = {n for g in engine.parts.groups if not g.sharded for names in g.names for n in names}
     return {3: (engine_train(engine, rank, world, STEPS, 2), None)}, whole
 
 

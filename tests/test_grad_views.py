@@ -62,7 +62,7 @@ def _arrivals(rank, world, stage, bucket_bytes):
     model = make()
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), **HP),
                            zerocore.Config(stage=stage, bucket_bytes=bucket_bytes))
-    recording = engine.reducer.native = Recording(engine.reducer.native)
+    recording = engine.parts.reducer.native = Recording(engine.parts.reducer.native)
     steps = []
     for step in range(2):
         recording.arrivals = []
@@ -72,7 +72,7 @@ def _arrivals(rank, world, stage, bucket_bytes):
         engine.zero_grad()
         steps.append(recording.arrivals)
     # Per group of the reduction order, per param: its (first, last) bucket.
-    buckets = [[(s.first_bucket, s.last_bucket) for s in g.slots] for g in engine.reducer.groups]
+    buckets = [[(s.first_bucket, s.last_bucket) for s in g.slots] for g in engine.parts.reducer.groups]
     return steps, buckets
 
 

@@ -39,7 +39,7 @@ def _per_step(rank, world, stage):
     model = make(TinyLM)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                            zerocore.Config(stage=stage, bucket_bytes=2048), backend=backend)
-    gathers, reductions = engine.comm.queue.stream, engine.reduce_comm.queue.stream
+    gathers, reductions = engine.parts.comm.queue.stream, engine.parts.reduce_comm.queue.stream
     out = []
     for step in range(STEPS):
         x, y = (local(t, rank, world) for t in lm_batch(step, 0, world))

@@ -48,7 +48,7 @@ STEPS = 3
 # The step's own waits do not grow with the number of buckets (checked with
 # small ones). One more at the step at every stage, in stage 2's backward
 # and in stage 3's forward: the ranks' meeting on their micro-batch counts
-# (Training._meet, issue 36: uneven counts raise at once instead of waiting
+# (engine/meeting.py, issue 36: uneven counts raise at once instead of waiting
 # out the timeout), a gather of host numbers that waits for no device work.
 MEASURED = {0: (0, 0, 2), 1: (0, 0, 2), 2: (0, 1, 2), 3: (4, 5, 2)}
 # A step whose last backward left late grads (models.LateGrads at stage 2)

@@ -16,6 +16,7 @@ from torch import nn
 import zerocore
 from dist_harness import RankError, run_ranks
 from models import DIM, TinyLM, lm_batch, lm_loss, local, make
+from zerocore.engine.build import param_places
 from zerocore.io import safetensors_file
 
 SEED = 5
@@ -317,7 +318,7 @@ def test_init_from_a_state_dict_sets_buffers():
 
 def _optimizer_states(engine):
     """The moments (the fp32 masters are params, which a load sets)."""
-    return [t.clone() for g in engine.groups for t in g.state.values()]
+    return [t.clone() for g in engine.parts.groups for t in g.optimizer_states().values()]
 
 
 def _load_into_trained(rank, world, stage, dtype, path):
@@ -422,7 +423,7 @@ def _wrap_under_cap(rank, world):
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     torch.distributed.barrier()  # no rank leaves while another still sets up its groups
     # The last layer's stretches on this rank: drawn after every other layer's.
-    group, index = engine._places()[id(model.layers[-1].weight)]
+    group, index = param_places(engine.parts.groups)[id(model.layers[-1].weight)]
     return [(first, values.clone()) for i, first, values in group.owned_stretches(group.fp32_partition())
             if i == index]
 

@@ -78,8 +78,9 @@ def _live_params_are_rounded_masters(engine, dtype, gather):
     the schedule prefetched for the next forward, which would hide a stale
     prefetch: only after the last step)."""
     masters = engine.full_state_dict()
-    if engine.scheduler is not None:
-        if not all(torch.equal(g.shard, g.master.to(dtype)) for g in engine.groups if g.trainable and g.sharded):
+    if engine.parts.scheduler is not None:
+        if not all(torch.equal(g.buffers["shard"], g.buffers["master"].to(dtype))
+                   for g in engine.parts.groups if g.trainable and g.sharded):
             return False
         if not gather:
             return True

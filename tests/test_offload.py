@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zerocore
-import zerocore.flat_group
+import zerocore.state.flat_group
 import zerocore.state.offload
 from dist_harness import RankError, run_ranks
 from models import lm_batch, lm_loss, local, make
@@ -125,7 +125,8 @@ def _grad_buffers_per_step(rank, world, stage):
     out = []
     for step in range(4):
         _train(engine, rank, world, steps=1, accum=1, first=step)
-        out.append([(g.grad_part.data_ptr(), g.host_grad.data_ptr()) for g in engine.groups if g.trainable])
+        out.append([(g.buffers["grad_part"].data_ptr(), g.buffers["host_grad"].data_ptr())
+                    for g in engine.parts.groups if g.trainable])
     return out
 
 
@@ -235,7 +236,7 @@ def _report(rank, world, config, accum):
     _train(engine, rank, world, steps=1, accum=accum)
     engine.reset_comm_stats()
     _train(engine, rank, world, steps=1, accum=accum, first=1)
-    pad = sum(g.plan.padding_elems for g in engine.groups if g.trainable)
+    pad = sum(g.plan.padding_elems for g in engine.parts.groups if g.trainable)
     return engine.memory_report(), engine.comm_stats(), engine.num_trainable_params, pad
 
 
@@ -320,7 +321,7 @@ def _allocation_fails_on_rank_1(rank, world):
     if rank == 1:
         def refuse(group):
             raise MemoryError(f"no memory for {group.plan.total_elems} elements")
-        zerocore.flat_group.FlatGroup.allocate = refuse
+        zerocore.state.flat_group.FlatGroup.allocate = refuse
     _wrap(dict(stage=3, offload_optimizer="cpu", offload_params="cpu"))
 
 

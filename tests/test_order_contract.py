@@ -41,20 +41,20 @@ def _swap_equal_buckets_on_rank_1(engine, rank):
     blocks' params, stage 3) in the other order."""
     if rank != 1:
         return
-    groups = list(engine.reducer.groups)
+    groups = list(engine.parts.reducer.groups)
     i, j = next((i, j) for i in range(len(groups)) for j in range(i + 1, len(groups))
                 if [b.numel for b in groups[i].buckets] == [b.numel for b in groups[j].buckets])
     groups[i], groups[j] = groups[j], groups[i]
-    engine.reducer.order(groups)
+    engine.parts.reducer.order(groups)
 
 
 def _retag_on_rank_1(engine, rank):
     """Rank 1 reduces its one trainable group (stage 2) under another key
     (its other collectives keep theirs)."""
     if rank == 1:
-        group = engine.reducer.groups[0]
+        group = engine.parts.reducer.groups[0]
         group.tag += 100
-        engine.reducer.order(engine.reducer.groups)  # the native reducer takes the tag now
+        engine.parts.reducer.order(engine.parts.reducer.groups)  # the native reducer takes the tag now
         group.tag -= 100
 
 
@@ -69,18 +69,18 @@ def _diverge_late(rank, world):
     traces keep (the data queue's 3, the reductions' queue's none)."""
     model = make()
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3, "bucket_bytes": 1024})
-    engine.comm.TRACE_LIMIT = 3
-    engine.reduce_comm.TRACE_LIMIT = 0
+    engine.parts.comm.TRACE_LIMIT = 3
+    engine.parts.reduce_comm.TRACE_LIMIT = 0
     _swap_equal_buckets_on_rank_1(engine, rank)
     x, y = lm_batch(0, 0, world)
     with torch.no_grad():
         for _ in range(5):  # eval forwards between steps: their gathers count, their trace stays bounded
             engine(local(x, rank, world))
-    assert len(engine.comm.trace) == 3
+    assert len(engine.parts.comm.trace) == 3
     engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
     with pytest.raises(zerocore.CollectiveOrderError, match="after the first 3, which agree"):
         engine.step()
-    return len(engine.comm.trace)
+    return len(engine.parts.comm.trace)
 
 
 def test_trace_is_bounded_and_divergence_past_it_still_raises():

@@ -29,7 +29,7 @@ def test_allocates_what_it_plans_zeroed_in_arenas():
     assert zerocore.host_arena_allocations() - before == len(planned)
     for kind, _, _, numel, dtype in planned:
         t = torch.from_dlpack(store.buffer(kind))
-        assert t.numel() == numel and t.dtype == zerocore.flat_group.FROM_NATIVE[dtype] and not t.any()
+        assert t.numel() == numel and t.dtype == zerocore.state.flat_group.FROM_NATIVE[dtype] and not t.any()
     with pytest.raises(ValueError, match="keeps no 'shard' buffer"):
         store.buffer("shard")
 

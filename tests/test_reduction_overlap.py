@@ -31,16 +31,16 @@ LARGE, SMALL = 1 << 20, 512  # bytes per bucket: one bucket a group, or several
 
 def _reduced(unit) -> bool:
     """Some of the unit's reduced grads are in its grad partitions."""
-    return any(g.grad_part.any() for g in unit.groups if g.trainable)
+    return any(g.buffers["grad_part"].any() for g in unit.groups if g.trainable)
 
 
 def _reduced_at_backward_starts(rank, world, layers, bucket_bytes):
     model = make(TinyLM, layers=layers)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                            zerocore.Config(stage=3, bucket_bytes=bucket_bytes))
-    buckets = min(sum(len(g.buckets) for g in u.groups if g.trainable) for u in engine.scheduler.units[1:])
+    buckets = min(sum(len(g.buckets) for g in u.groups if g.trainable) for u in engine.parts.scheduler.units[1:])
     assert buckets > 1 if bucket_bytes == SMALL else buckets == 1, f"{buckets} buckets a block"
-    scheduler = engine.scheduler
+    scheduler = engine.parts.scheduler
     blocks = scheduler.units[1:]
     attach = scheduler.on_unit_backward
     starts = []  # per block's backward start: (block, the blocks whose reduced grads have landed)

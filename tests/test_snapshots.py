@@ -243,7 +243,7 @@ def _snapshot_files_and_report(rank, world, folder):
     engine.snapshots.wait()
     held = engine.snapshots.dir
     files = {name: os.path.getsize(os.path.join(held, name)) for name in os.listdir(held)}
-    owned = sum(t.numel() * t.element_size() for t in rank_tensors(engine).values())
+    owned = sum(t.numel() * t.element_size() for t in rank_tensors(engine.parts).values())
     report = engine.memory_report()
     engine.close()
     return report, files, owned

@@ -79,9 +79,9 @@ def _record_keys(rank, world, stage):
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), **HP),
                            zerocore.Config(stage=stage, bucket_bytes=256))
     engine_train(engine, rank, world, 2, 1)
-    groups = {"data": engine.comm.group, "control": engine.control.group,
-              "reductions": engine.reduce_comm.group if engine.reduce_comm else None,
-              "rounds": engine.rounds_comm.group if stage == 3 else None}
+    groups = {"data": engine.parts.comm.group, "control": engine.parts.control.group,
+              "reductions": engine.parts.reduce_comm.group if engine.parts.reduce_comm else None,
+              "rounds": engine.parts.rounds_comm.group if stage == 3 else None}
     backends = {name: dist.get_backend(g) for name, g in groups.items() if g is not None}
     engine.close()
     by_group = {name: [key for g, key in calls if g is groups[name]] for name in groups}
@@ -100,7 +100,7 @@ def test_control_traffic_goes_on_the_control_group(stage):
         gathers = [bucket for kind, _, bucket, _ in control if kind == Kind.ALL_GATHER]
         # Start-up checks, both steps' exchanges (with the order fingerprint
         # and, at stages 2-3, the late grads: no agreement of their own) and
-        # the ranks' meetings on their micro-batch counts (Training._meet).
+        # the ranks' meetings on their micro-batch counts (engine/meeting.py).
         assert set(gathers) == {Purpose.NORMS, Purpose.AGREEMENT, Purpose.MICRO_BATCHES}
         assert gathers.count(Purpose.NORMS) == 2
         assert [kind for kind, _, _, _ in control if kind != Kind.ALL_GATHER] == []

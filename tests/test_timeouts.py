@@ -67,8 +67,9 @@ def _stuck_peer(rank, world, done, stage, where, offload, inherit):
     elif where == "backward":
         model.blocks[1].register_forward_hook(lambda m, args, out: CallInBackward.apply(out, stall))
     else:  # the step: just before its one native call (stages 2-3: between the reduction and the exchange)
-        carry_param_writes = engine._carry_param_writes
-        engine._carry_param_writes = lambda: stall() or carry_param_writes()
+        binder = engine.parts.groups[0].binder  # the step carries the user's param writes first
+        carry_param_writes = binder.carry_param_writes
+        binder.carry_param_writes = lambda: stall() or carry_param_writes()
     try:
         for step in range(STALL + 1):
             start = time.monotonic()
@@ -165,7 +166,8 @@ def _group_timeouts(rank, world):
     def timeouts(config, group=None):
         model = make()
         engine = zerocore.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), config, group=group)
-        return [group_timeout(c.group).total_seconds() for c in (engine.comm, engine.control, engine.rounds_comm)]
+        parts = engine.parts
+        return [group_timeout(c.group).total_seconds() for c in (parts.comm, parts.control, parts.rounds_comm)]
 
     seven = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=7))
     return (timeouts({"stage": 3}), timeouts({"stage": 3}, seven),

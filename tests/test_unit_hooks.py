@@ -34,27 +34,27 @@ class Counting:
 def _calls_a_step(rank, world, layers):
     model = make(layers=layers)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3})
-    counting = engine.scheduler.native = Counting(engine.scheduler.native)
-    reducer = engine.reducer.native = Counting(engine.reducer.native)
+    counting = engine.parts.scheduler.native = Counting(engine.parts.scheduler.native)
+    reducer = engine.parts.reducer.native = Counting(engine.parts.reducer.native)
     # Unit forwards, counted by hooks of the test's own on the unit modules.
     forwards = collections.Counter()
-    for u in engine.units:
+    for u in engine.parts.units:
         u.modules[0].register_forward_pre_hook(lambda m, args, i=u.index: forwards.update([i]))
     steps = []
     for step in range(STEPS):
         counting.calls.clear()
         reducer.calls.clear()
         forwards.clear()
-        views = len(engine.scheduler.flats)
+        views = len(engine.parts.scheduler.flats)
         x, y = lm_batch(step, 0, world)
         engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
         engine.step()
         engine.zero_grad()
-        steps.append((dict(counting.calls), sum(forwards.values()), len(engine.scheduler.flats) - views,
+        steps.append((dict(counting.calls), sum(forwards.values()), len(engine.parts.scheduler.flats) - views,
                       dict(reducer.calls)))
-    groups = len(engine.reducer.groups)
-    params = sum(len(g.params) for g in engine.reducer.groups)
-    return steps[1:], len(engine.units), groups, params
+    groups = len(engine.parts.reducer.groups)
+    params = sum(len(g.params) for g in engine.parts.reducer.groups)
+    return steps[1:], len(engine.parts.units), groups, params
 
 
 def test_a_unit_hook_is_one_native_call():

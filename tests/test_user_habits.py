@@ -513,7 +513,8 @@ def _interrupted(rank, world, where, ranks, path, error=KeyboardInterrupt):
     caught, states = None, []
     for step in range(3):
         if step == 1 and rank in ranks and where not in ("forward", "backward hook"):
-            engine.scheduler.native = _SignalAfter(engine.scheduler.native, where, 2 if "forward" in where else 1)
+            scheduler = engine.parts.scheduler
+            scheduler.native = _SignalAfter(scheduler.native, where, 2 if "forward" in where else 1)
         x, y = lm_batch(step, 0, world)
         try:
             engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))

@@ -63,7 +63,7 @@ _PURPOSES = {ControlPurpose.ROUND: "stage 3's round", ControlPurpose.NORMS: "the
              ControlPurpose.BROADCASTS: "a broadcast of buffers or params",
              ControlPurpose.MICRO_BATCHES: "the ranks' micro-batch counts (before a forward or backward, or at the step)",
              ControlPurpose.EXACT_GRADS: "the exact sum of the grads (Config(deterministic=True))"}
-MICRO_BATCHES = ControlPurpose.MICRO_BATCHES  # the engine's meeting (Training._meet)
+MICRO_BATCHES = ControlPurpose.MICRO_BATCHES  # the engine's meeting (engine/meeting.py)
 
 
 def _as_halves(t: torch.Tensor) -> torch.Tensor:

@@ -219,21 +219,22 @@ def _where(record: Optional[dict], now: float) -> str:
 
 
 def engine_call(name: str, micro_batch=False):
-    """Decorates an engine method: while it runs, the rank's position is
-    `name` (Positions.enter) of the engine's step and, with micro_batch,
-    micro-batch (forward, backward); not while torch.compile traces it.
-    After a failed collective (the ranks out of step: a
-    RankDisagreementError, a timeout) it refuses, raising that error again:
-    the engine is never half usable."""
+    """Decorates a method of an engine's part that holds `parts` (its
+    EngineParts) and `progress` (the TrainingLoop's StepProgress): while it
+    runs, the rank's position is `name` (Positions.enter) of the engine's
+    step and, with micro_batch, micro-batch (forward, backward); not while
+    torch.compile traces it. After a failed collective (the ranks out of
+    step: a RankDisagreementError, a timeout) it refuses, raising that
+    error again: the engine is never half usable."""
     def decorate(method):
         @functools.wraps(method)
         def noted(self, *args, **kwargs):
             if torch.compiler.is_compiling():
                 return method(self, *args, **kwargs)
-            self.comm.failure.check()
-            step = self.step_count + 1
-            with self.positions.inside(name, f"{step}, micro-batch {self._backward_calls + 1}" if micro_batch
-                                       else step):
+            self.parts.comm.failure.check()
+            step = self.progress.step_count + 1
+            with self.parts.positions.inside(
+                    name, f"{step}, micro-batch {self.progress.backward_calls + 1}" if micro_batch else step):
                 return method(self, *args, **kwargs)
         return noted
     return decorate

@@ -31,7 +31,7 @@ from __future__ import annotations
 import weakref
 
 import zerocore
-from zerocore.param_guards import GradPlaceholder
+from zerocore.state.guards import GradPlaceholder
 
 
 def outside_engine_backward() -> RuntimeError:
@@ -85,15 +85,15 @@ class FullGradReducer:
         self.running = True
         for g in self.groups:
             if g.reduce_dtype == g.dtype:
-                g.attach_grad_views()
+                g.binder.attach_grad_views()
             else:
-                g.drop_hidden_grads()
+                g.binder.drop_hidden_grads()
 
     def _on_grad(self, p):
         if not self.running:
             raise outside_engine_backward()
         g, i = self.converted[id(p)]
-        g.grad_view(i).add_(p.grad)
+        g.binder.grad_view(i).add_(p.grad)
         p.grad = None
 
     def after_backward(self):
@@ -167,7 +167,7 @@ class StagedReducer:
         the first bucket to reduce are grad views."""
         self.running = True
         for g in self.groups:
-            g.drop_hidden_grads()
+            g.binder.drop_hidden_grads()
         self.core.before_backward()
         if not self.on_request and self._views():
             self._attach_handed(self.native.begin_backward())

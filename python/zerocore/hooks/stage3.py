@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import zerocore
 from zerocore.runtime import interrupts
-from zerocore.flat_group import NATIVE_NAMES
+from zerocore.state.flat_group import NATIVE_NAMES
 from zerocore.hooks.eager import eager
 from zerocore.hooks.grad_reducer import outside_engine_backward
 from zerocore.hooks.saved_param_views import SavedParamViews
@@ -98,7 +98,7 @@ class UnitScheduler:
         # This rank's forward ended with no hook since (end_forward): its
         # peers may still need its answers in their forward's rounds, which
         # the next hook, backward or step gives, so nothing may wait for
-        # them before that (Training._meet).
+        # them before that (engine/meeting.py).
         self.joining = False
         self.handles = []
         for u in units:
@@ -124,7 +124,7 @@ class UnitScheduler:
             address, buffer = bind
             flat = self._flat(address, unit, buffer)
             for g, (start, end) in zip(unit.groups, unit.spans):
-                g.bind(flat[start:end])
+                g.binder.bind(flat[start:end])
             self.bound[unit.index] = address
             self.at[address] = unit
 
@@ -133,7 +133,7 @@ class UnitScheduler:
         for index in released:
             unit = self.units[index]
             for g in unit.groups:
-                g.unbind()
+                g.binder.unbind()
             address = self.bound.pop(index)
             if self.at.get(address) is unit:
                 del self.at[address]
@@ -287,7 +287,7 @@ class UnitScheduler:
         self._unbind_released()
 
     def close_passes(self):
-        """Before the step's first collective (Training._meet): a forward
+        """Before the step's first collective (engine/meeting.py): a forward
         this rank ended is over on every rank, as the step's own exchange
         would make it first (UnitSchedule::release_all), so no peer still
         waits for this rank's rounds; what it releases unbinds."""
@@ -310,7 +310,7 @@ class UnitScheduler:
             self.native.gather_into(u.index, buffer)
             flat = zerocore.to_torch(buffer)
             for g, (start, end) in zip(u.groups, u.spans):
-                g.bind(flat[start:end], keep_views=False)
+                g.binder.bind(flat[start:end], keep_views=False)
 
     def free_all(self):
         """After gathered_params: every unit's params may have been edited,
@@ -320,6 +320,6 @@ class UnitScheduler:
         self.native.unbind_all()
         for u in self.units:
             for g in u.groups:
-                g.unbind()
+                g.binder.unbind()
         self.bound.clear()
         self.at.clear()

@@ -224,7 +224,7 @@ class ZeroTrainer(transformers.Trainer):
             accelerated._is_overflow = applied is False
             return applied
 
-        step._wrapped_by_lr_sched = True  # as the engine's step it calls (optim.py): schedulers need not wrap it
+        step._wrapped_by_lr_sched = True  # as the engine's step (optimizer_bridge.py) is: schedulers need not wrap it
         optimizer.step = step
         self._engine_module = EngineModule(self.engine)
 

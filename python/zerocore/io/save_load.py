@@ -26,8 +26,7 @@ import shutil
 
 import torch
 
-from zerocore import param_guards
-from zerocore.flat_group import FlatGroup
+from zerocore.state import guards, views
 from zerocore.io.checkpoint_format import (FORMAT, MANIFEST, VERSION, CheckpointError, CheckpointReader, rank_file,
                                         stretch_key, write_manifest, write_rank_file)
 
@@ -61,55 +60,56 @@ def _json(value, what):
         raise ValueError(f"engine.save: {what} is not JSON-serialisable ({e})") from None
 
 
-def _no_pending_grads(engine, verb):
-    if engine._backward_calls:
-        raise ValueError(f"engine.{verb}: {engine._backward_calls} backward pass(es) since the last step; "
+def _no_pending_grads(progress, verb):
+    if progress.backward_calls:
+        raise ValueError(f"engine.{verb}: {progress.backward_calls} backward pass(es) since the last step; "
                          f"{verb} between steps (after engine.step(), or engine.zero_grad() to give the step up), "
                          "where no gradients are pending")
 
 
-def _params(engine):
+def _params(parts):
     """(param, every name the module gives it), of every flat group."""
-    return [(p, names) for g in engine.groups for p, names in zip(g.params, g.names)]
+    return [(p, names) for g in parts.groups for p, names in zip(g.params, g.names)]
 
 
 def _hyper(group) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def manifest_of(engine, save_id, sizes, lr_scheduler, extra) -> dict:
-    group_of = {id(p): i for i, g in enumerate(engine.optimizer.param_groups) for p in g["params"]}
+def manifest_of(parts, step, save_id, sizes, lr_scheduler, extra) -> dict:
+    """The manifest of a save of `parts` (EngineParts) after `step` steps."""
+    group_of = {id(p): i for i, g in enumerate(parts.optimizer.param_groups) for p in g["params"]}
     return {
         "format": FORMAT, "version": VERSION, "id": save_id,
-        "world_size": engine.comm.world_size, "stage": engine.config.stage, "dtype": engine.config.dtype,
-        "step": engine.step_count,
-        "loss_scale": engine.scaler.state_dict(),
-        "exact_grads": engine.exact.state_dict() if engine.exact else None,  # Config(deterministic=True)'s grid
-        "optimizer": {"kind": engine.kind, "states": list(engine.state_names),
-                      "param_groups": [_hyper(g) for g in engine.optimizer.param_groups]},
+        "world_size": parts.comm.world_size, "stage": parts.config.stage, "dtype": parts.config.dtype,
+        "step": step,
+        "loss_scale": parts.scaler.state_dict(),
+        "exact_grads": parts.exact.state_dict() if parts.exact else None,  # Config(deterministic=True)'s grid
+        "optimizer": {"kind": parts.kind, "states": list(parts.state_names),
+                      "param_groups": [_hyper(g) for g in parts.optimizer.param_groups]},
         "params": [{"names": names, "shape": list(p.shape), "trainable": p.requires_grad,
-                    "group": group_of.get(id(p))} for p, names in _params(engine)],
+                    "group": group_of.get(id(p))} for p, names in _params(parts)],
         "buffers": {name: {"shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", "")}
-                    for name, b in engine.module.named_buffers()},
-        "state_dict_keys": param_guards.state_dict_keys(engine.module),
+                    for name, b in parts.module.named_buffers()},
+        "state_dict_keys": guards.state_dict_keys(parts.module),
         "lr_scheduler": lr_scheduler, "extra": extra,
         "files": [{"path": rank_file(save_id, r, len(sizes)), "bytes": n} for r, n in enumerate(sizes)],
     }
 
 
-def rank_tensors(engine) -> dict:
+def rank_tensors(parts) -> dict:
     """What this rank writes: its stretches of every group's fp32 params and
     optimizer states, its RNG states, and (rank 0) the module's buffers."""
-    rank, out = engine.comm.rank, {}
-    for g in engine.groups:
+    rank, out = parts.comm.rank, {}
+    for g in parts.groups:
         if g.plan.world_size == 1 and rank != 0:
             continue  # replicated on every rank (stage 0): rank 0 writes it
-        buffers = {"param": g.fp32_partition(), **g.state}
+        buffers = {"param": g.fp32_partition(), **g.optimizer_states()}
         for kind, buf in buffers.items():
             for index, first, values in g.owned_stretches(buf):
                 out[stretch_key(kind, g.names[index][0], first)] = values
     if rank == 0:  # rank 0's buffers are the ones every forward broadcasts
-        for name, b in engine.module.named_buffers():
+        for name, b in parts.module.named_buffers():
             out[f"buffer/{name}"] = b.detach().contiguous()
     out["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -118,26 +118,28 @@ def rank_tensors(engine) -> dict:
     return out
 
 
-def save(engine, path, lr_scheduler=None, extra=None):
-    comm = engine.comm
+def save(parts, loop, path, lr_scheduler=None, extra=None):
+    """Saves `parts` (EngineParts) into the folder `path`; loop: the
+    TrainingLoop (its step count, and the delayed update it lands first)."""
+    comm = parts.comm
     path = os.fspath(path)
     scheduler_state, extra_state = None, None
 
     def check():
         nonlocal scheduler_state, extra_state
-        _no_pending_grads(engine, "save")
+        _no_pending_grads(loop.progress, "save")
         if lr_scheduler is not None:
             scheduler_state = _json(lr_scheduler.state_dict(), "lr_scheduler.state_dict()")
         extra_state = _json(extra, "extra")
 
     _agree(comm, _problem(check), "engine.save")
-    engine.finish_update()  # a delayed update still running is part of the state saved
+    loop.finish_update()  # a delayed update still running is part of the state saved
     save_id = f"{comm.gather_ints(secrets.randbits(63))[0]:016x}"
     file = os.path.join(path, rank_file(save_id, comm.rank, comm.world_size))
 
     def write():
         os.makedirs(os.path.dirname(file), exist_ok=True)
-        write_rank_file(file, save_id, comm.rank, comm.world_size, rank_tensors(engine))
+        write_rank_file(file, save_id, comm.rank, comm.world_size, rank_tensors(parts))
 
     problem = _problem(write)
     sizes = comm.gather_ints(-1 if problem else os.path.getsize(file))
@@ -149,8 +151,8 @@ def save(engine, path, lr_scheduler=None, extra=None):
         raise
     commit = ""
     if comm.rank == 0:
-        commit = _problem(lambda: write_manifest(path, manifest_of(engine, save_id, sizes, scheduler_state,
-                                                                 extra_state)))
+        commit = _problem(lambda: write_manifest(path, manifest_of(parts, loop.progress.step_count, save_id,
+                                                                 sizes, scheduler_state, extra_state)))
         if commit:
             shutil.rmtree(os.path.join(path, save_id), ignore_errors=True)
         else:
@@ -166,17 +168,17 @@ def _remove_other_saves(path, keep):
 
 
 # Loading ------------------------------------------------------------------------
-def _check_model(engine, ckpt) -> None:
+def _check_model(parts, ckpt) -> None:
     """Raises CheckpointError when the checkpoint is not of this engine's
     model and optimizer."""
     m, where = ckpt.manifest, os.path.join(ckpt.directory, MANIFEST)
     saved = {e["names"][0]: e for e in m["params"]}
-    mine = {names[0]: (p, names) for p, names in _params(engine)}
+    mine = {names[0]: (p, names) for p, names in _params(parts)}
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or extra:
         raise CheckpointError(f"{where}: another model: params missing from it: {missing[:5] or 'none'}; "
                               f"params it has that this model lacks: {extra[:5] or 'none'}")
-    group_of = {id(p): i for i, g in enumerate(engine.optimizer.param_groups) for p in g["params"]}
+    group_of = {id(p): i for i, g in enumerate(parts.optimizer.param_groups) for p in g["params"]}
     for name, (p, _) in mine.items():
         e = saved[name]
         if e["shape"] != list(p.shape):
@@ -187,40 +189,42 @@ def _check_model(engine, ckpt) -> None:
                                   f"param group {e['group']} there, {'trainable' if p.requires_grad else 'frozen'} "
                                   f"in group {group_of.get(id(p))} here")
     opt = m["optimizer"]
-    if opt["kind"] != engine.kind or len(opt["param_groups"]) != len(engine.optimizer.param_groups):
+    if opt["kind"] != parts.kind or len(opt["param_groups"]) != len(parts.optimizer.param_groups):
         raise CheckpointError(f"{where}: optimizer {opt['kind']} with {len(opt['param_groups'])} param group(s) "
-                              f"there, {engine.kind} with {len(engine.optimizer.param_groups)} here")
-    buffers = {name: list(b.shape) for name, b in engine.module.named_buffers()}
+                              f"there, {parts.kind} with {len(parts.optimizer.param_groups)} here")
+    buffers = {name: list(b.shape) for name, b in parts.module.named_buffers()}
     if {k: v["shape"] for k, v in m["buffers"].items()} != buffers:
         raise CheckpointError(f"{where}: another model: its buffers differ from this module's")
 
 
-def plan_reads(engine):
+def plan_reads(parts):
     """What this rank reads: (stretches, kind, param name) per param and
     state of every group, with the (kind, name, first, numel) it asks of
     the checkpoint."""
     loads, wanted = [], []
-    for g in engine.groups:
+    for g in parts.groups:
         for index in range(len(g.params)):
             name = g.names[index][0]
             jobs = [(g.param_stretches(index), "param")]
-            jobs += [(g.state_stretches(kind, index), kind) for kind in g.state]
+            jobs += [(g.state_stretches(kind, index), kind) for kind in g.optimizer_states()]
             for stretches, kind in jobs:
                 loads.append((stretches, kind, name))
                 wanted += [(kind, name, first, n) for first, n, _ in stretches]
     return loads, wanted
 
 
-def load(engine, path, lr_scheduler=None):
-    comm, path = engine.comm, os.fspath(path)
+def load(parts, loop, path, lr_scheduler=None):
+    """Loads the checkpoint in `path` into `parts` (EngineParts); loop: the
+    TrainingLoop (its step count, and the delayed update it lands first)."""
+    comm, path = parts.comm, os.fspath(path)
     ckpt, loads = None, None
 
     def check():
         nonlocal ckpt, loads
-        _no_pending_grads(engine, "load")
+        _no_pending_grads(loop.progress, "load")
         ckpt = CheckpointReader(path)
-        _check_model(engine, ckpt)
-        loads, wanted = plan_reads(engine)
+        _check_model(parts, ckpt)
+        loads, wanted = plan_reads(parts)
         ckpt.verify(wanted)
         for name in ckpt.manifest["buffers"]:
             ckpt.verify_named(f"buffer/{name}")
@@ -230,35 +234,35 @@ def load(engine, path, lr_scheduler=None):
             raise CheckpointError(f"{path}: holds no lr scheduler state (saved without lr_scheduler=)")
 
     _agree(comm, _problem(check), f"engine.load from {path} (the engine is unchanged)")
-    engine.finish_update()  # a delayed update still running must not land on the loaded state
+    loop.finish_update()  # a delayed update still running must not land on the loaded state
     try:
-        _apply(engine, ckpt, loads, lr_scheduler)
+        _apply(parts, loop.progress, ckpt, loads, lr_scheduler)
     finally:
         ckpt.close()
     return ckpt.manifest["extra"]
 
 
-def _apply(engine, ckpt, loads, lr_scheduler):
+def _apply(parts, progress, ckpt, loads, lr_scheduler):
     m = ckpt.manifest
-    if engine.scheduler:
-        engine.scheduler.free_all()  # no gathered copy of the old values survives
+    if parts.scheduler:
+        parts.scheduler.free_all()  # no gathered copy of the old values survives
     for stretches, kind, name in loads:
-        FlatGroup.load(stretches, lambda first, n, kind=kind, name=name: ckpt.read(kind, name, first, n))
+        views.load(stretches, lambda first, n, kind=kind, name=name: ckpt.read(kind, name, first, n))
     with torch.no_grad():
-        for name, b in engine.module.named_buffers():
+        for name, b in parts.module.named_buffers():
             b.copy_(ckpt.get(f"buffer/{name}").view(b.shape))
-    rank = engine.comm.rank
+    rank = parts.comm.rank
     for key in ckpt.rng_keys(rank):
         state = ckpt.get(key, rank).clone()
         if key == "rng/cpu":
             torch.random.set_rng_state(state)
         elif torch.cuda.is_available() and int(key.rsplit("/", 1)[1]) < torch.cuda.device_count():
             torch.cuda.set_rng_state(state, int(key.rsplit("/", 1)[1]))
-    engine.step_count = m["step"]
-    engine.scaler.load_state_dict(m["loss_scale"])
-    if engine.exact and m.get("exact_grads"):
-        engine.exact.load_state_dict(m["exact_grads"])
-    set_hyperparameters(engine.optimizer, m["optimizer"]["param_groups"])
+    progress.step_count = m["step"]
+    parts.scaler.load_state_dict(m["loss_scale"])
+    if parts.exact and m.get("exact_grads"):
+        parts.exact.load_state_dict(m["exact_grads"])
+    set_hyperparameters(parts.optimizer, m["optimizer"]["param_groups"])
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(m["lr_scheduler"])
 

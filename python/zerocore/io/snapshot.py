@@ -25,7 +25,6 @@ import mmap
 import os
 import socket
 import threading
-import weakref
 
 import torch
 
@@ -75,29 +74,31 @@ def mirror_offsets(nodes: list, copies: int) -> list:
     return [k * stride for k in range(1, min(copies, world // stride - 1) + 1)]
 
 
-def writes_behind(engine) -> bool:
-    """Whether the engine's snapshots are written and mirrored by a thread
+def writes_behind(parts) -> bool:
+    """Whether an engine's snapshots are written and mirrored by a thread
     behind its next forward and backward (Snapshots.seal): where its work
-    runs on a device, so the training thread mostly waits for it."""
-    return engine.device.type != "cpu"
+    (parts: its EngineParts) runs on a device, so the training thread
+    mostly waits for it."""
+    return parts.device.type != "cpu"
 
 
 class Snapshots:
     """One engine's snapshots: taken after its steps (stepping), sealed
-    and mirrored at the next forward (on a device, behind it: seal). mirror_group: a gloo
-    process group of the engine's ranks for the mirrors alone
-    (snapshot_mirror.py says why; None: a rank alone, no mirrors)."""
+    and mirrored at the next forward (on a device, behind it: seal). The
+    mirrors go over parts.snapshot_group, a gloo process group of the
+    engine's ranks for them alone (snapshot_mirror.py says why; None: a
+    rank alone, no mirrors)."""
 
-    def __init__(self, engine, mirror_group):
-        cfg = engine.config
-        self.engine = weakref.proxy(engine)  # the engine holds this, not the other way round
+    def __init__(self, parts, loop):
+        cfg = parts.config
+        self.parts, self.loop = parts, loop
         self.every = cfg.snapshot_every
-        self.rank, self.world_size = engine.comm.rank, engine.comm.world_size
+        self.rank, self.world_size = parts.comm.rank, parts.comm.world_size
         self.run = run_dir(cfg)
         self.dir = holder_dir(self.run, self.rank)
         os.makedirs(self.dir, exist_ok=True)
-        self.offsets = mirror_offsets(engine.comm.gather_text(node_of(self.run)), cfg.snapshot_copies)
-        self.group = mirror_group
+        self.offsets = mirror_offsets(parts.comm.gather_text(node_of(self.run)), cfg.snapshot_copies)
+        self.group = parts.snapshot_group
         self.steps_done = 0  # completed optimizer steps (an fp16 overflow's skipped ones too)
         self.generation = 0
         self.lr_scheduler = None
@@ -106,7 +107,7 @@ class Snapshots:
         self.restored_param_groups = None  # the optimizer's hyperparameters restored
         self.fetched = []  # the ranks whose files of the step restored came from other nodes
         self._own = KeptFiles(self.dir, self.rank)
-        self._mirrors = Mirrors(mirror_group, self.rank, self.world_size, self.offsets, self.dir)
+        self._mirrors = Mirrors(self.group, self.rank, self.world_size, self.offsets, self.dir)
         # The own file's layout: its tensors (key, dtype, shape), the room for its header, where each one's
         # data starts, its size.
         self._entries, self._head_bytes, self._placed, self._size = None, 0, None, 0
@@ -116,13 +117,13 @@ class Snapshots:
         # The shared memory the snapshots hold on this rank: the files of its folder (its own, its mirrors', two
         # steps each).
         self.bytes_held = 0
-        self._sealing = engine.module.register_forward_pre_hook(torch.compiler.disable(
+        self._sealing = parts.module.register_forward_pre_hook(torch.compiler.disable(
             lambda *_: self.seal(), reason="zerocore: a snapshot is sealed and written outside any graph"))
 
     def step(self):
         """The engine's step, followed by a snapshot every `every` steps
-        (the optimizer's step(): optim.drive_engine)."""
-        applied = self.engine._step()
+        (the optimizer's step(): optimizer_bridge.drive_engine)."""
+        applied = self.loop.step()
         self.steps_done += 1
         if self.steps_done % self.every == 0:
             self.take()
@@ -134,7 +135,7 @@ class Snapshots:
         if self.restored_lr_scheduler is not None:
             lr_scheduler.load_state_dict(self.restored_lr_scheduler)
             # A scheduler made after the restore (after wrap) set the lrs of its first step: the restored ones again.
-            set_hyperparameters(self.engine.optimizer, self.restored_param_groups)
+            set_hyperparameters(self.parts.optimizer, self.restored_param_groups)
             self.restored_lr_scheduler = None
 
     # Taking ------------------------------------------------------------------
@@ -143,8 +144,8 @@ class Snapshots:
         into the data of the file written next; sealed (seal) before the
         next forward."""
         self.wait()
-        self.engine.finish_update()  # a delayed offload update is part of the state
-        tensors = rank_tensors(self.engine)
+        self.loop.finish_update()  # a delayed offload update is part of the state
+        tensors = rank_tensors(self.parts)
         entries = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
         if entries != self._entries:
             self._entries = entries
@@ -154,7 +155,7 @@ class Snapshots:
                                                        self._manifest_metadata(self.steps_done)))
             self._lay_out(HEAD_ROOM * len(head))
         file = self._own.open(self._size)
-        backend = self.engine.backend
+        backend = self.parts.backend
         for first, t in runs([(first, tensors[key].detach()) for (key, _, _), first in self._placed]):
             if t.dtype in _BACKEND_DTYPES:  # the engine's master and states (not the RNG's bytes, torch's own)
                 # torch copies on the compute stream: the checking backend finds a read no wait orders after
@@ -178,9 +179,10 @@ class Snapshots:
     def _manifest_metadata(self, step) -> dict:
         """The checkpoint manifest of `step`, with its checksum, as header metadata."""
         scheduler = None if self.lr_scheduler is None else self.lr_scheduler.state_dict()
-        manifest = manifest_of(self.engine, save_id(self.generation, step, self.world_size), [0] * self.world_size,
-                               scheduler, {"steps_done": step, "generation": self.generation,
-                                           "last_checkpoint": self.last_checkpoint})
+        manifest = manifest_of(self.parts, self.loop.progress.step_count,
+                               save_id(self.generation, step, self.world_size), [0] * self.world_size, scheduler,
+                               {"steps_done": step, "generation": self.generation,
+                                "last_checkpoint": self.last_checkpoint})
         text = json.dumps(manifest)
         return {MANIFEST_KEY: text, f"{MANIFEST_KEY}-crc32": str(manifest_crc(text))}
 
@@ -200,7 +202,7 @@ class Snapshots:
             return
         step, self._unsealed = self._unsealed, None
         args = (step, self._manifest_metadata(step))
-        if not writes_behind(self.engine):
+        if not writes_behind(self.parts):
             self._write_and_mirror(*args)
             self._raise_error()
             return

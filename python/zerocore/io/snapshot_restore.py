@@ -130,7 +130,7 @@ class _Table:
 def restore(snapshots) -> int:
     """Restores the newest whole snapshot step into the engine; returns the
     steps it holds (0: none). Call it on every rank, at wrap."""
-    engine, comm = snapshots.engine, snapshots.engine.comm
+    parts, comm = snapshots.parts, snapshots.parts.comm
     table = _Table(comm, snapshots.run)
     refused = table.refused()
     if refused:
@@ -147,8 +147,8 @@ def restore(snapshots) -> int:
     shutil.rmtree(view, ignore_errors=True)
     try:
         manifest = _assemble(table, snapshots.group, view, whole[(step, gen, world)], save_id(gen, step, world),
-                             _needed(table, whole[(step, gen, world)], world, engine))
-        extra = save_load.load(engine, view)
+                             _needed(table, whole[(step, gen, world)], world, parts))
+        extra = save_load.load(parts, snapshots.loop, view)
     finally:
         shutil.rmtree(view, ignore_errors=True)
     _forget_after(table, step)
@@ -176,13 +176,13 @@ def _lost(table, whole) -> SnapshotLostError:
         f"{table.run} to start afresh. More copies (Config(snapshot_copies=k)) survive k nodes lost.")
 
 
-def _needed(table, ranks: dict, world: int, engine) -> list:
+def _needed(table, ranks: dict, world: int, parts) -> list:
     """The files of the step this rank reads: those holding stretches of
     its partition (its plan's reads, as engine.load would make them), rank
     0's (the module's buffers) and its own rank's (its RNG states)."""
     held = {(r, holder, name): stretches for r, holder, name, problem, _, stretches in table.verdicts if not problem}
     wanted = {}
-    for kind, name, first, n in save_load.plan_reads(engine)[1]:
+    for kind, name, first, n in save_load.plan_reads(parts)[1]:
         if kind == "param":
             wanted.setdefault(name, []).append((first, first + n))
     out = {0, table.comm.rank} & set(range(world))

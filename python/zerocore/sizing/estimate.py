@@ -170,7 +170,7 @@ def _engine_layout(module, config, world_size: int, state_names, units) -> dict:
     (grouping.build_groups) and each group's buffer_plan, with no process
     group and no memory."""
     from zerocore import _native
-    from zerocore.flat_group import TORCH_DTYPES
+    from zerocore.state.flat_group import TORCH_DTYPES
     from zerocore.state.grouping import build_groups, param_names
     from zerocore.state.placement import Placement
 
@@ -218,7 +218,7 @@ def estimate(model, world_size=1, dtype: str = "bf16", optimizer: str = "adamw",
     (reduce_dtype, bucket_bytes, persist_threshold, delayed_update) apply,
     its stage, dtype and offload come from the arguments. str() of the
     result is a table; .row(world_size, stage, offload) one row."""
-    from zerocore.optim import state_names as optimizer_state_names
+    from zerocore.engine.optimizer_bridge import state_names as optimizer_state_names
 
     dtype = _check(dtype, optimizer, stages, offload)
     m = as_model(model)

@@ -16,7 +16,7 @@ mean. Stages 2-3: gradient reduction (the native BucketReducer, in int64)
 stages each param's grad as quantize() gives it, reduce-scatters its
 buckets as integers and adds each rank's block into the partition's sums,
 which (grads on the device) live in the grad partition's own memory, 8
-bytes an element (FlatGroup.grad_sums), the mean formed in its first bytes.
+bytes an element (FlatGroup.buffers["grad_sums"]), the mean formed in its first bytes.
 
 Then the ranks agree on their largest |grad| in grid units (a maximum is
 order-independent too) and, where each holds a part of the grads, on
@@ -91,19 +91,20 @@ class ExactGradSum:
         self.dtype = self.groups[0].dtype if self.groups else torch.float32
         self.exponent = grid_exponent(FIRST_BOUND, self.dtype)  # this step's grid: multiples of 2**exponent
         # Stages 2-3 on the device: the grad partition's own memory holds
-        # them (FlatGroup.grad_sums), the mean formed in its first bytes.
-        self.sums = [g.grad_sums if self.partitioned and g.grad_sums is not None else
+        # them (FlatGroup.buffers["grad_sums"]), the mean formed in its first bytes.
+        self.sums = [g.buffers["grad_sums"] if self.partitioned and "grad_sums" in g.buffers else
                      torch.zeros(self._grads(g).numel(), dtype=torch.int64, device=self._grads(g).device)
                      for g in self.groups]
         # Bytes of sums beside the groups' buffers (memory_report counts the rest as grad_part's).
-        self.own_bytes = sum(8 * s.numel() for s, g in zip(self.sums, self.groups) if s is not g.grad_sums)
+        self.own_bytes = sum(8 * s.numel() for s, g in zip(self.sums, self.groups)
+                             if s is not g.buffers.get("grad_sums"))
         self._index = {id(g): i for i, g in enumerate(self.groups)}
         self.bytes_moved = 0  # of the agreements (control plane), received, since wrap
         self._reset()
 
     def _grads(self, group) -> torch.Tensor:
         """The buffer the update reads the group's grads from."""
-        return group.grad_part if self.partitioned else group.grad_full
+        return group.buffers["grad_part" if self.partitioned else "grad_full"]
 
     def sums_of(self, group) -> torch.Tensor:
         return self.sums[self._index[id(group)]]
@@ -113,10 +114,10 @@ class ExactGradSum:
         at stages 0-1 its block of every bucket (all of it at stage 0)."""
         for g, s in zip(self.groups, self.sums):
             if self.partitioned:
-                yield s, g.grad_part
+                yield s, g.buffers["grad_part"]
             else:
                 for b in range(len(g.buckets)):
-                    yield g.view(s, "shard", b, g.rank), g.view(g.grad_full, "shard", b, g.rank)
+                    yield g.view(s, "shard", b, g.rank), g.view("grad_full", "shard", b, g.rank)
 
     def _reset(self):
         for s in self.sums:
@@ -143,8 +144,8 @@ class ExactGradSum:
         if self.partitioned:
             return
         for g, total in zip(self.groups, self.sums):
-            total.add_(self.quantize(g.grad_full))
-            g.grad_full.zero_()
+            total.add_(self.quantize(g.buffers["grad_full"]))
+            g.buffers["grad_full"].zero_()
 
     def reduce(self, count: int, reducer=None):
         """Once a step, after the ranks met and the sums were reduced: the
@@ -173,7 +174,7 @@ class ExactGradSum:
     def _mean_into(self, sums: torch.Tensor, grads: torch.Tensor, count: int):
         """grads = sums * 2**exponent / count (formed in float64, one
         rounding into the grads' dtype), a chunk at a time in order: where
-        grads lie in the sums' own first bytes (FlatGroup.grad_sums), a
+        grads lie in the sums' own first bytes (FlatGroup.buffers["grad_sums"]), a
         chunk's writes land on sums of it or of chunks before, read already."""
         scale = 2.0**self.exponent
         for first in range(0, sums.numel(), _MEAN_CHUNK):
@@ -206,7 +207,7 @@ class ExactGradSum:
             self.exponent = self.next_exponent
         if not self.partitioned:
             for g in self.groups:
-                g.grad_full.zero_()
+                g.buffers["grad_full"].zero_()
         self._reset()
 
     def state_dict(self) -> dict:

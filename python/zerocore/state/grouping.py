@@ -1,5 +1,5 @@
 """How wrap lays a module's params out: which stage-3 unit owns each param,
-which units are coalesced into one, and the flat groups (flat_group.py)
+which units are coalesced into one, and the flat groups (state/flat_group.py)
 they go into, in reduction order. The engine builds its store from this
 plan, and zerocore.estimate (sizing/estimate.py) counts the bytes of the same plan
 without allocating any."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from zerocore.flat_group import FlatGroup
+from zerocore.state.flat_group import FlatGroup
 from zerocore.state.units import Unit, find_units
 
 

@@ -53,8 +53,8 @@ import torch
 from torch import nn
 
 import zerocore
-from zerocore import param_guards
-from zerocore.flat_group import NATIVE_NAMES
+from zerocore.state import guards
+from zerocore.state.flat_group import NATIVE_NAMES
 from zerocore.io.safetensors_file import Reader
 
 _MALLOC_MMAP_THRESHOLD = 128 << 10  # glibc's initial M_MMAP_THRESHOLD
@@ -352,7 +352,7 @@ class Initializer:
             owned = {id(p) for _, p in direct}
             nested = [] if self.fn or callable(getattr(mod, "reset_parameters", None)) else \
                 [p for p in mod.parameters() if id(p) not in owned and id(p) in self.meta]
-            with param_guards.unguarded([p for _, p in direct] + nested):
+            with guards.unguarded([p for _, p in direct] + nested):
                 bound = [p.data for _, p in direct]
                 nested_bound = [p.data for p in nested]
                 for p in [p for _, p in direct] + nested:

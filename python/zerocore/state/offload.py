@@ -68,7 +68,7 @@ class OffloadUpdate:
             # Counted by the params' own elements (runs span the alignment gaps between them).
             numel = sum(seg.numel for seg in g.segments)
             run_grad_bytes += numel * g.reduce_dtype.itemsize
-            up_bytes += numel * (g.host_param if g.host_param is not None else g.master).element_size()
+            up_bytes += numel * g.buffers.get("host_param", g.buffers.get("master")).element_size()
         self.native = _native.OffloadOptimizer(buckets, backend)  # on the engine's backend: its copy and update streams
         # What the native step (ZeroStep) drives, the EngineCore's (use): the
         # host grads taken, the update, its params up at once or at the next

@@ -1,12 +1,14 @@
-"""The module's params and their .grad, bound to FlatGroup's buffers.
+"""ParamBinder: a flat group's part that binds the module's params and
+their .grad to the group's buffers.
 
 The module's nn.Parameters keep their identity; their .data are views into
-F (the group's flat buffer), created once. A sharded group has no F of its
-own: stage 3's schedule gathers its unit into a buffer of the native gather
+F (the group's flat buffer, its "full"), created once. A sharded group has
+no F of its own: stage 3's schedule gathers its unit into a buffer of the native gather
 pool and binds the params to views of it (bind), and points them back at
 placeholders of their shape that hold one NaN when the unit is released
 (unbind), so a stale read gives NaNs instead of another unit's values, and
-a write raises (param_guards.py).
+a write raises (guards.py). The buffer the params view is the binder's
+`bound`: F, or while a sharded group's unit is gathered, its pool slot.
 
 Grads: at stages 0-1 each param's .grad is its view of the flat grad
 buffer while autograd runs (attach_grad_views), and after backward a
@@ -18,15 +20,23 @@ from __future__ import annotations
 
 import torch
 
-from zerocore import param_guards
+from zerocore.state import guards, views
 
 
-class ParamBinding:
-    """FlatGroup's binding of params and grads (flat_group.py has the plan
-    and the buffers, flat_group_views.py the views bound to)."""
+class ParamBinder:
+    """Binds a flat group's params and grads to its buffers. params, names:
+    the group's (backward order; per param, every name it has); dtype: the
+    one it trains in; stage: the ZeRO stage; sharded: stage 3's params held
+    as shards; store: its PartitionStore; buffers: its buffers by kind (the
+    group's dict, filled once allocated); rank: its rank in the partition."""
 
-    def _init_binding(self):
-        self._views = {}  # sharded: per buffer address, the params' views into it
+    def __init__(self, params, names, *, dtype, stage, sharded, store, buffers, rank):
+        self.params, self.names, self.shapes = params, names, [p.shape for p in params]
+        self.dtype, self.stage, self.sharded, self.rank = dtype, stage, sharded, rank
+        self.store, self.buffers = store, buffers
+        self.buckets, self.partition_elems = len(store.plan.buckets), store.plan.partition_elems
+        self.bound = None  # the flat buffer the params view: F, or a sharded group's gathered slot; None: released
+        self._views = {}  # per buffer address, the params' views into it
         self._placeholders = []
         self._grad_views = None  # per param, its view of grad_full: made once
         self._grad_placeholders = None  # made by hide_grads, once
@@ -34,23 +44,18 @@ class ParamBinding:
         self._versions = []  # the params' version counters as carry_param_writes last saw them
 
     # Binding params to a flat buffer ----------------------------------------
-    def fill(self, values_later=frozenset()):
-        """Fills the buffers from the params' values, except those of params
-        in values_later (ids), which the engine loads afterwards
-        (load_param): a model built on the meta device has none yet. Every
-        rank starts from rank 0's values, as DDP does; buffers are filled
-        straight from the params, with no full-size temporary. Then the
-        params become views of the group's buffer."""
-        for i, p in enumerate(self.params):
-            if id(p) not in values_later:
-                self.comm.broadcast(p.data)
-                src = p.detach().reshape(-1)
-                self.load_param(i, lambda first, n: src[first:first + n])
+    def bind_initial(self):
+        """Once the buffers hold the params' values (FlatGroup.fill): the
+        params become views of F, or a sharded group's are released."""
         if self.sharded:
             self._placeholders = self._make_placeholders()
             self.unbind()
         else:
-            self.bind(self.full)
+            self.bind(self.buffers["full"])
+
+    def _view(self, buffer, span: str, *args) -> torch.Tensor:
+        """views.view of `buffer`: a kind of self.buffers or a tensor of the plan."""
+        return views.view(self.store, self.buffers[buffer] if isinstance(buffer, str) else buffer, span, *args)
 
     def _make_placeholders(self) -> list:
         """Per param, a tensor of its shape that reads as NaN everywhere: one
@@ -61,48 +66,44 @@ class ParamBinding:
         nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.params[0].device)  # where training runs
         return [nan.expand(shape) for shape in self.shapes]
 
-    @property
-    def gathered(self) -> bool:
-        return self.full is not None
-
     def bind(self, flat: torch.Tensor, keep_views=True):
         """The params become views of `flat`, this group's flat buffer (for a
         sharded group, where its unit is gathered). keep_views: the buffer
         lives as long as the engine (a pool slot), so its views are made once
         and kept; a temporary buffer's are not, or they would keep it alive."""
         for p, v in zip(self.params, self._param_views(flat, keep_views)):
-            param_guards.restore(p, v)
-        self.full = flat
+            guards.restore(p, v)
+        self.bound = flat
 
     def _param_views(self, flat: torch.Tensor, keep=True) -> list:
         """Per param, its view of `flat` (see bind for keep)."""
         views = self._views.get(flat.data_ptr())
         if views is None:
-            views = [self.view(flat, "param", i).view(shape) for i, shape in enumerate(self.shapes)]
+            views = [self._view(flat, "param", i).view(shape) for i, shape in enumerate(self.shapes)]
             if keep:
                 self._views[flat.data_ptr()] = views
         return views
 
     def undo_casts(self):
         """Params held whole whose .data a cast replaced since wrap
-        (model.to(dtype), .half()): they view self.full again, which holds
+        (model.to(dtype), .half()): they view self.bound again, which holds
         their values in the dtype the engine trains in, untouched by it."""
-        if self.full is None:
+        if self.bound is None:
             return
-        for p, view in zip(self.params, self._param_views(self.full)):
+        for p, view in zip(self.params, self._param_views(self.bound)):
             if p.dtype != view.dtype and p.shape == view.shape:
-                param_guards.restore(p, view)
+                guards.restore(p, view)
 
     def take_rebound(self, keep_views=True) -> list:
-        """Params bound to self.full whose .data the user rebound since
+        """Params bound to self.bound whose .data the user rebound since
         (`p.data = t`, `p.set_(t)`): their values go into their place in
-        self.full, as an in-place write's would, and they view it again, so
-        training, which reads and updates self.full, goes on from them.
+        self.bound, as an in-place write's would, and they view it again, so
+        training, which reads and updates self.bound, goes on from them.
         Returns their indices. A new shape or dtype raises: the layout was
         planned at wrap."""
         rebound = []
-        for i, (p, view, names) in enumerate(zip(self.params, self._param_views(self.full, keep_views), self.names)):
-            if param_guards.same_binding(p, view):
+        for i, (p, view, names) in enumerate(zip(self.params, self._param_views(self.bound, keep_views), self.names)):
+            if guards.same_binding(p, view):
                 continue
             if p.shape != view.shape or p.dtype != view.dtype:
                 raise RuntimeError(
@@ -116,16 +117,16 @@ class ParamBinding:
                 # It views the engine's buffer too (p.data = p.data.t()): copy_ must not read what it writes.
                 values = values.clone()
             view.copy_(values)
-            param_guards.restore(p, view)
+            guards.restore(p, view)
             rebound.append(i)
         return rebound
 
     def unbind(self):
         """Sharded: the params point at placeholders with no memory again,
-        and refuse writes (param_guards.release)."""
+        and refuse writes (guards.release)."""
         for p, v, names in zip(self.params, self._placeholders, self.names):
-            param_guards.release(p, v, names[0])
-        self.full = None
+            guards.release(p, v, names[0])
+        self.bound = None
 
     # Gradients -------------------------------------------------------------
     def attach_grad_views(self):
@@ -146,10 +147,10 @@ class ParamBinding:
 
     def hide_grads(self):
         """After backward: each param's .grad becomes a placeholder that
-        raises on use (param_guards.GradPlaceholder), since what autograd
+        raises on use (guards.GradPlaceholder), since what autograd
         left there is not the grad the step applies."""
         if self._grad_placeholders is None:
-            self._grad_placeholders = [param_guards.GradPlaceholder.of(p, self.placement.stage, names[0])
+            self._grad_placeholders = [guards.GradPlaceholder.of(p, self.stage, names[0])
                                        for p, names in zip(self.params, self.names)]
         for p, placeholder in zip(self.params, self._grad_placeholders):
             p.grad = placeholder
@@ -170,7 +171,7 @@ class ParamBinding:
     def grad_view(self, index: int) -> torch.Tensor:
         """Stages 0-1: param `index`'s grad in the flat grad buffer, shaped as the param."""
         if self._grad_views is None:
-            self._grad_views = [self.view("grad_full", "param", i).view(shape)
+            self._grad_views = [self._view("grad_full", "param", i).view(shape)
                                 for i, shape in enumerate(self.shapes)]
         return self._grad_views[index]
 
@@ -192,18 +193,18 @@ class ParamBinding:
         if self.sharded:
             return
         rebound = set(self.take_rebound())
-        if self.master is None:
+        if "master" not in self.buffers:
             return
         for i, p in enumerate(self.params):
             if p._version != self._versions[i] or i in rebound:
                 for seg in self.store.segments_of(i):
-                    self.view("master", "segment", seg).copy_(self.view("full", "segment", seg))
+                    self._view("master", "segment", seg).copy_(self._view("full", "segment", seg))
                 self._versions[i] = p._version
 
     def snapshot_partition(self) -> torch.Tensor:
         """This rank's partition of the params as they are now (write_back's `before`)."""
-        out = torch.empty(self.plan.partition_elems, dtype=self.dtype, device=self.full.device)
-        self.partition_from_flat(self.full, out)
+        out = torch.empty(self.partition_elems, dtype=self.dtype, device=self.bound.device)
+        views.partition_from_flat(self.store, self.buckets, self.rank, self.bound, out)
         return out
 
     def write_back(self, before: torch.Tensor):
@@ -212,10 +213,10 @@ class ParamBinding:
         fp32 master, leaving unchanged elements' master precision intact."""
         self.take_rebound(keep_views=not self.sharded)  # a sharded group's gathered buffer is a temporary
         now = torch.empty_like(before)
-        self.partition_from_flat(self.full, now)
+        views.partition_from_flat(self.store, self.buckets, self.rank, self.bound, now)
         changed = now != before
         if self.sharded:
-            self.shard.copy_(now)
-        if self.master is not None:
-            self.master[changed] = now[changed].float()
+            self.buffers["shard"].copy_(now)
+        if "master" in self.buffers:
+            self.buffers["master"][changed] = now[changed].float()
         self.note_param_versions()

@@ -9,7 +9,7 @@ its own buffers, guarded so that none of it is silently wrong.
   so `weight.fill_(1.0)` or `nn.init.normal_(weight)` would otherwise
   vanish without a word. So does rebinding its .data (`p.data = t`), for
   the same reason; where params are held whole, a rebinding reaches the
-  engine as an in-place write would (FlatGroup.take_rebound). Reads pass
+  engine as an in-place write would (ParamBinder.take_rebound). Reads pass
   (counting params, shapes, dtypes).
   Binding the param to a gathered buffer gives it its own class back, so
   none of this runs in forward or backward.
@@ -90,7 +90,7 @@ def _write_error(what: str) -> RuntimeError:
 def dtype_changed(name: str, cast: torch.dtype, planned: torch.dtype) -> RuntimeError:
     """A param cast after wrap (model.to(dtype), .half(), .bfloat16()):
     refused, the params as they were (at stage 3 the cast raises; at stages
-    0-2 the next forward undoes it: FlatGroup.undo_casts)."""
+    0-2 the next forward undoes it: ParamBinder.undo_casts)."""
     return RuntimeError(
         f"zerocore: {name} was cast to {cast} after zerocore.wrap (model.to(dtype), .half(), .bfloat16()?), but "
         f"the engine laid the params out, and trains them, in {planned}, in buffers of its own: the cast is "
