@@ -97,6 +97,8 @@ class Engine(Training, StateIO, Reports):
                                     positions=self.positions, name="control") if process_group is not None else None
         self.comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=self.control,
                                  control=self.control, backend=self.backend, nccl=cfg.nccl, positions=self.positions)
+        # Host waits on device work stuck behind a collective its peers never issue diagnose as collectives do.
+        self.positions.watch(self.backend, self.comm.failure)
         self.dtype = TORCH_DTYPES[cfg.dtype]
         warn_of_param_dtypes(params, names, self.dtype)
         self.reduce_dtype = TORCH_DTYPES[cfg.reduce_dtype]
