@@ -16,7 +16,8 @@ flight until done, and the host waits on device work behind them diagnose
   collectives' completion waits 3 x diagnose_after: trains on). Each
   error comes on every rank within diagnose_after and a few seconds,
   names each rank's position, and the engine refuses every later call.
-The real NCCL cases are in tests/test_gpu_ranks.py's kind, marked gpu."""
+Last, the same on real NCCL (torch's group and Config(nccl="native")),
+marked gpu: two ranks, a GPU each."""
 import threading
 import time
 
@@ -125,11 +126,11 @@ def _count_device_diagnoses(out):
     Positions.diagnose = counted
 
 
-def _scenario(rank, world, stage, what):
-    model = make()
+def _scenario(rank, world, stage, what, device="cpu", config=None):
+    model = make().to(device)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                            {"stage": stage, "bucket_bytes": 2048, "diagnose_after": DIAGNOSE_AFTER,
-                            "timeout": TIMEOUT})
+                            "timeout": TIMEOUT, **(config or {})})
     depart = threading.Event()
     out = {"error": None}
     if what == "slow_device":
@@ -150,11 +151,11 @@ def _scenario(rank, world, stage, what):
                     engine.full_state_dict()
                 elif what == "eval":
                     with torch.no_grad():
-                        engine(local(lm_batch(0, 0, world)[0], rank, world))
+                        engine(local(lm_batch(0, 0, world)[0], rank, world).to(device))
                 else:
                     depart.set()
             x, y = lm_batch(step, 0, world)
-            engine.backward(lm_loss(engine(local(x, rank, world)), local(y, rank, world)))
+            engine.backward(lm_loss(engine(local(x, rank, world).to(device)), local(y, rank, world).to(device)))
             engine.step()
             engine.zero_grad()
         except zerocore.RankDisagreementError as e:
@@ -162,7 +163,7 @@ def _scenario(rank, world, stage, what):
             break
     out["step_count"] = engine.step_count
     if out["error"] is None:
-        out["params"] = torch.cat([p.detach().reshape(-1) for p in engine.full_state_dict().values()])
+        out["params"] = torch.cat([p.detach().reshape(-1).cpu() for p in engine.full_state_dict().values()])
     return out
 
 
@@ -185,10 +186,30 @@ def test_on_a_device_data_plane_every_rank_names_the_positions_or_trains_on(resu
         assert sum(o["device_diagnoses"] for o in outs) > 0  # the host waited on the slow device, looked, and waited on
         torch.testing.assert_close(outs[1]["params"], outs[0]["params"], rtol=0, atol=0)
         return
+    _check_apart(outs, what)
+
+
+def _check_apart(outs, what):
     for rank, o in enumerate(outs):
         assert o["error"] == "RankDisagreementError", (rank, o)
         assert o["seconds"] < DIAGNOSE_AFTER + SLACK, (rank, o["seconds"])
         assert set(o["refusals"].values()) == {"refused"}, (rank, o["refusals"])
-        assert all(f"rank {r}: in " in o["message"] for r in range(2)), o["message"]
+        assert all(f"rank {r}: in " in o["message"] for r in range(len(outs))), o["message"]
         if what == "full_state_dict":
             assert "rank 0: in full_state_dict(), waiting" in o["message"], o["message"]
+
+
+def _on_nccl(rank, world, stage, what, nccl):
+    torch.cuda.set_device(rank)
+    return _scenario(rank, world, stage, what, torch.device("cuda", rank), {"nccl": nccl})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="NCCL's ranks need a GPU each: two GPUs")
+@pytest.mark.parametrize("nccl", ["torch", "native"])
+@pytest.mark.parametrize("stage, what", [(1, "full_state_dict"), (3, "full_state_dict"), (3, "eval")])
+def test_on_nccl_every_rank_names_the_positions(stage, what, nccl):
+    if nccl == "native" and zerocore.nccl.unavailable_reason():
+        pytest.skip(zerocore.nccl.unavailable_reason())
+    _check_apart(run_ranks(_on_nccl, 2, stage, what, nccl, timeout=150, start="spawn", group="nccl"), what)

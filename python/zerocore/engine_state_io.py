@@ -34,7 +34,18 @@ class StateIO:
                     out[name] = value
         for name, b in self.module.named_buffers():
             out[name] = b.detach().clone()
+        self._wait_for_the_device()
         return {k: out[k] for k in param_guards.state_dict_keys(self.module)}
+
+    def _wait_for_the_device(self):
+        """The host waits here for the device work issued so far (its
+        gathers; none on the CPU, where it ran already), in the backend's
+        watched host wait, rather than later in torch's copy of the result
+        to the host (the user's torch.save), which cannot be watched: a
+        gather its peers never issue (the call made on one rank) is then a
+        RankDisagreementError within Config(diagnose_after=...), not a wait
+        for the timeout (docs/rank_disagreement.md)."""
+        self.backend.host_wait(self.backend.record(self.backend.compute_stream()))
 
     @engine_call("load_state_dict()")
     def load_state_dict(self, source, strict=True) -> IncompatibleKeys:
@@ -73,6 +84,7 @@ class StateIO:
         hold: an epoch, a data position). Call it on every rank, between
         steps. The save replaces the one in `path` only once every rank's
         files are on disk: one that fails or dies leaves the last one whole."""
+        self._wait_for_the_device()  # for the update and the gathers before it, where the host waits watched
         save_load.save(self, path, lr_scheduler, extra)
         if self.snapshots:  # named when a snapshot cannot be restored
             self.snapshots.last_checkpoint = os.path.abspath(path)
@@ -100,6 +112,7 @@ class StateIO:
             if self.scheduler:
                 self.scheduler.gather_all()
             before = [g.snapshot_partition() for g in self.groups]
+            self._wait_for_the_device()
         try:
             yield self.module
         finally:
