@@ -16,8 +16,9 @@ flight until done, and the host waits on device work behind them diagnose
   collectives' completion waits 3 x diagnose_after: trains on). Each
   error comes on every rank within diagnose_after and a few seconds,
   names each rank's position, and the engine refuses every later call.
-Last, the same on real NCCL (torch's group and Config(nccl="native")),
-marked gpu: two ranks, a GPU each."""
+On a GPU, tests/test_gpu_ranks.py runs rank 0 alone in full_state_dict()
+over each real data plane (gloo's CUDA tensors, torch's NCCL,
+Config(nccl="native")), several ranks on one GPU."""
 import threading
 import time
 
@@ -126,7 +127,7 @@ def _count_device_diagnoses(out):
     Positions.diagnose = counted
 
 
-def _scenario(rank, world, stage, what, device="cpu", config=None):
+def scenario(rank, world, stage, what, device="cpu", config=None):
     model = make().to(device)
     engine = zerocore.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                            {"stage": stage, "bucket_bytes": 2048, "diagnose_after": DIAGNOSE_AFTER,
@@ -169,7 +170,7 @@ def _scenario(rank, world, stage, what, device="cpu", config=None):
 
 def _scenarios(rank, world):
     ProcessGroupTransport.SIMULATED_DEVICE_QUEUES = ("data", "reductions")
-    return {key: _scenario(rank, world, *key) for key in SCENARIOS}
+    return {key: scenario(rank, world, *key) for key in SCENARIOS}
 
 
 @pytest.fixture(scope="module")
@@ -186,10 +187,11 @@ def test_on_a_device_data_plane_every_rank_names_the_positions_or_trains_on(resu
         assert sum(o["device_diagnoses"] for o in outs) > 0  # the host waited on the slow device, looked, and waited on
         torch.testing.assert_close(outs[1]["params"], outs[0]["params"], rtol=0, atol=0)
         return
-    _check_apart(outs, what)
+    check_apart(outs, what)
 
 
-def _check_apart(outs, what):
+def check_apart(outs, what):
+    """Every rank raised RankDisagreementError within the bound, naming each rank's position, and refuses every call."""
     for rank, o in enumerate(outs):
         assert o["error"] == "RankDisagreementError", (rank, o)
         assert o["seconds"] < DIAGNOSE_AFTER + SLACK, (rank, o["seconds"])
@@ -198,18 +200,3 @@ def _check_apart(outs, what):
         if what == "full_state_dict":
             assert "rank 0: in full_state_dict(), waiting" in o["message"], o["message"]
 
-
-def _on_nccl(rank, world, stage, what, nccl):
-    torch.cuda.set_device(rank)
-    return _scenario(rank, world, stage, what, torch.device("cuda", rank), {"nccl": nccl})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="NCCL's ranks need a GPU each: two GPUs")
-@pytest.mark.parametrize("nccl", ["torch", "native"])
-@pytest.mark.parametrize("stage, what", [(1, "full_state_dict"), (3, "full_state_dict"), (3, "eval")])
-def test_on_nccl_every_rank_names_the_positions(stage, what, nccl):
-    if nccl == "native" and zerocore.nccl.unavailable_reason():
-        pytest.skip(zerocore.nccl.unavailable_reason())
-    _check_apart(run_ranks(_on_nccl, 2, stage, what, nccl, timeout=150, start="spawn", group="nccl"), what)
