@@ -24,6 +24,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import zerocore
 from dist_harness import run_ranks
@@ -101,6 +102,36 @@ def test_a_slow_device_is_waited_for_and_an_unwatched_wait_is_whole():
 def test_a_watch_needs_positive_seconds(value):
     with pytest.raises(ValueError, match="positive"):
         _native.CheckingBackend().watch_host_waits(value, print)
+
+
+def _two_ranks(peer_waits: bool):
+    """Rank 0 in full_state_dict() with an all-gather in flight on the device
+    until the returned event is set; rank 1 in step(), waiting on the host in a
+    control collective rank 0 has not started (peer_waits), or in none."""
+    store, done = dist.HashStore(), threading.Event()
+    me, peer = Positions(1.0, store, "t/", 0, 2), Positions(1.0, store, "t/", 1, 2)
+    for p in (me, peer):
+        p.close()  # its publishing thread: published here
+        p.started("data", (0, 0, 0, 4), lambda k: "all_gather", lambda: True)  # done: not in flight
+    me.enter("full_state_dict()", 2)
+    me.started("data", (0, 0, 0, 8), lambda k: "all_gather", done.is_set)
+    peer.enter("step()", 2)
+    if peer_waits:
+        peer.started("control", (0, -1, 5, 2), lambda k: "control all_gather")
+    peer.publish()
+    return me, done
+
+
+def test_a_device_collective_is_in_flight_until_done_and_diagnosed_from_a_host_wait():
+    me, done = _two_ranks(peer_waits=True)
+    with pytest.raises(zerocore.RankDisagreementError, match=r"(?s)rank 0: in full_state_dict\(\), waiting .* in the "
+                                                             r"all_gather.*rank 1: in step\(\) of step 2, waiting"):
+        me.diagnose(None, 1.0)
+    me, done = _two_ranks(peer_waits=False)
+    assert me.diagnose(None, 1.0) is None  # the peer waits in nothing: slow, or computing
+    me, done = _two_ranks(peer_waits=True)
+    done.set()
+    assert me.diagnose(None, 1.0) is None  # nothing in flight here: the device is only slow elsewhere
 
 
 def _slow_device_at(depart: threading.Event):

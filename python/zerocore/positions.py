@@ -288,11 +288,12 @@ class _Queue:
         self.progress, self.describe = progress, describe
 
     def settle(self):
-        """Drops the collectives at the front whose device work is done."""
-        while self.flight:
-            done = self.flight[0][4]
-            if done is None or not done():
-                return
+        """Drops the collectives whose device work is done: those at the
+        front, or all once the newest is (a queue's complete in its order;
+        so one whose done() lags does not hold the rest, nor their tensors)."""
+        if self.flight and _done(self.flight[-1]):
+            self.flight.clear()
+        while self.flight and _done(self.flight[0]):
             self.flight.popleft()
 
     def record(self) -> list:
@@ -308,6 +309,12 @@ class _Queue:
             return [self.count, None, None, 0.0, 0]
         index, key, describe, since, _ = self.flight[0]
         return [self.count, list(key), describe(key), since, index]
+
+
+def _done(collective) -> bool:
+    """Whether a collective in flight (_Queue.flight's) is done on the device (one the host waits in: never here)."""
+    done = collective[4]
+    return done is not None and done()
 
 
 def _where(record: Optional[dict], now: float) -> str:
