@@ -170,12 +170,12 @@ def hang_up(group):
 
 
 def abort(group):
-    """Ends this rank's collectives of the NCCL group `group` now
-    (ProcessGroup.abort: ncclCommAbort), its device work stuck in them
+    """Ends this rank's collectives of the NCCL group `group` now (its CUDA
+    backend's abort: ncclCommAbort), its device work stuck in them
     included; the group serves no more. An abort that fails leaves them to
     NCCL's watchdog (the timeout): the error found is raised either way."""
     try:
-        group.abort()
+        group._get_backend(torch.device("cuda")).abort()
     except RuntimeError:
         pass
 
