@@ -19,6 +19,7 @@ flight until done, and the host waits on device work behind them diagnose
 On a GPU, tests/test_gpu_ranks.py runs rank 0 alone in full_state_dict()
 over each real data plane (gloo's CUDA tensors, torch's NCCL,
 Config(nccl="native")), several ranks on one GPU."""
+import gc
 import threading
 import time
 
@@ -35,7 +36,9 @@ from zerocore.positions import Positions
 from zerocore.process_group import ProcessGroupTransport
 
 DIAGNOSE_AFTER = 0.3  # seconds
-TIMEOUT = 10  # seconds: a collective's; an aborted simulated collective's gloo work ends by it
+# Seconds: a collective's. The gloo works of an aborted simulated collective end by it, and until they do the
+# engine's teardown may wait for them (gc.collect() between scenarios puts that wait outside the timed calls).
+TIMEOUT = 4
 SLACK = 8.0  # seconds beyond diagnose_after an error may take on a loaded 2-core machine
 STEPS, DEPART = 3, 1
 SCENARIOS = ((1, "full_state_dict"), (3, "full_state_dict"), (3, "eval"), (1, "slow_device"), (3, "slow_device"))
@@ -201,7 +204,20 @@ def scenario(rank, world, stage, what, device="cpu", config=None):
 
 def _scenarios(rank, world):
     ProcessGroupTransport.SIMULATED_DEVICE_QUEUES = ("data", "reductions")
-    return {key: scenario(rank, world, *key) for key in SCENARIOS}
+    aborted = []  # the simulated device queues this rank aborted, in the scenario running
+    abort = ProcessGroupTransport._abort_simulated_device
+
+    def noted(self):
+        aborted.append(self.queue)
+        abort(self)
+    ProcessGroupTransport._abort_simulated_device = noted
+    results = {}
+    for key in SCENARIOS:
+        gc.collect()  # the last scenario's engine goes here
+        results[key] = scenario(rank, world, *key)
+        results[key]["aborted"] = sorted(set(aborted))
+        aborted.clear()
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +233,11 @@ def test_on_a_device_data_plane_every_rank_names_the_positions_or_trains_on(resu
         assert [o["step_count"] for o in outs] == [STEPS] * 2
         assert sum(o["device_diagnoses"] for o in outs) > 0  # the host waited on the slow device, looked, and waited on
         torch.testing.assert_close(outs[1]["params"], outs[0]["params"], rtol=0, atol=0)
+        assert [o["aborted"] for o in outs] == [[], []]
         return
     check_apart(outs, what)
+    # Each rank aborted its own device collectives (the stuck rank's end only so).
+    assert all("data" in o["aborted"] for o in outs), [o["aborted"] for o in outs]
 
 
 def check_apart(outs, what):

@@ -121,18 +121,25 @@ class Failure:
         self.error_type, self.message = None, None
         # What the sharing transports do once the ranks are found apart: hang up a gloo group, abort NCCL's.
         self.on_apart = []
+        # Held while the first failure is recorded: check() raises it once this rank's ends ran (and another
+        # thread's record waits for them). Reentrant: an end may fail a collective of this rank, which records.
+        self._recording = threading.RLock()
 
     def record(self, error_type, message: str):
         """error_type: CollectiveTimeoutError or RankDisagreementError,
         raised again as itself; anything else, as a RuntimeError."""
-        if self.message is None:
-            self.error_type, self.message = error_type, message
-            if error_type is RankDisagreementError:
-                for end in self.on_apart:
-                    end()
+        with self._recording:
+            if self.message is None:
+                self.error_type, self.message = error_type, message
+                if error_type is RankDisagreementError:
+                    for end in self.on_apart:
+                        end()
 
     def check(self):
         """Raises the first failure again."""
+        if self.message is not None:
+            with self._recording:  # its ends done
+                pass
         if self.error_type in (CollectiveTimeoutError, RankDisagreementError):
             raise self.error_type(self.message)
         if self.message is not None:
