@@ -32,8 +32,8 @@ from dist_harness import run_ranks
 from models import lm_batch, lm_loss, local, make
 from test_rank_disagreement import _refusals, _wait_for_the_peers
 from zerocore import _native
-from zerocore.positions import Positions
-from zerocore.process_group import ProcessGroupTransport
+from zerocore.comm.positions import Positions
+from zerocore.comm.process_group import ProcessGroupTransport
 
 DIAGNOSE_AFTER = 0.3  # seconds
 # Seconds: a collective's. The gloo works of an aborted simulated collective end by it, and until they do the

@@ -6,7 +6,7 @@
 namespace zerocore {
 
 // kInt64: Config(deterministic=True)'s exact grad sums (python/zerocore/
-// exact_grads.py), which gradient reduction stages, reduce-scatters and adds
+// state/exact_grads.py), which gradient reduction stages, reduce-scatters and adds
 // as integers; the float kernels refuse it.
 enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt64 };
 

@@ -1,0 +1,216 @@
+"""Config(deterministic=True): the step's gradient is the mean of every
+micro-batch's grads over every rank, summed exactly, so it has the same
+bits at any world size, whichever rank ran which micro-batch and in which
+order (docs/deterministic.md).
+
+Each micro-batch's grads go onto one grid fixed for the step, multiples of
+2**exponent, as int64 (rounded to nearest, ties to even), and add into
+int64 sums. Integer sums are exact, so associative: no order of adding, on
+a rank or across ranks, changes them. Stages 0-1: the flat grad buffers
+hold one micro-batch's grads after its backward; they are added into
+whole-size sums here and zeroed, and at the step the engine all-reduces
+(stage 0) or reduce-scatters (stage 1) the sums as int64 where it would
+have reduced the grads (grad_reducer.FullGradReducer's collectives), before
+the step's exchange, whose copies to the host (offload) then take the
+mean. Stages 2-3: gradient reduction (the native BucketReducer, in int64)
+stages each param's grad as quantize() gives it, reduce-scatters its
+buckets as integers and adds each rank's block into the partition's sums,
+which (grads on the device) live in the grad partition's own memory, 8
+bytes an element (FlatGroup.grad_sums), the mean formed in its first bytes.
+
+Then the ranks agree on their largest |grad| in grid units (a maximum is
+order-independent too) and, where each holds a part of the grads, on
+their parts of the norm. If count * (largest + 1) is below 2**62, no
+partial sum in any order can have overflowed int64, and the mean,
+sum * 2**exponent / count (formed in float64 from the integer sum, then
+rounded into the grad buffers' dtype), becomes the grads the update reads;
+otherwise the step is skipped on every rank, as an fp16 overflow is, and
+the grid widens. The norm is the exact mean's: the squares of the integer
+sums, added exactly (in 128-bit integers) and across ranks as integers. Every
+next grid comes from the step before's largest grad and count, with
+HEADROOM bits for grads to grow: the same numbers on every rank and at
+every world size, so the same grid.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from fractions import Fraction
+
+import torch
+
+from zerocore import _native
+from zerocore.comm.communicator import ControlPurpose
+
+HEADROOM = 8  # bits a step's largest grad (times the count) may grow over the last one's before a skip
+LIMIT_BITS = 62  # count * (largest |grad| in grid units + 1) below 2**62: no int64 partial sum overflows
+FIRST_BOUND = 2.0**16  # the first step's assumed largest |grad| times its count
+# Every value of the dtype is a multiple of 2**this: a finer grid keeps nothing more.
+_FINEST = {torch.float16: -24, torch.bfloat16: -133, torch.float32: -149}
+_WORDS = 8  # 32-bit words of a rank's exact sum of squares in the exchange (below 2**256)
+_MEAN_CHUNK = 1 << 18  # elements of the mean formed at a time (a float64 temporary of 2 MiB)
+
+
+def grid_exponent(bound: float, dtype: torch.dtype) -> int:
+    """The grid for grads whose largest |grad| times the count is `bound`,
+    with HEADROOM bits to spare: bound / 2**exponent < 2**(62 - HEADROOM)."""
+    return max(_FINEST[dtype], math.frexp(bound)[1] + HEADROOM - LIMIT_BITS)
+
+
+def sum_of_squares(sums: torch.Tensor) -> int:
+    """The exact sum of the squares of int64 `sums`, as a Python int (one
+    native pass on the host, in 128-bit integers: kernels/cpu_exact_grid.h;
+    a GPU's sums are copied there first, once a step)."""
+    low, high, top = _native.exact_sum_of_squares(sums.reshape(-1).cpu())
+    return low + (high << 64) + (top << 128)
+
+
+def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
+    """(grad on the grid of 2**exponent as int64, its largest |value| in
+    grid units; inf: one not finite) in torch's ops, the numbers the native
+    quantize_to_grid gives on the host: the scaling by a power of two is
+    exact in float64, then round_ rounds once, ties to even."""
+    units = grad.double().mul_(2.0**-exponent).round_()
+    peak = 0.0
+    if units.numel():
+        low, high = (x.item() for x in torch.aminmax(units))
+        peak = math.inf if math.isnan(low) or math.isnan(high) else max(-low, high)
+    return units.to(torch.int64), peak
+
+
+class ExactGradSum:
+    """The exact sums of the trainable groups' grads on this rank, one
+    int64 per element: whole (stages 0-1, in the grad_full layout) or the
+    rank's partition (stages 2-3)."""
+
+    def __init__(self, groups, comm, placement):
+        self.groups = [g for g in groups if g.trainable]
+        self.comm = comm
+        self.partitioned = placement.partitions_grads  # the sums are the partition's
+        self.shared = placement.partitions_optimizer  # each rank holds a part of the mean: the norm is summed
+        self.dtype = self.groups[0].dtype if self.groups else torch.float32
+        self.exponent = grid_exponent(FIRST_BOUND, self.dtype)  # this step's grid: multiples of 2**exponent
+        # Stages 2-3 on the device: the grad partition's own memory holds
+        # them (FlatGroup.grad_sums), the mean formed in its first bytes.
+        self.sums = [g.grad_sums if self.partitioned and g.grad_sums is not None else
+                     torch.zeros(self._grads(g).numel(), dtype=torch.int64, device=self._grads(g).device)
+                     for g in self.groups]
+        # Bytes of sums beside the groups' buffers (memory_report counts the rest as grad_part's).
+        self.own_bytes = sum(8 * s.numel() for s, g in zip(self.sums, self.groups) if s is not g.grad_sums)
+        self._index = {id(g): i for i, g in enumerate(self.groups)}
+        self.bytes_moved = 0  # of the agreements (control plane), received, since wrap
+        self._reset()
+
+    def _grads(self, group) -> torch.Tensor:
+        """The buffer the update reads the group's grads from."""
+        return group.grad_part if self.partitioned else group.grad_full
+
+    def sums_of(self, group) -> torch.Tensor:
+        return self.sums[self._index[id(group)]]
+
+    def _mine(self):
+        """(sums, grads) of each stretch of this rank's: its partition, or
+        at stages 0-1 its block of every bucket (all of it at stage 0)."""
+        for g, s in zip(self.groups, self.sums):
+            if self.partitioned:
+                yield s, g.grad_part
+            else:
+                for b in range(len(g.buckets)):
+                    yield g.view(s, "shard", b, g.rank), g.view(g.grad_full, "shard", b, g.rank)
+
+    def _reset(self):
+        for s in self.sums:
+            s.zero_()
+        self.largest = 0.0  # this rank's largest |grad| in grid units this step (inf: one was not finite)
+        self.next_exponent = None  # once reduced: the next step's grid
+        self.squares = None  # once reduced: the exact mean's sum of squares (inf: not finite)
+        self.regrid = False  # once reduced: a grad fell outside the grid, the step is skipped
+
+    def quantize(self, grad: torch.Tensor) -> torch.Tensor:
+        """grad on this step's grid, as int64 (rounded to nearest, ties to
+        even: one native pass on the host), its largest noted."""
+        if grad.device.type == "cpu":
+            units = torch.empty(grad.shape, dtype=torch.int64)
+            peak = _native.quantize_to_grid(grad.contiguous(), units, self.exponent)
+        else:  # the native pass is the host's: torch's ops on a GPU
+            units, peak = quantize_with_torch(grad, self.exponent)
+        self.largest = max(self.largest, peak)
+        return units  # out of range only where the step skips anyway
+
+    def add_micro_batch(self):
+        """Stages 0-1, after a micro-batch's backward: its grads into the
+        sums, the grad buffers zeroed for the next one."""
+        if self.partitioned:
+            return
+        for g, total in zip(self.groups, self.sums):
+            total.add_(self.quantize(g.grad_full))
+            g.grad_full.zero_()
+
+    def reduce(self, count: int, reducer=None):
+        """Once a step, after the ranks met and the sums were reduced: the
+        mean of the `count` micro-batches into the grad buffers, its sum of
+        squares and whether the step is skipped. reducer: stages 2-3's
+        native BucketReducer, whose late grads (staged after their bucket
+        was reduced: reentrant checkpointing) the ranks agree on here and
+        reduce into the sums first, before any rank reads them."""
+        late = list(reducer.late()) if reducer is not None else []
+        largest, totals, late = self._agree(late)
+        if any(late):  # on some rank: every rank reduces those buckets, and the sums changed
+            reducer.reduce_late(late)
+            largest, totals, _ = self._agree([])
+        if not math.isfinite(largest):  # the step decides as for any non-finite grad
+            self.squares, self.next_exponent = math.inf, self.exponent
+            return
+        self.next_exponent = grid_exponent(count * largest * 2.0**self.exponent, self.dtype)
+        if count * (int(largest) + 1) >= 2**LIMIT_BITS:
+            self.regrid, self.squares = True, 0.0
+            return
+        for s, grads in self._mine():
+            self._mean_into(s, grads, count)
+        # (sum * 2**e / count)**2, summed: exact as a fraction, rounded once.
+        self.squares = math.ldexp(float(Fraction(sum(totals), count * count)), 2 * self.exponent)
+
+    def _mean_into(self, sums: torch.Tensor, grads: torch.Tensor, count: int):
+        """grads = sums * 2**exponent / count (formed in float64, one
+        rounding into the grads' dtype), a chunk at a time in order: where
+        grads lie in the sums' own first bytes (FlatGroup.grad_sums), a
+        chunk's writes land on sums of it or of chunks before, read already."""
+        scale = 2.0**self.exponent
+        for first in range(0, sums.numel(), _MEAN_CHUNK):
+            part = slice(first, first + _MEAN_CHUNK)
+            grads[part].copy_(sums[part].double().mul_(scale).div_(count))
+
+    def _agree(self, late: list) -> tuple:
+        """One control all-gather: (the ranks' largest |grad| in grid units,
+        their exact sums of squares of their stretches (this rank's alone
+        where each rank holds all of them), the buckets late on any rank),
+        every number in 32-bit words of int64 rows."""
+        total = sum(sum_of_squares(s) for s, _ in self._mine())
+        late_words = [sum(1 << b for b, flag in enumerate(late[w:w + 32]) if flag) for w in range(0, len(late), 32)]
+        norm_words = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)] if self.shared else []
+        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + late_words
+                                         + norm_words, ControlPurpose.EXACT_GRADS)
+        self.bytes_moved += 8 * len(rows) * len(rows[0])
+        largest = max(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
+        agreed = 0
+        for row in rows:
+            agreed |= sum(w << (32 * i) for i, w in enumerate(row[1:1 + len(late_words)]))
+        totals = [sum(w << (32 * i) for i, w in enumerate(row[1 + len(late_words):])) for row in rows] \
+            if self.shared else [total]
+        return largest, totals, [bool(agreed >> b & 1) for b in range(len(late))]
+
+    def end_step(self):
+        """The step ended (applied, skipped, or its grads dropped): the next
+        one starts from zero on the grid this one chose."""
+        if self.next_exponent is not None:
+            self.exponent = self.next_exponent
+        if not self.partitioned:
+            for g in self.groups:
+                g.grad_full.zero_()
+        self._reset()
+
+    def state_dict(self) -> dict:
+        return {"exponent": self.exponent}
+
+    def load_state_dict(self, state: dict):
+        self.exponent = int(state["exponent"])
