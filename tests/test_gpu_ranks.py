@@ -11,8 +11,10 @@ one GPU (2.30 and later; skipped naming the version otherwise). So the code
 that runs only at world size > 1 on a GPU runs here: rank offsets into
 device buffers, real cross-rank sums in device memory, stage 3's rounds at
 world 2 and 4, the lend path, a dead peer, a checkpoint saved at one world
-size and loaded at another, accumulation with clipping, and partitioned
-activation checkpoints over the ranks' group. tests/gpu.sh runs them under
+size and loaded at another, accumulation with clipping, partitioned
+activation checkpoints over the ranks' group, and rank 0 alone in
+full_state_dict() found within seconds on every rank (its gathers on the
+device, the host waits watched). tests/gpu.sh runs them under
 ZEROCORE_CUDA_POISON=1 (released memory reads as NaN), which the spawned
 ranks inherit. References: single-process torch on the same GPU, as in the
 CPU suite. What one GPU cannot show: device-index bugs (every rank is
@@ -25,6 +27,7 @@ import torch
 
 import test_activation_checkpoint
 import test_grad_scale
+import test_rank_disagreement_device
 import zerocore
 import zerocore.cuda
 from dist_harness import run_ranks
@@ -277,3 +280,17 @@ def test_a_dead_peer_fails_the_others_at_once(plane):
     assert result is not None, "rank 0 trained on without its peer"
     kind, message, seconds = result
     assert seconds < 30 and "timed out" not in message, (kind, message, seconds)
+
+
+def _alone_in_full_state_dict(rank, world, plane_config):
+    # A timeout past CUDA's and NCCL's start-up on a shared GPU: the error must come long before it.
+    return test_rank_disagreement_device.scenario(rank, world, 3, "full_state_dict", _gpu(),
+                                                  {"timeout": 120, **plane_config})
+
+
+def test_a_rank_alone_in_full_state_dict_is_named_on_every_rank(plane):
+    """With the data plane's collectives on the device: RankDisagreementError
+    on every rank within diagnose_after and seconds, not NCCL's timeout."""
+    test_rank_disagreement_device.check_apart(
+        run_ranks(_alone_in_full_state_dict, 2, plane.config, timeout=TIMEOUT, start="spawn", group=plane.group),
+        "full_state_dict")

@@ -236,8 +236,8 @@ def _positions(store, rank, queues, call=None):
     for queue, (count, in_flight) in queues.items():
         for i in range(count):
             p.started(queue, in_flight if i == count - 1 and in_flight else (0, 0, 0, i), lambda k: f"{queue} {k}")
-        if not in_flight:
-            p.finished(queue)
+            if i < count - 1 or not in_flight:
+                p.finished(queue)
     p.publish()
     return p
 

@@ -2,11 +2,14 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "cuda_check.h"
@@ -38,6 +41,8 @@ struct CudaBackend::CudaStream : Stream {
 namespace {
 
 constexpr int kCompute = 0;
+// The longest pause between two polls of a watched host wait (CudaBackend::host_wait).
+constexpr std::chrono::microseconds kLongestPollPause{500};
 
 std::string where(const Tensor& t) {
   return t.device().type == DeviceType::kCPU ? std::string("cpu") : "cuda:" + std::to_string(t.device().index);
@@ -247,9 +252,33 @@ void CudaBackend::wait(Stream& stream, const StreamEvent& event) {
 }
 
 void CudaBackend::host_wait(const StreamEvent& event) {
-  const cudaEvent_t e = cuda_event(event, this).resolved();
-  DeviceGuard guard(device_);
-  check(cudaEventSynchronize(e), "cudaEventSynchronize");
+  const CudaEvent& ce = cuda_event(event, this);
+  watched_wait([this, &ce](double seconds) {
+    if (seconds < 0) {
+      const cudaEvent_t e = ce.resolved();
+      DeviceGuard guard(device_);
+      check(cudaEventSynchronize(e), "cudaEventSynchronize");
+      return true;
+    }
+    // Watched: polled, so that the wait can end (cudaEventSynchronize
+    // cannot be cut short). The pause between polls grows to
+    // kLongestPollPause, so a short wait costs little latency and a long one
+    // little host time.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    auto pause = std::chrono::microseconds(10);
+    for (;;) {
+      if (!ce.pending()) {
+        DeviceGuard guard(device_);
+        const cudaError_t err = cudaEventQuery(ce.resolved());  // raises a failed collective's error
+        if (err == cudaSuccess) return true;
+        if (err != cudaErrorNotReady) check(err, "cudaEventQuery");
+        (void)cudaGetLastError();
+      }
+      if (std::chrono::steady_clock::now() >= until) return false;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(2 * pause, kLongestPollPause);
+    }
+  });
 }
 
 bool CudaBackend::query(const StreamEvent& event) {

@@ -26,6 +26,7 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -78,6 +79,25 @@ class RecordedEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+class NativeNcclTransport;
+
+// The transport's monitor (NcclMonitor): it reaches the transport while
+// the transport lives (detach, from its destructor, ends that).
+class TransportMonitor final : public NcclMonitor {
+ public:
+  explicit TransportMonitor(NativeNcclTransport* transport) : transport_(transport) {}
+  NcclProgress progress() const override;
+  void abort(const std::string& reason) override;
+  void detach() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    transport_ = nullptr;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  NativeNcclTransport* transport_;
+};
+
 class NativeNcclTransport final : public NcclTransport {
  public:
   NativeNcclTransport(std::shared_ptr<const NcclLibrary> nccl, const std::string& unique_id,
@@ -99,6 +119,7 @@ class NativeNcclTransport final : public NcclTransport {
   // left unreported: a destructor must not throw, and the process is
   // letting go of the communicator either way.
   ~NativeNcclTransport() override {
+    monitor_->detach();
     {
       std::lock_guard<std::mutex> lock(watch_mutex_);
       stopping_ = true;
@@ -113,6 +134,31 @@ class NativeNcclTransport final : public NcclTransport {
   int rank() const override { return options_.rank; }
   int world_size() const override { return options_.world_size; }
   void issue_on(void* stream) override { stream_ = static_cast<cudaStream_t>(stream); }
+  std::shared_ptr<NcclMonitor> monitor() override { return monitor_; }
+
+  // TransportMonitor's: the oldest collective not done, from its entering
+  // NCCL (which may wait for the peers to connect) until its event.
+  NcclProgress progress() {
+    std::lock_guard<std::mutex> lock(watch_mutex_);
+    NcclProgress out;
+    out.issued = issued_;
+    const Watched* oldest = !watched_.empty() ? &watched_.front() : calling_ ? &*calling_ : nullptr;
+    if (oldest) {
+      out.oldest = oldest->index;
+      out.key = oldest->key;
+      out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - oldest_since_).count();
+    }
+    return out;
+  }
+
+  // TransportMonitor's: the ranks are apart; the next issue throws.
+  void abort_for(const std::string& reason) {
+    {
+      std::lock_guard<std::mutex> lock(watch_mutex_);
+      if (!failed_) failed_ = std::make_exception_ptr(RankDisagreement(reason));
+    }
+    abort();
+  }
 
   Completion all_gather(const CollectiveKey& key, const Tensor& shard, const Tensor& output) override {
     check_operands(key, {&shard, &output}, output.numel() == shard.numel() * options_.world_size);
@@ -174,24 +220,33 @@ class NativeNcclTransport final : public NcclTransport {
       throw std::logic_error(describe(key) + ": the NCCL transport has no stream yet (issue_on is called when its "
                              "queue is made)");
     }
+    int64_t index = 0;
     {
       std::lock_guard<std::mutex> lock(watch_mutex_);
       if (failed_) std::rethrow_exception(failed_);
+      index = ++issued_;
+      if (watched_.empty()) oldest_since_ = std::chrono::steady_clock::now();
+      calling_ = Watched{key, nullptr, index};
     }
-    check(cudaSetDevice(options_.device), "cudaSetDevice");
     std::shared_ptr<RecordedEvent> done;
-    {
-      std::lock_guard<std::timed_mutex> lock(calling_);
+    try {
+      check(cudaSetDevice(options_.device), "cudaSetDevice");
+      std::lock_guard<std::timed_mutex> lock(calling_mutex_);
       if (aborted_) throw std::runtime_error("zerocore: " + describe(key) + ": the NCCL communicator was aborted");
       const ncclResult_t result = call();
       if (result != ncclSuccess) {
         throw std::runtime_error("zerocore: " + nccl_->error((describe(key) + ": " + what).c_str(), result, comm_));
       }
       done = std::make_shared<RecordedEvent>(stream_);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(watch_mutex_);
+      calling_.reset();
+      throw;
     }
     {
       std::lock_guard<std::mutex> lock(watch_mutex_);
-      watched_.push_back(Watched{key, std::move(done)});
+      calling_.reset();
+      watched_.push_back(Watched{key, std::move(done), index});
       if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watch(); });
     }
     watch_cv_.notify_one();
@@ -201,6 +256,7 @@ class NativeNcclTransport final : public NcclTransport {
   struct Watched {
     CollectiveKey key;
     std::shared_ptr<RecordedEvent> done;
+    int64_t index = 0;  // its number on this transport, from 1
   };
 
   // The watchdog: each collective in issue order until it finished on the
@@ -225,6 +281,7 @@ class NativeNcclTransport final : public NcclTransport {
       }
       std::lock_guard<std::mutex> lock(watch_mutex_);
       watched_.pop_front();
+      oldest_since_ = std::chrono::steady_clock::now();
       if (error) {
         if (!failed_) failed_ = error;
         watched_.clear();  // aborted: the rest end with the communicator's kernels
@@ -262,7 +319,7 @@ class NativeNcclTransport final : public NcclTransport {
   // what an abort is for. Its own result is not checked: it runs on the way
   // to throwing the error that made it, which says more.
   void abort() {
-    std::unique_lock<std::timed_mutex> lock(calling_, std::defer_lock);
+    std::unique_lock<std::timed_mutex> lock(calling_mutex_, std::defer_lock);
     (void)lock.try_lock_for(std::chrono::seconds(1));
     if (aborted_.exchange(true)) return;
     (void)nccl_->comm_abort(comm_);
@@ -282,16 +339,30 @@ class NativeNcclTransport final : public NcclTransport {
   const NcclTransportOptions options_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
-  std::timed_mutex calling_;  // held while the issuing thread is inside NCCL
+  std::timed_mutex calling_mutex_;  // held while the issuing thread is inside NCCL
   std::atomic<bool> aborted_{false};
   // The watchdog's: what it still watches, and the error it found.
   std::mutex watch_mutex_;
   std::condition_variable watch_cv_;
   std::deque<Watched> watched_;
+  std::optional<Watched> calling_;  // the collective the issuing thread is issuing, until watched
+  int64_t issued_ = 0;
+  std::chrono::steady_clock::time_point oldest_since_;  // when the oldest not done became so
   std::exception_ptr failed_;
   bool stopping_ = false;
   std::thread watchdog_;  // started with the first collective
+  const std::shared_ptr<TransportMonitor> monitor_ = std::make_shared<TransportMonitor>(this);
 };
+
+NcclProgress TransportMonitor::progress() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return transport_ ? transport_->progress() : NcclProgress{};
+}
+
+void TransportMonitor::abort(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (transport_) transport_->abort_for(reason);
+}
 
 }  // namespace
 

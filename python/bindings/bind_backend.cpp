@@ -18,6 +18,7 @@
 #include "bound_backend.h"
 #include "dlpack_tensor.h"
 #include "process_backend.h"
+#include "python_transport.h"
 #include "zerocore/backend/checking_backend.h"
 #include "zerocore/error.h"
 
@@ -92,6 +93,32 @@ void bind_backend_base(nb::module_& m) {
           nb::call_guard<nb::gil_scoped_release>(), "The host waits for `event` (the checking backend counts it).")
       .def(
           "query", [](BoundBackend& b, const StreamEvent& e) { return b.get().query(e); }, "event"_a)
+      .def(
+          "watch_host_waits",
+          [](BoundBackend& b, double after_seconds, nb::object stalled) {
+            if (stalled.is_none()) {
+              b.get().watch_host_waits(after_seconds, nullptr);
+              return;
+            }
+            // Dropped under the GIL (a waiting thread may hold the last reference).
+            auto held = std::shared_ptr<nb::object>(new nb::object(std::move(stalled)), [](nb::object* f) {
+              if (!Py_IsInitialized()) return;  // after interpreter shutdown the object is left to the OS
+              nb::gil_scoped_acquire gil;
+              delete f;
+            });
+            b.get().watch_host_waits(after_seconds, [held](double waited) {
+              nb::gil_scoped_acquire gil;
+              try {
+                (*held)(waited);
+              } catch (const nb::python_error& e) {
+                rethrow_for_native(e);
+              }
+            });
+          },
+          "after_seconds"_a, "stalled"_a.none(),
+          "A blocking host wait (host_wait, and on the CPU the compute stream's wait) that has waited "
+          "after_seconds calls stalled(seconds waited), with the GIL, and again every after_seconds while it goes on; "
+          "what it raises ends the wait (a RankDisagreementError raised again as itself). None: waits whole.")
       .def(
           "copy",
           [](BoundBackend& b, Stream& s, nb::handle dst, nb::handle src) {

@@ -2,6 +2,8 @@
 // comm queues over it (only in a build with the transport: cmake/nccl.cmake).
 // The bootstrap (the unique id through torch.distributed's store) and the
 // choice of transport are Python's: zerocore/comm/nccl.py.
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 
@@ -12,6 +14,7 @@
 #include "bindings.h"
 #include "bound_backend.h"
 #include "bound_queue.h"
+#include "python_transport.h"
 #include "zerocore/cuda_backend.h"
 #include "zerocore/error.h"
 #include "zerocore/nccl_transport.h"
@@ -28,8 +31,9 @@ struct BoundNccl {
 };
 
 // A queue whose transport is a new member of the communicator of
-// `unique_id`, issuing on the queue's comm stream, a stream of `backend`.
-std::unique_ptr<BoundQueue> nccl_queue(const BoundNccl& nccl, nb::bytes unique_id, int rank, int world_size,
+// `unique_id`, issuing on the queue's comm stream, a stream of `backend`,
+// and the transport's monitor.
+std::pair<std::unique_ptr<BoundQueue>, std::shared_ptr<NcclMonitor>> nccl_queue(const BoundNccl& nccl, nb::bytes unique_id, int rank, int world_size,
                                        BoundBackend& backend, double timeout_seconds) {
   auto* cuda = dynamic_cast<CudaBackend*>(&backend.get());
   if (!cuda) throw InvalidArgument("NcclLibrary.queue: the native NCCL transport runs on a CudaBackend");
@@ -41,14 +45,30 @@ std::unique_ptr<BoundQueue> nccl_queue(const BoundNccl& nccl, nb::bytes unique_i
     transport = nccl_transport(nccl.library, id, options);
   }
   NcclTransport& issuing = *transport;
+  std::shared_ptr<NcclMonitor> monitor = transport->monitor();
   auto queue = std::make_unique<BoundQueue>(std::move(transport), nb::find(backend), StreamPlane::kDevice);
   issuing.issue_on(cuda->handle(queue->get().stream()));  // before anything is issued on it
-  return queue;
+  return {std::move(queue), std::move(monitor)};
 }
 
 }  // namespace
 
 void bind_nccl(nb::module_& m) {
+  nb::class_<NcclMonitor>(m, "NcclMonitor",
+                          "A native NCCL transport's collectives in flight, and its abort (any thread; after its "
+                          "queue is closed: none in flight, and the abort does nothing).")
+      .def(
+          "progress",
+          [](const NcclMonitor& monitor) {
+            const NcclProgress p = monitor.progress();
+            return nb::make_tuple(p.issued, p.oldest, key_tuple(p.key), p.seconds);
+          },
+          "(collectives issued, the number (from 1) of the oldest not done on the device or 0, its key, seconds "
+          "since it became the oldest).")
+      .def("abort", &NcclMonitor::abort,
+           "reason"_a = "zerocore: the ranks were found in different collectives of the engine",
+           nb::call_guard<nb::gil_scoped_release>(),
+           "ncclCommAbort now: its collectives end on the device, and every later one fails with `reason`.");
   nb::class_<BoundNccl>(m, "NcclLibrary", "libnccl, loaded at run time (dlopen): the native NCCL transport's.")
       .def(
           "__init__", [](BoundNccl* self, const std::string& path) { new (self) BoundNccl{load_nccl(path)}; },
@@ -67,7 +87,8 @@ void bind_nccl(nb::module_& m) {
           "A new ncclUniqueId's bytes (rank 0's, for every rank of a communicator).")
       .def("queue", &nccl_queue, "unique_id"_a, "rank"_a, "world_size"_a, "backend"_a, "timeout_seconds"_a,
            "A CommQueue over this rank's member of the communicator of `unique_id` (ncclCommInitRank: returns once "
-           "every rank joined), its comm stream a stream of `backend` (a CudaBackend), where its collectives go. "
+           "every rank joined), its comm stream a stream of `backend` (a CudaBackend), where its collectives go, "
+           "and its transport's NcclMonitor. "
            "A collective not done within timeout_seconds aborts the communicator and raises "
            "CollectiveTimeoutError naming it.");
 }

@@ -153,6 +153,11 @@ void register_rank_disagreement(nb::handle type) {
   });
 }
 
+void rethrow_for_native(const nb::python_error& e) {
+  if (rank_disagreement_type && e.matches(rank_disagreement_type)) throw RankDisagreement(nb::str(e.value()).c_str());
+  throw e;
+}
+
 nb::tuple key_tuple(const CollectiveKey& key) {
   return nb::make_tuple(int(key.kind), key.group, key.bucket, key.numel);
 }

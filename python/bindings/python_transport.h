@@ -33,6 +33,12 @@ std::unique_ptr<Transport> python_transport(nanobind::object impl);
 // RankDisagreement and raised again as itself by Event.wait().
 void register_rank_disagreement(nanobind::handle type);
 
+// A Python exception `e` as the C++ error native code carries: a
+// RankDisagreementError (register_rank_disagreement's type) as
+// RankDisagreement, raised again as itself where it reaches Python; any
+// other as it is.
+[[noreturn]] void rethrow_for_native(const nanobind::python_error& e);
+
 // A collective's key as Python sees it: (kind, group, bucket, numel).
 nanobind::tuple key_tuple(const CollectiveKey& key);
 

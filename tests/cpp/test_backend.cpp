@@ -8,6 +8,7 @@
 // backend alike. Late completion makes a missing wait read wrong data; host
 // waits are counted; event waits order transitively; each backend counts
 // the bytes of its live buffers by kind and refuses another's streams.
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -311,6 +312,45 @@ void test_host_waits_are_counted() {
   CHECK(r.backend.host_waits() == 0);
 }
 
+// A watched host wait calls the watch each slice and ends with what it
+// throws; the work goes on, and a later wait sees it done. The compute
+// stream's wait (the caller's, on the CPU) is watched too.
+void test_watched_host_waits_end_with_what_the_watch_throws() {
+  CpuBackend backend;
+  Stream& held = backend.create_stream("held");
+  auto gate = std::make_shared<Event>();
+  backend.enqueue(held, "held work", {}, [gate] { gate->wait(); });
+  auto event = backend.record(held);
+  std::vector<double> calls;
+  backend.watch_host_waits(0.02, [&calls](double waited) {
+    calls.push_back(waited);
+    if (calls.size() % 2 == 0) throw RankDisagreement("apart after " + std::to_string(calls.size()) + " slices");
+  });
+  for (bool host : {true, false}) {
+    bool raised = false;
+    try {
+      host ? backend.host_wait(*event) : backend.wait(backend.compute_stream(), *event);
+    } catch (const RankDisagreement& e) {
+      raised = contains(e.what(), "apart after");
+    }
+    CHECK(raised);
+  }
+  CHECK(calls.size() == 4 && calls[1] > calls[0]);
+  gate->set();
+  backend.host_wait(*event);  // done now: no slice to wait
+  CHECK(calls.size() == 4);
+  backend.watch_host_waits(0.02, nullptr);
+  auto gate2 = std::make_shared<Event>();
+  backend.enqueue(held, "held work", {}, [gate2] { gate2->wait(); });
+  std::thread opener([gate2] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(60));
+    gate2->set();
+  });
+  backend.host_wait(*backend.record(held));  // unwatched: whole
+  opener.join();
+  CHECK(calls.size() == 4);
+}
+
 // B writes; A waits for B; C waits for A: C is ordered after B's write.
 // C waiting for an event A recorded before its wait for B is not.
 void test_clocks_are_transitive() {
@@ -506,6 +546,7 @@ int main() {
   test_finite_flag();
   test_late_completion_gives_wrong_results();
   test_host_waits_are_counted();
+  test_watched_host_waits_end_with_what_the_watch_throws();
   test_clocks_are_transitive();
   test_what_needs_no_wait();
   test_slot_pool_on_checking_backend();

@@ -24,6 +24,37 @@ struct Backend::LiveBytes {
 
 Backend::Backend() : live_(std::make_shared<LiveBytes>()) {}
 
+struct Backend::Watch {
+  double after_seconds;
+  std::function<void(double)> stalled;
+};
+
+void Backend::watch_host_waits(double after_seconds, std::function<void(double)> stalled) {
+  if (stalled && !(after_seconds > 0)) {
+    throw InvalidArgument("watch_host_waits: the seconds a host wait waits before it is watched must be positive");
+  }
+  auto watch = stalled ? std::make_shared<const Watch>(Watch{after_seconds, std::move(stalled)}) : nullptr;
+  std::lock_guard<std::mutex> lock(watch_mutex_);
+  watch_.swap(watch);  // the old watch goes outside the lock: its function may hold a Python object
+}
+
+void Backend::watched_wait(const std::function<bool(double)>& wait_for) const {
+  std::shared_ptr<const Watch> watch;
+  {
+    std::lock_guard<std::mutex> lock(watch_mutex_);
+    watch = watch_;
+  }
+  if (!watch) {
+    wait_for(-1.0);
+    return;
+  }
+  double waited = 0.0;
+  while (!wait_for(watch->after_seconds)) {
+    waited += watch->after_seconds;
+    watch->stalled(waited);
+  }
+}
+
 size_t Backend::allocated_bytes(MemoryKind kind) const { return live_->of_kind.at(size_t(kind)).load(); }
 
 std::shared_ptr<Buffer> Backend::counted_buffer(MemoryKind kind, Device device, const std::string& name, void* data,

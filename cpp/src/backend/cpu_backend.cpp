@@ -71,13 +71,20 @@ void CpuBackend::wait(Stream& stream, const StreamEvent& event) {
   if (done->ready()) return;
   CpuStream& s = streams_.of(stream);
   if (s.index == kCompute) {
-    done->wait();  // the compute stream is the caller: it waits where it stands
+    CpuBackend::host_wait(event);  // the compute stream is the caller: it waits where it stands (uncounted)
     return;
   }
   s.last = s.work_queue().enqueue([done] { done->wait(); });
 }
 
-void CpuBackend::host_wait(const StreamEvent& event) { cpu_event(event).done()->wait(); }
+void CpuBackend::host_wait(const StreamEvent& event) {
+  const std::shared_ptr<Event>& done = cpu_event(event).done();
+  watched_wait([&done](double seconds) {
+    if (seconds >= 0) return done->wait_for(seconds);
+    done->wait();
+    return true;
+  });
+}
 
 std::shared_ptr<StreamEvent> CpuBackend::record_done(Stream& stream, std::shared_ptr<Event> done) {
   streams_.of(stream);  // the stream must be this backend's

@@ -1,5 +1,6 @@
 #include "zerocore/runtime/event.h"
 
+#include <chrono>
 #include <utility>
 
 namespace zerocore {
@@ -31,6 +32,13 @@ void Event::wait() const {
   std::unique_lock<std::mutex> lock(mutex_);
   cv_.wait(lock, [this] { return done_; });
   if (error_) std::rethrow_exception(error_);
+}
+
+bool Event::wait_for(double seconds) const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!cv_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return done_; })) return false;
+  if (error_) std::rethrow_exception(error_);
+  return true;
 }
 
 bool Event::ready() const {

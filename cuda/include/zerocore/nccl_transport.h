@@ -43,11 +43,34 @@ int nccl_version(const NcclLibrary& nccl);
 // of the communicator is given it.
 std::string nccl_unique_id(const NcclLibrary& nccl);
 
+// Where a transport's collectives are on the device, for the engine's
+// diagnosis of ranks in different collectives (zerocore/positions.py).
+struct NcclProgress {
+  int64_t issued = 0;   // collectives issued (entered NCCL) so far
+  int64_t oldest = 0;   // the number (from 1) of the oldest not done on the device; 0: none
+  CollectiveKey key;    // the oldest's
+  double seconds = 0;   // since it became the oldest (the one before it finished, or it was issued)
+};
+
+// What others may read and do of a transport while its queue runs, from
+// any thread, after the transport is gone too (then: nothing in flight,
+// and an abort does nothing).
+class NcclMonitor {
+ public:
+  virtual ~NcclMonitor() = default;
+  virtual NcclProgress progress() const = 0;
+  // ncclCommAbort now: its collectives end on the device (a stuck one
+  // too), and every later one fails with `reason` (the ranks were found in
+  // different collectives: RankDisagreement).
+  virtual void abort(const std::string& reason) = 0;
+};
+
 class NcclTransport : public Transport {
  public:
   // The cudaStream_t its collectives go on from now on (the comm queue's),
   // set once, before the first collective.
   virtual void issue_on(void* stream) = 0;
+  virtual std::shared_ptr<NcclMonitor> monitor() = 0;
 };
 
 struct NcclTransportOptions {

@@ -109,7 +109,8 @@ class Communicator:
     the CollectiveNames of the Communicator of the same flat groups (the
     reductions' beside the data's); None: its own. positions: the engine's
     zerocore.comm.positions.Positions, where the transport notes its collectives
-    as queue `name` and finds ranks in different ones (None: none kept)."""
+    as queue `name` and finds ranks in different ones (None: none kept;
+    on the native NCCL transport the transport keeps them: follow)."""
 
     def __init__(self, group, fails_with=None, control=None, *, backend, plane=_native.StreamPlane.DEVICE,
                  nccl="torch", names=None, positions=None, name="data"):
@@ -122,7 +123,11 @@ class Communicator:
             raise ValueError("zerocore: Config(nccl=\"native\") issues the data plane's collectives with NCCL on "
                              "CUDA, but this model trains on the CPU; use Config(nccl=\"torch\")")
         if self.distributed and nccl == "native":
-            self.queue = native_nccl.queue(group, backend, group_timeout(group))
+            self.queue, monitor = native_nccl.queue(group, backend, group_timeout(group))
+            # Its collectives in flight until done on the device; aborted once the ranks are found apart.
+            if positions is not None:
+                positions.follow(name, monitor.progress, self.names)
+            self.failure.on_apart.append(monitor.abort)
         elif self.distributed and dist.get_world_size(group) > 1:
             transport = ProcessGroupTransport(group, self.names, self.failure, positions, name)
             self.queue = _native.CommQueue(transport, backend, plane)

@@ -86,7 +86,9 @@ def queue(group, backend, timeout):
     """A zerocore._native.CommQueue over the native NCCL transport: a new
     communicator of `group`'s ranks, its collectives on the queue's comm
     stream, a stream of `backend` (a CudaBackend). timeout: a collective's
-    (a timedelta; None: torch.distributed's default)."""
+    (a timedelta; None: torch.distributed's default). Returned with the
+    transport's monitor (zerocore._native.NcclMonitor: its collectives in
+    flight, for zerocore/positions.py, and its abort)."""
     library = load()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     store = dist.distributed_c10d._get_default_store()

@@ -21,9 +21,17 @@ that is never a race: this rank issued its collective first and the peer
 its own, so neither can go on, and each finds the other the same way,
 whichever waited longer. A peer that started neither is slow, or stopped in
 the user's code: the wait goes on, and a timeout names where it last was.
+
+A queue whose collectives complete on the device (NCCL: torch's, or the
+native transport's) keeps each collective in flight from its issue until
+its work is done (the torch Work, the transport's event), the oldest one
+published as the queue's: the host never waits in them, so the host waits
+on device work behind them (the backend's, watched: watch) diagnose
+instead, over every queue this rank has a collective in flight on.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -37,6 +45,8 @@ import torch.distributed as dist
 from zerocore.comm.errors import RankDisagreementError
 
 PUBLISH_PERIOD = 0.5  # seconds, at most, between a change of position and its publication
+# id(backend) -> the Positions whose watch its host waits run (Positions.watch): the last engine's.
+_WATCHING = {}
 
 
 class Positions:
@@ -52,8 +62,8 @@ class Positions:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.call, self.step, self.since = None, 0, time.time()  # the call it is in (None: none), from when
         self.last, self.left = None, None  # the call it was last in, and when it left it
-        # queue name -> [collectives started, key of the one in flight or None, what names it, since]
-        self.queues = {}
+        self.queues = {}  # queue name -> _Queue
+        self._watched = None  # the backend whose host waits this diagnoses (watch)
         self._published = None
         self._stop = threading.Event()
         if store is not None and world_size > 1:
@@ -75,6 +85,33 @@ class Positions:
 
     def close(self):
         self._stop.set()
+        backend, self._watched = self._watched, None
+        if backend is not None and _WATCHING.get(id(backend)) is self:  # not a later engine's watch
+            del _WATCHING[id(backend)]
+            backend.watch_host_waits(self.diagnose_after, None)
+
+    def watch(self, backend, failure):
+        """The host waits of `backend` (the engine's) that wait
+        diagnose_after on device work diagnose (diagnose(None, ...)), and again
+        each diagnose_after: ranks in different collectives end the wait
+        with RankDisagreementError (recorded in `failure`, the engine's
+        process_group.Failure, which aborts this rank's device collectives);
+        so does an earlier failure of the engine's collectives. Waits on a
+        merely slow device go on. The backend keeps the last engine's watch
+        (the process's CPU backend serves every engine of the process)."""
+        if self.store is None or self.world_size == 1:
+            return
+
+        def stalled(waited):
+            failure.check()
+            try:
+                self.diagnose(None, waited)
+            except RankDisagreementError as e:
+                failure.record(RankDisagreementError, str(e))
+                raise
+        backend.watch_host_waits(self.diagnose_after, stalled)
+        self._watched = backend
+        _WATCHING[id(backend)] = self
 
     # What the engine and its transports note ------------------------------------
     def enter(self, call: str, step) -> tuple:
@@ -102,22 +139,35 @@ class Positions:
         finally:
             self.leave(before)
 
-    def started(self, queue: str, key, describe):
+    def started(self, queue: str, key, describe, done=None):
         """Queue `queue` has started the collective `key`; describe(key)
-        names it (called only to publish: the hot path formats nothing)."""
-        state = self.queues.setdefault(queue, [0, None, None, 0.0])
-        state[0] += 1
-        state[1:] = key, describe, time.time()
+        names it (called only to publish: the hot path formats nothing).
+        done: None for a collective the host waits in (finished() ends
+        it); else a callable saying, without blocking, whether its work is
+        done (a device's), asked when the positions are read."""
+        q = self.queues.get(queue)
+        if q is None:
+            q = self.queues[queue] = _Queue()
+        q.count += 1
+        q.flight.append((q.count, key, describe, time.time(), done))
+        q.settle()
 
     def finished(self, queue: str):
-        self.queues[queue][1:3] = None, None
+        """The oldest collective in flight on `queue` (one the host waited in) is done."""
+        self.queues[queue].flight.popleft()
+
+    def follow(self, queue: str, progress, describe):
+        """Queue `queue`'s collectives are noted by its transport
+        (the native NCCL one): progress() returns (collectives issued, the
+        number of the oldest not done or 0, its key, seconds since it
+        became the oldest)."""
+        self.queues[queue] = _Queue(progress, describe)
 
     # Publishing ----------------------------------------------------------------
     def _record(self) -> dict:
         return {"call": self.call and self._call_name(self.call, self.step), "since": self.since,
                 "last": self.last, "left": self.left,
-                "queues": {q: [n, key and list(key), key and describe(key), since]
-                           for q, (n, key, describe, since) in self.queues.items()}}
+                "queues": {name: q.record() for name, q in self.queues.items()}}
 
     @staticmethod
     def _call_name(call, step):
@@ -157,35 +207,61 @@ class Positions:
             return None
         return self.store.get(key).decode()
 
-    def diagnose(self, queue: str, waited: float) -> Optional[str]:
-        """This rank's collective on `queue` has waited `waited` seconds:
-        raises RankDisagreementError (also on each peer involved, which
-        finds the same) where a peer waits in a different collective;
-        otherwise returns what the peers that have not started it are doing
-        (None: all have), for a timeout's message."""
+    def diagnose(self, queue: Optional[str], waited: float) -> Optional[str]:
+        """This rank's collective on `queue` has waited `waited` seconds
+        (None: the host has waited that long for device work, in the
+        backend's watched host wait): raises RankDisagreementError (also on
+        each peer involved, which finds the same) where a peer waits in a
+        collective other than one this rank has in flight, on any queue;
+        otherwise returns what the peers that have not started this rank's
+        collective on `queue` are doing (None: all have, or no queue),
+        for a timeout's message. A device whose work is only slow, or waits
+        for a peer that is, is no error."""
+        records = self._read()
+        in_flight = [name for name, q in records[self.rank]["queues"].items() if q[1] is not None]
+        self._raise_if_apart(sorted({r for name in in_flight for r in self._apart(name, records)[0]}), records,
+                             waited)
+        absent = self._apart(queue, records)[1] if queue is not None else []
+        if not absent:
+            return None
+        now = time.time()
+        return "; ".join(f"rank {r} has not started it: {_where(records[r], now)}" for r in absent)
+
+    def _read(self) -> dict:
+        """Every rank's record, this rank's published first; raises the
+        RankDisagreementError a peer found first, if one did (every rank
+        raises its message, with the positions it saw)."""
         self.publish()
-        apart = self.found_apart()  # by a peer first: every rank raises its message, with the positions it saw
+        apart = self.found_apart()
         if apart is not None:
             raise RankDisagreementError(apart)
-        mine = self._record()
-        started, key, name, _ = mine["queues"][queue]
-        now = time.time()
-        records = {self.rank: mine, **self._peers()}
+        return {self.rank: self._record(), **self._peers()}
+
+    def _apart(self, queue: str, records: dict) -> tuple:
+        """(the peers in a different collective than this rank's in flight
+        on `queue`, those that have not started it and wait in none this
+        rank has not started), from every rank's record."""
+        mine = records[self.rank]
+        key, index = mine["queues"][queue][1], mine["queues"][queue][4]
         apart, absent = [], []
         for r, rec in records.items():
             if r == self.rank:
                 continue
-            theirs = rec["queues"].get(queue, [0, None, None, 0.0]) if rec else None
-            if theirs is not None and theirs[0] >= started:
-                if theirs[0] == started and theirs[1] is not None and theirs[1] != key:
+            theirs = rec["queues"].get(queue, _Queue.NONE) if rec else None
+            if theirs is not None and theirs[0] >= index:
+                if theirs[4] == index and theirs[1] is not None and theirs[1] != key:
                     apart.append(r)  # another collective of this queue at the same place
                 continue
-            if rec is not None and any(s[1] is not None and s[0] > mine["queues"].get(q, [0])[0]
+            if rec is not None and any(s[1] is not None and s[4] > mine["queues"].get(q, _Queue.NONE)[0]
                                        for q, s in rec["queues"].items()):
                 apart.append(r)  # it waits in a collective this rank has not started, and has not started this one
             else:
                 absent.append(r)
+        return apart, absent
+
+    def _raise_if_apart(self, apart: list, records: dict, waited: float):
         if apart:
+            now = time.time()
             ranks = "\n".join(f"  rank {r}: {_where(records[r], now)}" for r in sorted(records))
             message = (
                 f"zerocore: the ranks are in different collectives of the engine (found after {waited:.1f} s, "
@@ -197,9 +273,48 @@ class Positions:
             # For the peers: the first message found is every rank's (compare_set keeps it).
             message = self.store.compare_set(self.prefix + "apart", "", message).decode()
             raise RankDisagreementError(message)
-        if not absent:
-            return None
-        return "; ".join(f"rank {r} has not started it: {_where(records[r], now)}" for r in absent)
+
+
+class _Queue:
+    """One queue's collectives, as Positions keeps them: how many started,
+    and those in flight, oldest first, each (its number, key, describe,
+    since, done: see Positions.started); or, followed (Positions.follow),
+    its transport's progress."""
+
+    NONE = [0, None, None, 0.0, 0]  # the record of a queue that started none
+
+    def __init__(self, progress=None, describe=None):
+        self.count, self.flight = 0, collections.deque()
+        self.progress, self.describe = progress, describe
+
+    def settle(self):
+        """Drops the collectives whose device work is done: those at the
+        front, or all once the newest is (a queue's complete in its order;
+        so one whose done() lags does not hold the rest, nor their tensors)."""
+        if self.flight and _done(self.flight[-1]):
+            self.flight.clear()
+        while self.flight and _done(self.flight[0]):
+            self.flight.popleft()
+
+    def record(self) -> list:
+        """[collectives started, key of the oldest in flight or None, what
+        names it, since when, its number]."""
+        if self.progress is not None:
+            count, index, key, seconds = self.progress()
+            if not index:
+                return [count, None, None, 0.0, 0]
+            return [count, list(key), self.describe(tuple(key)), time.time() - seconds, index]
+        self.settle()
+        if not self.flight:
+            return [self.count, None, None, 0.0, 0]
+        index, key, describe, since, _ = self.flight[0]
+        return [self.count, list(key), describe(key), since, index]
+
+
+def _done(collective) -> bool:
+    """Whether a collective in flight (_Queue.flight's) is done on the device (one the host waits in: never here)."""
+    done = collective[4]
+    return done is not None and done()
 
 
 def _where(record: Optional[dict], now: float) -> str:

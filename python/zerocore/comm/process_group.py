@@ -56,12 +56,22 @@ at once with the first error instead of waiting for a peer. Where the
 first is a RankDisagreementError (zerocore/comm/positions.py), the rank also
 hangs up its gloo groups (hang_up): a peer waiting in the ring's sends and
 receives, which cannot be waited in slices and so are never diagnosed in
-place, fails at once and raises the error found, then hangs up in turn.
+place, fails at once and raises the error found, then hangs up in turn. Its
+device collectives (NCCL: torch's group, or the native transport's
+communicator) it aborts, so that its own device work stuck in them ends
+(a peer's abort does not end it: each rank finds the disagreement in its
+own host wait, Positions.watch).
+
+Positions: a collective the host waits in (gloo's, on host tensors) is in
+flight until its wait ends; one on the device (NCCL's, gloo's on CUDA
+tensors) until its works are done (Work.is_completed), asked when the
+positions are read, so the host never waits for it.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 import time
 from typing import Optional
 
@@ -104,23 +114,32 @@ class Failure:
     """The first failed collective of the transports that share this. Only
     its type and message are kept: the exception's traceback would hold the
     queue's tensors. Once it is a RankDisagreementError, this rank hangs up
-    its gloo groups (hang_up), so that no peer waits for it."""
+    its gloo groups (hang_up), so that no peer waits for it, and aborts its
+    device collectives, so that its own device work stuck in them ends."""
 
     def __init__(self):
         self.error_type, self.message = None, None
-        self.gloo_groups = []  # the sharing transports' gloo groups (ProcessGroupTransport)
+        # What the sharing transports do once the ranks are found apart: hang up a gloo group, abort NCCL's.
+        self.on_apart = []
+        # Held while the first failure is recorded: check() raises it once this rank's ends ran (and another
+        # thread's record waits for them). Reentrant: an end may fail a collective of this rank, which records.
+        self._recording = threading.RLock()
 
     def record(self, error_type, message: str):
         """error_type: CollectiveTimeoutError or RankDisagreementError,
         raised again as itself; anything else, as a RuntimeError."""
-        if self.message is None:
-            self.error_type, self.message = error_type, message
-            if error_type is RankDisagreementError:
-                for group in self.gloo_groups:
-                    hang_up(group)
+        with self._recording:
+            if self.message is None:
+                self.error_type, self.message = error_type, message
+                if error_type is RankDisagreementError:
+                    for end in self.on_apart:
+                        end()
 
     def check(self):
         """Raises the first failure again."""
+        if self.message is not None:
+            with self._recording:  # its ends done
+                pass
         if self.error_type in (CollectiveTimeoutError, RankDisagreementError):
             raise self.error_type(self.message)
         if self.message is not None:
@@ -157,6 +176,17 @@ def hang_up(group):
                 pass
 
 
+def abort(group):
+    """Ends this rank's collectives of the NCCL group `group` now (its CUDA
+    backend's abort: ncclCommAbort), its device work stuck in them
+    included; the group serves no more. An abort that fails leaves them to
+    NCCL's watchdog (the timeout): the error found is raised either way."""
+    try:
+        group._get_backend(torch.device("cuda")).abort()
+    except RuntimeError:
+        pass
+
+
 def _timed_out(error, elapsed: float, timeout) -> bool:
     text = str(error).lower()
     return "timed out" in text or "timeout" in text or \
@@ -171,7 +201,19 @@ class ProcessGroupTransport:
     """positions: the engine's zerocore.comm.positions.Positions (None: none
     kept), where this transport notes its collectives as queue `queue`
     and, once one has waited its diagnose_after, finds ranks in different
-    collectives (on gloo, whose host waits are here)."""
+    collectives (on gloo, whose host waits are here).
+
+    SIMULATED_DEVICE_QUEUES: the queues (by name) whose gloo collectives on
+    host tensors complete as NCCL's do on a GPU (a test seam, empty but in
+    the CPU tests of it: tests/test_rank_disagreement_device.py): off the
+    host, on the queue's completing thread, never diagnosed there, in
+    flight until done, ended only by this rank's own abort (a flag the
+    wait looks at: a peer's abort does not end it, as a peer's
+    ncclCommAbort does not end an NCCL kernel). So the host waits for them
+    in the backend's host waits, as on a GPU, where Positions.watch
+    diagnoses."""
+
+    SIMULATED_DEVICE_QUEUES = ()
 
     def __init__(self, group, describe=repr, failure: Optional[Failure] = None, positions=None, queue="data"):
         self.group = group
@@ -184,9 +226,16 @@ class ProcessGroupTransport:
         self.failure = failure or Failure()
         self.stream = None  # CUDA: the queue's comm stream (issue_on)
         self.incoming = None  # gloo reduce-scatter: the scratch block each ring step receives into
-        self.positions, self.queue = (positions, queue) if self.gloo else (None, queue)
-        if self.gloo:
-            self.failure.gloo_groups.append(group)
+        self.positions, self.queue = positions, queue
+        # Host tensors' collectives complete on a device (see the class's doc): a simulated one.
+        self.simulated_device = self.gloo and queue in self.SIMULATED_DEVICE_QUEUES
+        self.aborted = False  # the simulated device's abort
+        if self.simulated_device:
+            self.failure.on_apart.append(self._abort_simulated_device)
+        elif self.gloo:
+            self.failure.on_apart.append(lambda: hang_up(group))
+        else:
+            self.failure.on_apart.append(lambda: abort(group))
         self.absent = None  # the last diagnosis' peers that had not started the collective waiting, for a timeout
 
     def issue_on(self, handle: int, device: int):
@@ -273,11 +322,18 @@ class ProcessGroupTransport:
             if self.stream is None:
                 raise TypeError(f"{self.describe(key)}: CUDA tensors on a queue whose backend is not a CudaBackend; "
                                 "the engine's backend follows the module's device (zerocore/runtime/devices.py)")
+            # In flight from before the issue (NCCL's first collective may
+            # wait for the peers to connect) until its works are done.
+            issued_works = []
+            if self.positions is not None:
+                self.positions.started(self.queue, key, self.describe, lambda: bool(issued_works) and all(
+                    w.is_completed() for w in issued_works[0]))
             # The tensors' device made current on this (the queue's issuing)
             # thread, whatever it was: torch's NCCL group and its stream
             # context work on the current device.
             with self._running(key, issued), torch.cuda.device(device), torch.cuda.stream(self.stream):
                 works, then = start()
+                issued_works.append(works)
                 for w in works:
                     w.wait()  # the comm stream waits for NCCL's: on the device
                 if then is not None:
@@ -291,6 +347,11 @@ class ProcessGroupTransport:
             # waits for the comm stream first, so the caller's thread blocks
             # only for the collective.
             self.stream.synchronize()
+        if self.simulated_device:
+            completion = _SimulatedDeviceCompletion(self, key, issued, start)
+            if self.positions is not None:
+                self.positions.started(self.queue, key, self.describe, completion.done.is_set)
+            return completion
         if self.positions is not None:
             self.absent = None
             self.positions.started(self.queue, key, self.describe)
@@ -303,7 +364,8 @@ class ProcessGroupTransport:
         return None
 
     def _all_gather(self, shard, output):
-        if not self.gloo or output.nbytes <= _SMALL_GATHER_BYTES:
+        # The simulated device's waits end at its abort: each wait is cut in slices, as gloo's broadcasts' may be.
+        if not self.gloo or (output.nbytes <= _SMALL_GATHER_BYTES and not self.simulated_device):
             return [all_gather_single(output, shard, group=self.group, async_op=True)], None
         blocks = output.view(self.world_size, -1)
         if blocks[self.rank].data_ptr() != shard.data_ptr():
@@ -312,6 +374,9 @@ class ProcessGroupTransport:
                 for r in range(self.world_size)], None
 
     def _reduce_scatter(self, input, shard):
+        if self.simulated_device:  # an all-reduce, whose waits may be cut in slices (the ring's may not)
+            return [dist.all_reduce(input, group=self.group, async_op=True)], \
+                lambda: shard.copy_(input.view(self.world_size, -1)[self.rank])
         if not self._rings(input):
             return [reduce_scatter_single(shard, input, group=self.group, async_op=True)], None
         mine = self._ring_reduce_scatter(input)
@@ -349,7 +414,7 @@ class ProcessGroupTransport:
         positions, each wait past diagnose_after reads the peers' (raising
         RankDisagreementError where they are in another collective) and goes
         on, until the group's own timeout ends it."""
-        if self.positions is None:
+        if self.positions is None or not self.gloo or self.simulated_device:
             for w in works:
                 w.wait()
             return
@@ -366,12 +431,54 @@ class ProcessGroupTransport:
                 waited += after
                 self.absent = self.positions.diagnose(self.queue, waited)
 
+    def _abort_simulated_device(self):
+        self.aborted = True
+
+    def wait_on_device(self, works):
+        """The simulated device's wait for its works: whole, but for this
+        rank's abort (ProcessGroupTransport's doc)."""
+        for w in works:
+            while True:
+                try:
+                    w.wait(timeout=_DEVICE_POLL)
+                    break
+                except RuntimeError as e:
+                    if _WAIT_EXPIRED not in str(e):
+                        raise
+                if self.aborted:
+                    raise RuntimeError("the simulated device's collectives were aborted") from None
+
     def _scratch(self, like):
         """A tensor of like's size and dtype, a view of the scratch block,
         which grows (once per larger bucket) and is kept."""
         if self.incoming is None or self.incoming.dtype != like.dtype or self.incoming.numel() < like.numel():
             self.incoming = torch.empty(like.numel(), dtype=like.dtype)
         return self.incoming[:like.numel()]
+
+
+# How often the simulated device's wait looks whether it was aborted.
+_DEVICE_POLL = datetime.timedelta(milliseconds=50)
+
+
+class _SimulatedDeviceCompletion:
+    """A collective of the simulated device (ProcessGroupTransport's doc):
+    issued and waited for when called, on the queue's completing thread,
+    after those before it; `done` is set once it ended (or failed)."""
+
+    def __init__(self, transport, key, issued, start):
+        self.transport, self.key, self.issued, self.start = transport, key, issued, start
+        self.done = threading.Event()
+
+    def __call__(self):
+        start, self.start = self.start, None
+        try:
+            with self.transport._running(self.key, self.issued):
+                works, then = start()
+                self.transport.wait_on_device(works)
+                if then is not None:
+                    then()
+        finally:
+            self.done.set()
 
 
 class _Completion:

@@ -117,6 +117,8 @@ def build_parts(module, optimizer, config=None, *, group=None, units=None, init=
                            positions=positions, name="control") if process_group is not None else None
     comm = Communicator(engine_process_group(process_group, cfg.timeout), fails_with=control,
                         control=control, backend=backend, nccl=cfg.nccl, positions=positions)
+    # Host waits on device work stuck behind a collective its peers never issue diagnose as collectives do.
+    positions.watch(backend, comm.failure)
     dtype, reduce_dtype = TORCH_DTYPES[cfg.dtype], TORCH_DTYPES[cfg.reduce_dtype]
     warn_of_param_dtypes(params, names, dtype)
     scaler = LossScaler(cfg.loss_scale, cfg.dtype)

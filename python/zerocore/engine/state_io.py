@@ -43,7 +43,19 @@ class StateIO:
                     out[name] = value
         for name, b in self.parts.module.named_buffers():
             out[name] = b.detach().clone()
+        self._wait_for_the_device()
         return {k: out[k] for k in guards.state_dict_keys(self.parts.module)}
+
+    def _wait_for_the_device(self):
+        """The host waits here for the device work issued so far (its
+        gathers; none on the CPU, where it ran already), in the backend's
+        watched host wait, rather than later in torch's copy of the result
+        to the host (the user's torch.save), which cannot be watched: a
+        gather its peers never issue (the call made on one rank) is then a
+        RankDisagreementError within Config(diagnose_after=...), not a wait
+        for the timeout (docs/rank_disagreement.md)."""
+        backend = self.parts.backend
+        backend.host_wait(backend.record(backend.compute_stream()))
 
     @engine_call("load_state_dict()")
     def load_state_dict(self, source, strict=True) -> IncompatibleKeys:
@@ -64,6 +76,7 @@ class StateIO:
     @engine_call("save()")
     def save(self, path, lr_scheduler=None, extra=None):
         """Engine.save has the contract."""
+        self._wait_for_the_device()  # for the update and the gathers before it, where the host waits watched
         save_load.save(self.parts, self.loop, path, lr_scheduler, extra)
         if self.snapshots:  # named when a snapshot cannot be restored
             self.snapshots.last_checkpoint = os.path.abspath(path)
@@ -84,6 +97,7 @@ class StateIO:
             if parts.scheduler:
                 parts.scheduler.gather_all()
             before = [g.binder.snapshot_partition() for g in parts.groups]
+            self._wait_for_the_device()
         try:
             yield parts.module
         finally:

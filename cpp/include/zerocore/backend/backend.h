@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -81,6 +82,17 @@ class Backend {
   // (CUDA: NCCL's kernels queue on it).
   virtual std::shared_ptr<Event> host_tail(Stream& stream) = 0;
 
+  // Blocking host waits that last: once a host wait (host_wait, and on the
+  // CPU a wait of the compute stream, which is the caller) has waited
+  // `after_seconds`, it calls `stalled(seconds waited so far)`, and again
+  // every after_seconds while it goes on waiting; what `stalled` throws
+  // ends the wait (the event's work goes on). The engine's diagnosis of
+  // ranks in different collectives (zerocore/positions.py): device work
+  // stuck behind a collective its peers never issue is never waited for
+  // whole. An empty `stalled` (the default) waits whole. A waiting thread
+  // uses the watch set when its wait began.
+  void watch_host_waits(double after_seconds, std::function<void(double)> stalled);
+
   // Work on `stream`, named in the checker's reports by what it is.
   // dst = src, byte for byte (same dtype and size), between any memory kinds.
   virtual void copy(Stream& stream, const Tensor& dst, const Tensor& src) = 0;
@@ -131,6 +143,10 @@ class Backend {
 
  protected:
   Backend();
+  // A host wait under the watch (watch_host_waits): wait_for(seconds)
+  // waits at most that long (a negative number: whole) and says whether
+  // the event completed.
+  void watched_wait(const std::function<bool(double)>& wait_for) const;
   // What every allocate returns: a Buffer over `storage` (which owns the
   // memory at `data`), counted in allocated_bytes until it is freed.
   std::shared_ptr<Buffer> counted_buffer(MemoryKind kind, Device device, const std::string& name, void* data,
@@ -139,6 +155,9 @@ class Backend {
  private:
   struct LiveBytes;  // shared with the buffers' storage: a buffer may outlive its backend
   std::shared_ptr<LiveBytes> live_;
+  struct Watch;  // watch_host_waits' (shared: a wait keeps the watch it began with)
+  std::shared_ptr<const Watch> watch_;
+  mutable std::mutex watch_mutex_;
 };
 
 // The accesses of one optimizer step over `runs` (params, state and copies

@@ -14,6 +14,9 @@ class Event {
  public:
   void set(std::exception_ptr error = nullptr);
   void wait() const;
+  // Waits at most `seconds`: whether the event is set (raising the work's
+  // error where it is and the work failed).
+  bool wait_for(double seconds) const;
   bool ready() const;
   // Runs `then` on the thread that sets the event, once it is set (at once,
   // on the calling thread, when it is set already): what must happen right
