@@ -43,7 +43,7 @@ class Reports:
             for g in self.groups:
                 for k, v in g.memory(at).items():
                     counts[k] += v
-        if self.exact:  # Config(deterministic=True)'s int64 sums of the grads, where the groups do not hold them
+        if self.exact:  # Config(deterministic=True)'s exact sums of the grads, where the groups do not hold them
             by["device"]["grad"] += self.exact.own_bytes
         by["device"]["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
         by["host"]["buffers"] = 0

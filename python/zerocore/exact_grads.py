@@ -15,13 +15,14 @@ the step's exchange, whose copies to the host (offload) then take the
 mean. Stages 2-3: gradient reduction (the native BucketReducer, in int64)
 stages each param's grad as quantize() gives it, reduce-scatters its
 buckets as integers and adds each rank's block into the partition's sums,
-which (grads on the device) live in the grad partition's own memory, 8
-bytes an element (FlatGroup.grad_sums), the mean formed in its first bytes.
+which (grads on the device) live in the grad partition's own memory, 5
+bytes an element (FlatGroup.grad_sums: 40-bit integers, packed, as n x 5
+torch bytes), the mean formed in its first bytes.
 
 Then the ranks agree on their largest |grad| in grid units (a maximum is
 order-independent too) and, where each holds a part of the grads, on
-their parts of the norm. If count * (largest + 1) is below 2**62, no
-partial sum in any order can have overflowed int64, and the mean,
+their parts of the norm. If count * (largest + 1) is below 2**39, no
+partial sum in any order can have left the 40 bits a partition keeps, and the mean,
 sum * 2**exponent / count (formed in float64 from the integer sum, then
 rounded into the grad buffers' dtype), becomes the grads the update reads;
 otherwise the step is skipped on every rank, as an fp16 overflow is, and
@@ -43,26 +44,56 @@ from zerocore import _native
 from zerocore.comm import ControlPurpose
 
 HEADROOM = 8  # bits a step's largest grad (times the count) may grow over the last one's before a skip
-LIMIT_BITS = 62  # count * (largest |grad| in grid units + 1) below 2**62: no int64 partial sum overflows
-FIRST_BOUND = 2.0**16  # the first step's assumed largest |grad| times its count
+# count * (largest |grad| in grid units + 1) below 2**39: no partial sum, in
+# any order, leaves the int40 a grad partition keeps (nor the int64 of the
+# staging, the reductions and stages 0-1's sums).
+LIMIT_BITS = 39
+FIRST_BOUND = 2.0**8  # the first step's assumed largest |grad| times its count (2**16 fits, HEADROOM)
 # Every value of the dtype is a multiple of 2**this: a finer grid keeps nothing more.
 _FINEST = {torch.float16: -24, torch.bfloat16: -133, torch.float32: -149}
 _WORDS = 8  # 32-bit words of a rank's exact sum of squares in the exchange (below 2**256)
-_MEAN_CHUNK = 1 << 18  # elements of the mean formed at a time (a float64 temporary of 2 MiB)
+_MEAN_CHUNK = 1 << 18  # elements of the mean formed at a time (int64 and float64 temporaries of 2 MiB)
+_INT40_SHIFTS = tuple(8 * b for b in range(5))  # an int40's bytes, least significant first
 
 
 def grid_exponent(bound: float, dtype: torch.dtype) -> int:
     """The grid for grads whose largest |grad| times the count is `bound`,
-    with HEADROOM bits to spare: bound / 2**exponent < 2**(62 - HEADROOM)."""
+    with HEADROOM bits to spare: bound / 2**exponent < 2**(LIMIT_BITS - HEADROOM)."""
     return max(_FINEST[dtype], math.frexp(bound)[1] + HEADROOM - LIMIT_BITS)
 
 
+def planned_bytes(groups, placement) -> int:
+    """Device bytes the exact sums of these groups take beyond the grad
+    buffers their buffer_plan() lists (before anything is allocated: what
+    zerocore.estimate adds, what memory_report() then counts): where the
+    grad partition holds them, its fifth byte an element (int40 in place of
+    a 4-byte grad; 3 more for a 2-byte one); elsewhere int64 sums of their
+    own, one per element of the grads the update reads."""
+    extra = 0
+    for g in groups:
+        for name, _, _, n, dtype in g.buffer_plan() if g.trainable else ():
+            if name == ("grad_part" if placement.partitions_grads else "grad_full"):
+                extra += n * (5 - dtype.itemsize) if g.store.has("grad_sums") else 8 * n
+    return extra
+
+
 def sum_of_squares(sums: torch.Tensor) -> int:
-    """The exact sum of the squares of int64 `sums`, as a Python int (one
-    native pass on the host, in 128-bit integers: kernels/cpu_exact_grid.h;
-    a GPU's sums are copied there first, once a step)."""
-    low, high, top = _native.exact_sum_of_squares(sums.reshape(-1).cpu())
+    """The exact sum of the squares of `sums` (int64, or int40 as n x 5
+    bytes), as a Python int (one native pass on the host, in 128-bit
+    integers: kernels/cpu_exact_grid.h; a GPU's sums are copied there
+    first, once a step)."""
+    low, high, top = _native.exact_sum_of_squares(sums.cpu())
     return low + (high << 64) + (top << 128)
+
+
+def as_int64(sums: torch.Tensor) -> torch.Tensor:
+    """`sums` as int64: themselves, or int40 sums (n x 5 bytes, little-endian
+    two's complement) widened, in torch's ops (on any device)."""
+    if sums.dtype == torch.int64:
+        return sums
+    wide = sums.to(torch.int64)
+    value = (wide << torch.tensor(_INT40_SHIFTS, device=sums.device)).sum(1)
+    return value - ((wide[:, 4] >> 7) << 40)  # the top bit set: negative
 
 
 def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
@@ -96,7 +127,7 @@ class ExactGradSum:
                      torch.zeros(self._grads(g).numel(), dtype=torch.int64, device=self._grads(g).device)
                      for g in self.groups]
         # Bytes of sums beside the groups' buffers (memory_report counts the rest as grad_part's).
-        self.own_bytes = sum(8 * s.numel() for s, g in zip(self.sums, self.groups) if s is not g.grad_sums)
+        self.own_bytes = sum(s.nbytes for s, g in zip(self.sums, self.groups) if s is not g.grad_sums)
         self._index = {id(g): i for i, g in enumerate(self.groups)}
         self.bytes_moved = 0  # of the agreements (control plane), received, since wrap
         self._reset()
@@ -176,9 +207,9 @@ class ExactGradSum:
         grads lie in the sums' own first bytes (FlatGroup.grad_sums), a
         chunk's writes land on sums of it or of chunks before, read already."""
         scale = 2.0**self.exponent
-        for first in range(0, sums.numel(), _MEAN_CHUNK):
+        for first in range(0, sums.shape[0], _MEAN_CHUNK):
             part = slice(first, first + _MEAN_CHUNK)
-            grads[part].copy_(sums[part].double().mul_(scale).div_(count))
+            grads[part].copy_(as_int64(sums[part]).double().mul_(scale).div_(count))
 
     def _agree(self, late: list) -> tuple:
         """One control all-gather: (the ranks' largest |grad| in grid units,

@@ -92,7 +92,7 @@ class FlatGroup(ParamBinding, LayoutViews):
         self.state = {}
         self.grad_full = None
         self.grad_part = None
-        self.grad_sums = None  # exact_sums: grad_part's memory as int64 (partition_store.h)
+        self.grad_sums = None  # exact_sums: grad_part's memory as int40, n x 5 bytes (partition_store.h)
         # Offload: the grads the host step reads (grad_part where reduction
         # leaves them on the host and nothing else needs it), and its 16-bit
         # output, copied up to the params training reads.

@@ -78,15 +78,23 @@ double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
 
 std::array<uint64_t, 3> exact_sum_of_squares(const Tensor& sums) {
   if (sums.device().type != DeviceType::kCPU) throw TypeMismatch("exact_sum_of_squares: the tensor must be on the host");
-  if (sums.dtype() != DType::kInt64) throw TypeMismatch("exact_sum_of_squares: the sums must be int64");
-  const int64_t* x = static_cast<const int64_t*>(sums.data());
   Uint128 low = 0;  // the sum modulo 2**128
   uint64_t carries = 0;       // and its multiples of 2**128
-  for (int64_t i = 0, n = sums.numel(); i < n; ++i) {
-    const uint64_t a = x[i] < 0 ? uint64_t(0) - uint64_t(x[i]) : uint64_t(x[i]);
+  const auto add = [&](int64_t x) {
+    const uint64_t a = x < 0 ? uint64_t(0) - uint64_t(x) : uint64_t(x);
     const Uint128 square = Uint128(a) * a;
     low += square;
     carries += low < square;
+  };
+  const int64_t n = sums.numel();
+  if (sums.dtype() == DType::kInt64) {
+    const int64_t* x = static_cast<const int64_t*>(sums.data());
+    for (int64_t i = 0; i < n; ++i) add(x[i]);
+  } else if (sums.dtype() == DType::kInt40) {
+    const uint8_t* x = static_cast<const uint8_t*>(sums.data());
+    for (int64_t i = 0; i < n; ++i) add(kernels::load_int40(x + 5 * i));
+  } else {
+    throw TypeMismatch("exact_sum_of_squares: the sums must be int64 or int40");
   }
   return {uint64_t(low), uint64_t(low >> 64), carries};
 }

@@ -78,10 +78,12 @@ BucketReducer::~BucketReducer() {
 }
 
 void BucketReducer::check_grad_part(const FlatGroupBuffer& group, const Tensor& grad_part) const {
-  if (grad_part.dtype() != reduce_dtype_ || grad_part.numel() != group.plan.partition_elems()) {
+  // int64 reductions may add into int40 sums (a partition's, on the device: DType::kInt40).
+  const bool narrow_sums = reduce_dtype_ == DType::kInt64 && grad_part.dtype() == DType::kInt40;
+  if ((grad_part.dtype() != reduce_dtype_ && !narrow_sums) || grad_part.numel() != group.plan.partition_elems()) {
     throw InvalidArgument("BucketReducer: group " + std::to_string(group.tag) + ": grad_part must be " +
                           std::to_string(group.plan.partition_elems()) + " elements of " +
-                          dtype_name(reduce_dtype_));
+                          dtype_name(reduce_dtype_) + (reduce_dtype_ == DType::kInt64 ? " or int40" : ""));
   }
 }
 

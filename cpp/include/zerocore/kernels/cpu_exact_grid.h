@@ -19,7 +19,7 @@ namespace zerocore {
 // InvalidArgument for other tensors.
 double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent);
 
-// The exact sum of the squares of int64 `sums` (|x| < 2**63), as 64-bit
+// The exact sum of the squares of int64 or int40 `sums` (|x| < 2**63), as 64-bit
 // words, least significant first: sum = w[0] + w[1] * 2**64 + w[2] * 2**128
 // (each square below 2**126, so fewer than 2**64 elements cannot carry past
 // w[2]).
