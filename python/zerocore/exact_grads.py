@@ -111,8 +111,10 @@ def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
 
 class ExactGradSum:
     """The exact sums of the trainable groups' grads on this rank, one
-    int64 per element: whole (stages 0-1, in the grad_full layout) or the
-    rank's partition (stages 2-3)."""
+    integer per element: whole (stages 0-1, int64, in the grad_full layout)
+    or the rank's partition (stages 2-3: int40 in the grad partition's
+    memory on the device, int64 beside an offloaded one). Each param has a
+    grid of its own, multiples of 2**exponents[group][param]."""
 
     def __init__(self, groups, comm, placement):
         self.groups = [g for g in groups if g.trainable]
@@ -120,7 +122,8 @@ class ExactGradSum:
         self.partitioned = placement.partitions_grads  # the sums are the partition's
         self.shared = placement.partitions_optimizer  # each rank holds a part of the mean: the norm is summed
         self.dtype = self.groups[0].dtype if self.groups else torch.float32
-        self.exponent = grid_exponent(FIRST_BOUND, self.dtype)  # this step's grid: multiples of 2**exponent
+        first = grid_exponent(FIRST_BOUND, self.dtype)
+        self.exponents = [[first] * len(g.params) for g in self.groups]  # this step's grids, per param
         # Stages 2-3 on the device: the grad partition's own memory holds
         # them (FlatGroup.grad_sums), the mean formed in its first bytes.
         self.sums = [g.grad_sums if self.partitioned and g.grad_sums is not None else
@@ -129,6 +132,7 @@ class ExactGradSum:
         # Bytes of sums beside the groups' buffers (memory_report counts the rest as grad_part's).
         self.own_bytes = sum(s.nbytes for s, g in zip(self.sums, self.groups) if s is not g.grad_sums)
         self._index = {id(g): i for i, g in enumerate(self.groups)}
+        self._runs = [self._runs_of(g) for g in self.groups]
         self.bytes_moved = 0  # of the agreements (control plane), received, since wrap
         self._reset()
 
@@ -139,33 +143,64 @@ class ExactGradSum:
     def sums_of(self, group) -> torch.Tensor:
         return self.sums[self._index[id(group)]]
 
+    def _runs_of(self, group) -> list:
+        """This rank's stretches of the group's sums and grads, in order:
+        its partition, or at stages 0-1 its block of every bucket (all of
+        it at stage 0); each a list of (first, elements, param index or
+        None for padding) covering it whole."""
+        whole = group.grad_full is not None and not self.partitioned
+        if whole:
+            n = group.grad_full.numel()
+            spans = [(*group.store.param_span(n, j), j) for j in range(len(group.params))]
+            windows = [group.store.shard_span(n, b, group.rank) for b in range(len(group.buckets))]
+        else:
+            n = self._grads(group).numel()
+            spans = [(*group.store.segment_span(n, i), seg.param) for i, seg in enumerate(group.segments)]
+            windows = [(0, n)]
+        out = []
+        for lo, size in windows:
+            runs, at = [], lo
+            for first, length, j in sorted(spans):
+                start, end = max(first, lo), min(first + length, lo + size)
+                if start < end:
+                    if start > at:
+                        runs.append((at - lo, start - at, None))
+                    runs.append((start - lo, end - start, j))
+                    at = end
+            if at < lo + size:
+                runs.append((at - lo, lo + size - at, None))
+            out.append((lo, size, runs))
+        return out
+
     def _mine(self):
-        """(sums, grads) of each stretch of this rank's: its partition, or
-        at stages 0-1 its block of every bucket (all of it at stage 0)."""
-        for g, s in zip(self.groups, self.sums):
-            if self.partitioned:
-                yield s, g.grad_part
-            else:
-                for b in range(len(g.buckets)):
-                    yield g.view(s, "shard", b, g.rank), g.view(g.grad_full, "shard", b, g.rank)
+        """(sums, grads, exponents, runs) of each stretch of this rank's
+        (_runs_of)."""
+        for g, s, exponents, stretches in zip(self.groups, self.sums, self.exponents, self._runs):
+            grads = self._grads(g)
+            for lo, size, runs in stretches:
+                yield s[lo:lo + size], grads[lo:lo + size], exponents, runs
 
     def _reset(self):
         for s in self.sums:
             s.zero_()
-        self.largest = 0.0  # this rank's largest |grad| in grid units this step (inf: one was not finite)
-        self.next_exponent = None  # once reduced: the next step's grid
+        # This rank's largest |grad| in grid units this step, per param (inf: one was not finite).
+        self.largest = [[0.0] * len(g.params) for g in self.groups]
+        self.next_exponents = None  # once reduced: the next step's grids
         self.squares = None  # once reduced: the exact mean's sum of squares (inf: not finite)
-        self.regrid = False  # once reduced: a grad fell outside the grid, the step is skipped
+        self.regrid = False  # once reduced: a grad fell outside its grid, the step is skipped
 
-    def quantize(self, grad: torch.Tensor) -> torch.Tensor:
-        """grad on this step's grid, as int64 (rounded to nearest, ties to
-        even: one native pass on the host), its largest noted."""
+    def quantize(self, grad: torch.Tensor, group, param: int) -> torch.Tensor:
+        """Param `param` of `group`'s grad on its grid this step, as int64
+        (rounded to nearest, ties to even: one native pass on the host),
+        its largest noted."""
+        i = self._index[id(group)]
+        exponent = self.exponents[i][param]
         if grad.device.type == "cpu":
             units = torch.empty(grad.shape, dtype=torch.int64)
-            peak = _native.quantize_to_grid(grad.contiguous(), units, self.exponent)
+            peak = _native.quantize_to_grid(grad.contiguous(), units, exponent)
         else:  # the native pass is the host's: torch's ops on a GPU
-            units, peak = quantize_with_torch(grad, self.exponent)
-        self.largest = max(self.largest, peak)
+            units, peak = quantize_with_torch(grad, exponent)
+        self.largest[i][param] = max(self.largest[i][param], peak)
         return units  # out of range only where the step skips anyway
 
     def add_micro_batch(self):
@@ -174,7 +209,8 @@ class ExactGradSum:
         if self.partitioned:
             return
         for g, total in zip(self.groups, self.sums):
-            total.add_(self.quantize(g.grad_full))
+            for j in range(len(g.params)):
+                g.view(total, "param", j).add_(self.quantize(g.view(g.grad_full, "param", j), g, j))
             g.grad_full.zero_()
 
     def reduce(self, count: int, reducer=None):
@@ -189,59 +225,102 @@ class ExactGradSum:
         if any(late):  # on some rank: every rank reduces those buckets, and the sums changed
             reducer.reduce_late(late)
             largest, totals, _ = self._agree([])
-        if not math.isfinite(largest):  # the step decides as for any non-finite grad
-            self.squares, self.next_exponent = math.inf, self.exponent
+        flat = [x for per_group in largest for x in per_group]
+        if not all(math.isfinite(x) for x in flat):  # the step decides as for any non-finite grad
+            self.squares, self.next_exponents = math.inf, self.exponents
             return
-        self.next_exponent = grid_exponent(count * largest * 2.0**self.exponent, self.dtype)
-        if count * (int(largest) + 1) >= 2**LIMIT_BITS:
+        # A param with no grad keeps its grid: a zero says nothing of its next grads.
+        self.next_exponents = [[grid_exponent(count * x * 2.0**e, self.dtype) if x else e
+                                for x, e in zip(per_group, exponents)]
+                               for per_group, exponents in zip(largest, self.exponents)]
+        if any(count * (int(x) + 1) >= 2**LIMIT_BITS for x in flat):
             self.regrid, self.squares = True, 0.0
             return
-        for s, grads in self._mine():
-            self._mean_into(s, grads, count)
+        for sums, grads, exponents, runs in self._mine():
+            self._mean_into(sums, grads, exponents, runs, count)
         # (sum * 2**e / count)**2, summed: exact as a fraction, rounded once.
-        self.squares = math.ldexp(float(Fraction(sum(totals), count * count)), 2 * self.exponent)
+        self.squares = math.ldexp(float(Fraction(sum(totals), count * count)), 2 * self._finest())
 
-    def _mean_into(self, sums: torch.Tensor, grads: torch.Tensor, count: int):
+    def _finest(self) -> int:
+        """The finest grid of any param: the unit of the exact sums of squares."""
+        return min((e for exponents in self.exponents for e in exponents), default=0)
+
+    def _mean_into(self, sums, grads, exponents, runs, count: int):
         """grads = sums * 2**exponent / count (formed in float64, one
-        rounding into the grads' dtype), a chunk at a time in order: where
-        grads lie in the sums' own first bytes (FlatGroup.grad_sums), a
-        chunk's writes land on sums of it or of chunks before, read already."""
-        scale = 2.0**self.exponent
-        for first in range(0, sums.shape[0], _MEAN_CHUNK):
-            part = slice(first, first + _MEAN_CHUNK)
-            grads[part].copy_(as_int64(sums[part]).double().mul_(scale).div_(count))
+        rounding into the grads' dtype), run by run and a chunk at a time,
+        in order (padding: zeros): where grads lie in the sums' own first
+        bytes (FlatGroup.grad_sums), a chunk's writes land on sums of it or
+        of chunks before, read already."""
+        for first, length, param in runs:
+            if param is None:
+                grads[first:first + length].zero_()
+                continue
+            scale = 2.0**exponents[param]
+            for at in range(first, first + length, _MEAN_CHUNK):
+                part = slice(at, min(at + _MEAN_CHUNK, first + length))
+                grads[part].copy_(as_int64(sums[part]).double().mul_(scale).div_(count))
+
+    def _sum_of_squares(self) -> int:
+        """This rank's exact sum of squares of its sums, in units of the
+        finest grid squared (each param's scaled up to it)."""
+        finest, total = self._finest(), 0
+        for sums, _, exponents, runs in self._mine():
+            for first, length, param in runs:
+                if param is not None:
+                    total += sum_of_squares(sums[first:first + length]) << 2 * (exponents[param] - finest)
+        return total
+
+    def _norm_words(self) -> int:
+        """32-bit words of a rank's sum of squares in the agreement, from
+        numbers every rank has: its elements (below 2**40 each, in grid
+        units) times the widest scaling up to the finest grid."""
+        elements = sum(s.shape[0] for s in self.sums) if self.partitioned else \
+            sum(g.grad_full.numel() for g in self.groups)
+        spread = max((e for exponents in self.exponents for e in exponents), default=0) - self._finest()
+        return (elements.bit_length() + 2 * (LIMIT_BITS + 1 + spread)) // 32 + 1
 
     def _agree(self, late: list) -> tuple:
         """One control all-gather: (the ranks' largest |grad| in grid units,
-        their exact sums of squares of their stretches (this rank's alone
-        where each rank holds all of them), the buckets late on any rank),
-        every number in 32-bit words of int64 rows."""
-        total = sum(sum_of_squares(s) for s, _ in self._mine())
+        per group and param, their exact sums of squares of their stretches
+        (this rank's alone where each rank holds all of them), the buckets
+        late on any rank), every number in 32-bit words of int64 rows."""
+        total = self._sum_of_squares()
+        mine = [x for per_group in self.largest for x in per_group]
         late_words = [sum(1 << b for b, flag in enumerate(late[w:w + 32]) if flag) for w in range(0, len(late), 32)]
-        norm_words = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)] if self.shared else []
-        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + late_words
+        words = self._norm_words() if self.shared else 0
+        norm_words = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(words)]
+        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", x))[0] for x in mine] + late_words
                                          + norm_words, ControlPurpose.EXACT_GRADS)
         self.bytes_moved += 8 * len(rows) * len(rows[0])
-        largest = max(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
+        flat = [max(struct.unpack("<d", struct.pack("<q", row[k]))[0] for row in rows) for k in range(len(mine))]
+        largest, at = [], 0
+        for per_group in self.largest:
+            largest.append(flat[at:at + len(per_group)])
+            at += len(per_group)
         agreed = 0
         for row in rows:
-            agreed |= sum(w << (32 * i) for i, w in enumerate(row[1:1 + len(late_words)]))
-        totals = [sum(w << (32 * i) for i, w in enumerate(row[1 + len(late_words):])) for row in rows] \
+            agreed |= sum(w << (32 * i) for i, w in enumerate(row[len(mine):len(mine) + len(late_words)]))
+        totals = [sum(w << (32 * i) for i, w in enumerate(row[len(mine) + len(late_words):])) for row in rows] \
             if self.shared else [total]
         return largest, totals, [bool(agreed >> b & 1) for b in range(len(late))]
 
     def end_step(self):
         """The step ended (applied, skipped, or its grads dropped): the next
-        one starts from zero on the grid this one chose."""
-        if self.next_exponent is not None:
-            self.exponent = self.next_exponent
+        one starts from zero on the grids this one chose."""
+        if self.next_exponents is not None:
+            self.exponents = self.next_exponents
         if not self.partitioned:
             for g in self.groups:
                 g.grad_full.zero_()
         self._reset()
 
     def state_dict(self) -> dict:
-        return {"exponent": self.exponent}
+        return {"exponents": self.exponents}
 
     def load_state_dict(self, state: dict):
-        self.exponent = int(state["exponent"])
+        if "exponent" in state:  # saved before the grids were per param: one grid for all
+            state = {"exponents": [[state["exponent"]] * len(e) for e in self.exponents]}
+        if [len(e) for e in state["exponents"]] != [len(e) for e in self.exponents]:
+            raise ValueError(f"the checkpoint's grids are for {[len(e) for e in state['exponents']]} params a "
+                             f"group, this model's groups hold {[len(e) for e in self.exponents]}")
+        self.exponents = [[int(e) for e in per_group] for per_group in state["exponents"]]

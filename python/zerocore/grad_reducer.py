@@ -216,7 +216,7 @@ class StagedReducer:
                 view.copy_(p.grad)
             p.grad = view
         grad = p.grad.reshape(-1)
-        views = self.native.grad_ready(i, j, self.exact.quantize(grad) if self.exact else grad)
+        views = self.native.grad_ready(i, j, self.exact.quantize(grad, self.groups[i], j) if self.exact else grad)
         p.grad = None
         self._attach_handed(views)
 
