@@ -203,6 +203,19 @@ class ExactGradSum:
         self.largest[i][param] = max(self.largest[i][param], peak)
         return units  # out of range only where the step skips anyway
 
+    def grid_for(self, grad: torch.Tensor, group, param: int) -> int:
+        """Stages 2-3: the exponent of the grid param `param` of `group`'s
+        grad goes onto as the native reducer stages it (one pass, no int64
+        copy: Backend::accumulate_on_grid), its largest |value| on that grid
+        noted (the same number quantize notes: rounding is monotonic)."""
+        i = self._index[id(group)]
+        exponent = self.exponents[i][param]
+        if grad.numel():
+            top = grad.detach().abs().max().double().item()  # nan: one was not finite
+            peak = math.inf if not math.isfinite(top) else round(math.ldexp(top, -exponent))
+            self.largest[i][param] = max(self.largest[i][param], peak)
+        return exponent
+
     def add_micro_batch(self):
         """Stages 0-1, after a micro-batch's backward: its grads into the
         sums, the grad buffers zeroed for the next one."""

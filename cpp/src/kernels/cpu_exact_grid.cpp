@@ -31,6 +31,13 @@ int64_t bits_of(double x) {
   return b;
 }
 
+// r (a grad times 2**-exponent, exact) rounded to an integer, ties to even;
+// 0 past int64 or not finite (the step is skipped there).
+int64_t onto_grid(double r) {
+  if (std::fabs(r) < kMagicRange) return bits_of(r + kMagic) - bits_of(kMagic);
+  return std::fabs(r) < 9.2e18 ? int64_t(std::nearbyint(r)) : 0;
+}
+
 }  // namespace
 
 double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
@@ -74,6 +81,24 @@ double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
     }
   });
   return peak;
+}
+
+void accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent) {
+  if (src.device().type != DeviceType::kCPU || dst.device().type != DeviceType::kCPU) {
+    throw TypeMismatch("accumulate_on_grid: tensors must be on the host");
+  }
+  if (dst.dtype() != DType::kInt64) throw TypeMismatch("accumulate_on_grid: dst must be int64");
+  if (dst.numel() != src.numel()) {
+    throw InvalidArgument("accumulate_on_grid: " + std::to_string(src.numel()) + " elements into " +
+                          std::to_string(dst.numel()));
+  }
+  const double scale = std::ldexp(1.0, -exponent);  // a power of two: x * scale is exact in double
+  int64_t* d = static_cast<int64_t*>(dst.data());
+  kernels::with_element_type(src.dtype(), [&](auto s_type) {
+    using S = decltype(s_type);
+    const S* s = static_cast<const S*>(src.data());
+    for (int64_t i = 0, n = src.numel(); i < n; ++i) d[i] += onto_grid(double(kernels::load<ScalarVec>(s + i)) * scale);
+  });
 }
 
 std::array<uint64_t, 3> exact_sum_of_squares(const Tensor& sums) {

@@ -188,7 +188,8 @@ std::vector<GradView> BucketReducer::begin_backward() {
   return views;
 }
 
-std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
+std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tensor& grad,
+                                                std::optional<int> grid_exponent) {
   const std::vector<Piece>& ps = pieces(group, param);
   const int64_t numel = groups_[size_t(group)].plan.params()[size_t(param)].numel;
   if (grad.numel() != numel) {
@@ -200,7 +201,9 @@ std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tens
     BucketState& b = buckets_[size_t(piece.bucket)];
     const Tensor target = pool_.slot(take_staging(piece.bucket)).slice(piece.staging_offset, piece.numel);
     const Tensor source = grad.slice(piece.param_offset, piece.numel);
-    if (source.data() != target.data()) {
+    if (grid_exponent) {
+      backend_.accumulate_on_grid(backend_.compute_stream(), target, source, *grid_exponent);
+    } else if (source.data() != target.data()) {
       backend_.accumulate(backend_.compute_stream(), target, source);
     } else {  // autograd accumulated in place
       backend_.declare_access(backend_.compute_stream(), Access::write(target), "autograd accumulates a grad");
