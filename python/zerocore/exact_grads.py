@@ -3,9 +3,9 @@ micro-batch's grads over every rank, summed exactly, so it has the same
 bits at any world size, whichever rank ran which micro-batch and in which
 order (docs/deterministic.md).
 
-Each micro-batch's grads go onto one grid fixed for the step, multiples of
-2**exponent, as int64 (rounded to nearest, ties to even), and add into
-int64 sums. Integer sums are exact, so associative: no order of adding, on
+Each micro-batch's grads go onto a grid fixed for the step, each param's
+own, multiples of 2**exponent (rounded to nearest, ties to even), and add
+into integer sums. Integer sums are exact, so associative: no order of adding, on
 a rank or across ranks, changes them. Stages 0-1: the flat grad buffers
 hold one micro-batch's grads after its backward; they are added into
 whole-size sums here and zeroed, and at the step the engine all-reduces
@@ -13,24 +13,27 @@ whole-size sums here and zeroed, and at the step the engine all-reduces
 have reduced the grads (grad_reducer.FullGradReducer's collectives), before
 the step's exchange, whose copies to the host (offload) then take the
 mean. Stages 2-3: gradient reduction (the native BucketReducer, in int64)
-stages each param's grad as quantize() gives it, reduce-scatters its
+stages each param's grad onto its grid (grid_for's exponent: one native
+pass into the int64 staging, no copy), reduce-scatters its
 buckets as integers and adds each rank's block into the partition's sums,
 which (grads on the device) live in the grad partition's own memory, 5
 bytes an element (FlatGroup.grad_sums: 40-bit integers, packed, as n x 5
 torch bytes), the mean formed in its first bytes.
 
-Then the ranks agree on their largest |grad| in grid units (a maximum is
-order-independent too) and, where each holds a part of the grads, on
-their parts of the norm. If count * (largest + 1) is below 2**39, no
-partial sum in any order can have left the 40 bits a partition keeps, and the mean,
+Then the ranks agree on their largest |grad| of each param in its grid's
+units (a maximum is order-independent too) and, where each holds a part
+of the grads, on their parts of the norm. If count * (largest + 1) is
+below 2**39 for every param, no partial sum in any order can have left
+the 40 bits a partition keeps, and the mean,
 sum * 2**exponent / count (formed in float64 from the integer sum, then
 rounded into the grad buffers' dtype), becomes the grads the update reads;
 otherwise the step is skipped on every rank, as an fp16 overflow is, and
-the grid widens. The norm is the exact mean's: the squares of the integer
-sums, added exactly (in 128-bit integers) and across ranks as integers. Every
-next grid comes from the step before's largest grad and count, with
-HEADROOM bits for grads to grow: the same numbers on every rank and at
-every world size, so the same grid.
+the grids widen. The norm is the exact mean's: the squares of the integer
+sums, added exactly (in 128-bit integers, scaled to the finest grid) and
+across ranks as integers. Every param's next grid comes from its largest
+grad in the step before and the count, with HEADROOM bits for grads to
+grow: the same numbers on every rank and at every world size, so the same
+grids.
 """
 from __future__ import annotations
 
@@ -211,8 +214,9 @@ class ExactGradSum:
         i = self._index[id(group)]
         exponent = self.exponents[i][param]
         if grad.numel():
-            top = grad.detach().abs().max().double().item()  # nan: one was not finite
-            peak = math.inf if not math.isfinite(top) else round(math.ldexp(top, -exponent))
+            low, high = (x.item() for x in torch.aminmax(grad.detach()))  # no temporary; nan: one not finite
+            top = max(-low, high)
+            peak = math.inf if not (math.isfinite(low) and math.isfinite(high)) else round(math.ldexp(top, -exponent))
             self.largest[i][param] = max(self.largest[i][param], peak)
         return exponent
 

@@ -31,22 +31,18 @@ int64_t bits_of(double x) {
   return b;
 }
 
-// r (a grad times 2**-exponent, exact) rounded to an integer, ties to even;
-// 0 past int64 or not finite (the step is skipped there).
-int64_t onto_grid(double r) {
-  if (std::fabs(r) < kMagicRange) return bits_of(r + kMagic) - bits_of(kMagic);
-  return std::fabs(r) < 9.2e18 ? int64_t(std::nearbyint(r)) : 0;
-}
-
-}  // namespace
-
-double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
+// src * 2**-exponent rounded to integers, ties to even, handed to
+// put(dst[i], value) (which stores or adds it); returns the largest |value|
+// (a rounded double), or +inf when some src[i] is not finite (dst is then
+// left as it was, as where a value is beyond int64: the caller skips the step).
+template <class Put>
+double onto_grid(const char* name, const Tensor& src, const Tensor& dst, int exponent, Put put) {
   if (src.device().type != DeviceType::kCPU || dst.device().type != DeviceType::kCPU) {
-    throw TypeMismatch("quantize_to_grid: tensors must be on the host");
+    throw TypeMismatch(std::string(name) + ": tensors must be on the host");
   }
-  if (dst.dtype() != DType::kInt64) throw TypeMismatch("quantize_to_grid: dst must be int64");
+  if (dst.dtype() != DType::kInt64) throw TypeMismatch(std::string(name) + ": dst must be int64");
   if (dst.numel() != src.numel()) {
-    throw InvalidArgument("quantize_to_grid: " + std::to_string(src.numel()) + " elements into " +
+    throw InvalidArgument(std::string(name) + ": " + std::to_string(src.numel()) + " elements into " +
                           std::to_string(dst.numel()));
   }
   const double scale = std::ldexp(1.0, -exponent);  // a power of two: x * scale is exact in double
@@ -72,33 +68,25 @@ double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
     }
     peak = std::nearbyint(double(std::max(std::max(lane[0], lane[1]), std::max(lane[2], lane[3]))) * scale);
     if (peak < kMagicRange) {  // every element: no branch
-      for (int64_t i = 0; i < n; ++i) d[i] = bits_of(double(kernels::load<ScalarVec>(s + i)) * scale + kMagic) - magic_bits;
+      for (int64_t i = 0; i < n; ++i) put(d[i], bits_of(double(kernels::load<ScalarVec>(s + i)) * scale + kMagic) - magic_bits);
       return;
     }
     for (int64_t i = 0; i < n; ++i) {  // past 2**51, and maybe int64: the step widens the grid
       const double r = std::nearbyint(double(kernels::load<ScalarVec>(s + i)) * scale);
-      d[i] = std::fabs(r) < 9.2e18 ? int64_t(r) : 0;
+      put(d[i], std::fabs(r) < 9.2e18 ? int64_t(r) : 0);
     }
   });
   return peak;
 }
 
+}  // namespace
+
+double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
+  return onto_grid("quantize_to_grid", src, dst, exponent, [](int64_t& d, int64_t v) { d = v; });
+}
+
 void accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent) {
-  if (src.device().type != DeviceType::kCPU || dst.device().type != DeviceType::kCPU) {
-    throw TypeMismatch("accumulate_on_grid: tensors must be on the host");
-  }
-  if (dst.dtype() != DType::kInt64) throw TypeMismatch("accumulate_on_grid: dst must be int64");
-  if (dst.numel() != src.numel()) {
-    throw InvalidArgument("accumulate_on_grid: " + std::to_string(src.numel()) + " elements into " +
-                          std::to_string(dst.numel()));
-  }
-  const double scale = std::ldexp(1.0, -exponent);  // a power of two: x * scale is exact in double
-  int64_t* d = static_cast<int64_t*>(dst.data());
-  kernels::with_element_type(src.dtype(), [&](auto s_type) {
-    using S = decltype(s_type);
-    const S* s = static_cast<const S*>(src.data());
-    for (int64_t i = 0, n = src.numel(); i < n; ++i) d[i] += onto_grid(double(kernels::load<ScalarVec>(s + i)) * scale);
-  });
+  onto_grid("accumulate_on_grid", src, dst, exponent, [](int64_t& d, int64_t v) { d += v; });
 }
 
 std::array<uint64_t, 3> exact_sum_of_squares(const Tensor& sums) {

@@ -19,11 +19,12 @@ namespace zerocore {
 // InvalidArgument for other tensors.
 double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent);
 
-// dst[i] += src[i] * 2**-exponent rounded as quantize_to_grid rounds it (0
-// where that is not finite or beyond int64: the caller, which takes the
-// largest |src| itself, skips the step there), in one pass with no
-// temporary: how gradient reduction stages a grad in deterministic mode
-// (Backend::accumulate_on_grid). dst int64, src fp32, bf16 or fp16.
+// dst[i] += src[i] * 2**-exponent rounded as quantize_to_grid rounds it,
+// with no temporary: how gradient reduction stages a grad in deterministic
+// mode (Backend::accumulate_on_grid). Where some src[i] is not finite dst
+// is left as it was, and a value beyond int64 adds 0: the caller, which
+// takes the largest |src| itself, skips the step there. dst int64, src
+// fp32, bf16 or fp16.
 void accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent);
 
 // The exact sum of the squares of int64 or int40 `sums` (|x| < 2**63), as 64-bit
