@@ -27,7 +27,7 @@ its system and joins the process group, then takes its RSS as the baseline;
 "growth" is its peak RSS (getrusage ru_maxrss) over that baseline, the
 largest over ranks, and is printed as a multiple of the model states the
 ZeRO formula gives a rank, 16 Psi / N bytes (fp32 params, grads and Adam's
-two moments, all sharded: zerocore.accounting.predicted_memory). Target (the
+two moments, all sharded: zerocore.sizing.accounting.predicted_memory). Target (the
 runtime issue's): zero3 at most 1.15x. The step time printed beside it
 (the median over the steps after the first, slowest rank) is information.
 --phases prints rank 0's RSS, peak RSS and glibc heap after the model is
@@ -247,7 +247,7 @@ def model_states_bytes(args) -> tuple:
     """(Psi, 16 Psi / N): the params and the bytes of model states a rank
     holds by the formula (fp32 params and grads, AdamW's two moments, all
     sharded: stage 3)."""
-    from zerocore import accounting
+    from zerocore.sizing import accounting
 
     psi = args.layers * (args.width * args.width + args.width)
     states = accounting.predicted_memory(3, psi, args.ranks, "fp32", accounting.optimizer_state_bytes("adamw", "fp32"))

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import _harness as harness
 import zerocore
 from zerocore.examples.gpt import GPT, GPTConfig
-from zerocore.save_load import rank_tensors
+from zerocore.io.save_load import rank_tensors
 
 
 def _engine(args, **snapshots):

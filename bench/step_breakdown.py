@@ -156,8 +156,8 @@ def collectives_alone(engine, trace, repeats: int = 3) -> dict:
     import torch
     import torch.distributed as dist
 
-    from zerocore.comm import KINDS
-    from zerocore.process_group import ProcessGroupTransport
+    from zerocore.comm.communicator import KINDS
+    from zerocore.comm.process_group import ProcessGroupTransport
 
     # A group of its own: the engine's may have gathers in flight (the
     # next forward's first units, gathered at the step's end).

@@ -5,7 +5,7 @@
 # given, else the nvidia-nccl-cu13 (or -cu12) pip package of the Python the
 # build runs with (Python_EXECUTABLE, else the python3 on PATH), which
 # torch's CUDA wheels install. Without it the transport is not built and
-# zerocore.nccl.unavailable_reason() says why.
+# zerocore.comm.nccl.unavailable_reason() says why.
 set(ZEROCORE_WITH_NCCL OFF)
 set(ZEROCORE_NCCL_INCLUDE_DIR "" CACHE PATH "Folder holding nccl.h (empty: the nvidia-nccl pip package's)")
 set(_zc_nccl_include "${ZEROCORE_NCCL_INCLUDE_DIR}")

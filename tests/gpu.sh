@@ -80,7 +80,7 @@ ranks_tests=tests/test_gpu_ranks.py
       phase "GPU tests (collected)" 300 "$PYTHON" -m pytest -qq -p no:cacheprovider -m gpu --collect-only \
         --ignore "$ranks_tests" tests
       phase "the native NCCL transport built" 120 "$PYTHON" -c \
-        'import zerocore.nccl as n; assert n.is_built(), n.unavailable_reason()'
+        'import zerocore.comm.nccl as n; assert n.is_built(), n.unavailable_reason()'
     fi
     if (( ranks )); then
       phase "several ranks on one GPU (collected)" 300 "$PYTHON" -m pytest -qq -p no:cacheprovider -m gpu \

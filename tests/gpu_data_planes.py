@@ -9,7 +9,7 @@ co-located ranks then talk through host shared memory, not P2P). So an NCCL
 plane runs only where the NCCL that would carry it is 2.30 or later, and is
 skipped otherwise with that NCCL's version named. Which NCCL that is:
 torch's group uses the libnccl torch loaded (torch.cuda.nccl.version()), the
-native transport the one zerocore.nccl.library_path() names
+native transport the one zerocore.comm.nccl.library_path() names
 (ZEROCORE_NCCL_LIBRARY first): tests/README.md says how to point either at
 a newer one."""
 from dataclasses import dataclass, field
@@ -63,12 +63,12 @@ def skip_reason(plane: DataPlane) -> Optional[str]:
     if not dist.is_nccl_available():
         return "torch was built without NCCL"
     if plane.config.get("nccl") == "native":
-        import zerocore.nccl
+        import zerocore.comm.nccl
 
-        if not zerocore.nccl.is_built():
-            return zerocore.nccl.unavailable_reason()
+        if not zerocore.comm.nccl.is_built():
+            return zerocore.comm.nccl.unavailable_reason()
         try:
-            library = zerocore.nccl.load()
+            library = zerocore.comm.nccl.load()
         except RuntimeError as e:
             return str(e)
         return multi_rank_refusal(version_of(library.version),

@@ -95,7 +95,7 @@ def main():
         except BaseException as e:  # noqa: BLE001 - a user's handler: save, then go on
             report["caught"] = type(e).__name__
             report["engine_calls"] = [f.name for f in traceback.extract_tb(e.__traceback__)
-                                      if f.filename.endswith(("engine_training.py", "stage3.py"))]
+                                      if f.filename.endswith(("engine_training.py", "hooks/stage3.py"))]
             engine.zero_grad()
             engine.save(os.path.join(folder, "checkpoint"))
             report["step_count_after"] = engine.step_count

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
-from zerocore import snapshot
+from zerocore.io import snapshot
 
 STAGE = 3
 

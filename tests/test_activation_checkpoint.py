@@ -25,7 +25,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.graph import saved_tensors_hooks
 
 import zerocore
-from zerocore import _native, activation_checkpoint
+from zerocore import _native
+from zerocore.zero_r import buffers as checkpoint_buffers
 from dist_harness import RankError, run_ranks
 from models import VOCAB, lm_batch
 from zerocore.examples.gpt import GPTConfig
@@ -33,7 +34,7 @@ from zerocore.examples.tp_gpt import TPGPT, tp_groups
 
 CFG = dict(vocab=VOCAB, n_layer=2, n_head=4, d_model=16, seq_len=8)
 VARIANTS = [(offload, contiguous) for offload in (None, "cpu") for contiguous in (True, False)]
-ALIGN = activation_checkpoint._ALIGN
+ALIGN = checkpoint_buffers.ALIGN
 
 
 def _model(group, checkpointing, offload=None, contiguous=True):
@@ -128,7 +129,7 @@ def _buffer_reuse(rank, world):
             x, y = lm_batch(step, 0, 1)
             loss = model(x, y)["loss"]
         loss.backward()
-        arena = activation_checkpoint._homes[activation_checkpoint._chosen[torch.device("cpu")]].arenas["device"]
+        arena = checkpoint_buffers.homes[checkpoint_buffers.chosen[torch.device("cpu")]].arenas["device"]
         base, size = arena.buffer.data_ptr(), arena.buffer.numel()
         assert len(starts) == CFG["n_layer"]
         inside = all(base <= p and p + n <= base + size for p, n in starts)
@@ -153,7 +154,7 @@ def _prefetch_seen(rank, world, offload):
 
     def block(x):
         if torch.is_grad_enabled():  # the recomputation
-            live = activation_checkpoint._live
+            live = checkpoint_buffers.live
             seen.append([(s.pending is not None, s.landed is not None) for s in live])
         return torch.tanh(x) * 2
 
@@ -304,7 +305,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"zerocore.checkpoint: fn's tensor arguments are on cpu: backend= must be "
                                          r"a backend of that device .*, got object"):
         zerocore.checkpoint(torch.tanh, x, backend=object())
-    assert not activation_checkpoint._live  # a failed call keeps nothing
+    assert not checkpoint_buffers.live  # a failed call keeps nothing
 
 
 def test_outputs_of_any_structure_and_non_tensor_inputs():
@@ -357,7 +358,7 @@ def _checked_variants(rank, world, seed):
             for t in (x, *[p for lin in layers for p in lin.parameters()]):
                 t.grad = None
         out[(offload, contiguous)] = (grads, backend.violations(), backend.take_host_waits())
-        activation_checkpoint.free_buffers()  # forgets the backend
+        checkpoint_buffers.free_buffers()  # forgets the backend
     return out
 
 
@@ -396,7 +397,7 @@ def test_reading_offloaded_slices_before_their_copy_is_named(gen):
     ref = x.detach().clone().requires_grad_()
     torch.tanh(ref).sum().backward()
     torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
-    activation_checkpoint.free_buffers()
+    checkpoint_buffers.free_buffers()
 
 
 @pytest.mark.parametrize("offload", [None, "cpu"])
@@ -411,7 +412,7 @@ def test_buffers_are_the_backends(offload, gen):
     kind = "host_pinned" if offload else "device"
     x = torch.randn(7, 3, generator=gen, requires_grad=True)
     per_checkpoint = -(-x.numel() * 4 // ALIGN) * ALIGN
-    before = activation_checkpoint.buffer_bytes()
+    before = checkpoint_buffers.buffer_bytes()
     held = []
     for step in range(2):
         h = x
@@ -424,10 +425,10 @@ def test_buffers_are_the_backends(offload, gen):
     first_forward = {**NO_BYTES, kind: total, **({"device": per_checkpoint} if offload else {})}
     after = {**NO_BYTES, kind: total, "device": total}
     assert held == [first_forward, after, after, after], held
-    assert activation_checkpoint.buffer_bytes() - before == sum(after.values())
-    activation_checkpoint.free_buffers()
+    assert checkpoint_buffers.buffer_bytes() - before == sum(after.values())
+    checkpoint_buffers.free_buffers()
     assert backend.allocated_bytes() == NO_BYTES
-    assert activation_checkpoint.buffer_bytes() == 0
+    assert checkpoint_buffers.buffer_bytes() == 0
 
 
 def test_offload_device_buffers_are_reused(gen):
@@ -445,8 +446,8 @@ def test_offload_device_buffers_are_reused(gen):
         held.append(backend.allocated_bytes()["device"])
     per_checkpoint = [-(-rows * 3 * 4 // ALIGN) * ALIGN for rows in (4, 9)]
     assert held == [3 * per_checkpoint[0]] + [3 * per_checkpoint[1]] * 3, held
-    assert activation_checkpoint.buffer_bytes(offloaded=False) >= held[-1]
-    activation_checkpoint.free_buffers()
+    assert checkpoint_buffers.buffer_bytes(offloaded=False) >= held[-1]
+    checkpoint_buffers.free_buffers()
     assert backend.allocated_bytes() == NO_BYTES
 
 
@@ -463,7 +464,7 @@ def test_forked_ranks_copy_on_streams_of_their_own(zerocore_seed):
     the thread, and still offload (on streams of their own)."""
     x = torch.randn(5, 3, requires_grad=True)
     zerocore.checkpoint(torch.tanh, x, offload="cpu").sum().backward()
-    activation_checkpoint.free_buffers()  # the ranks inherit no buffers, only the stream
+    checkpoint_buffers.free_buffers()  # the ranks inherit no buffers, only the stream
     for x, grad in run_ranks(_offloaded_grad, 2, zerocore_seed, timeout=60):
         torch.testing.assert_close(grad, 2 * torch.tanh(x) * (1 - torch.tanh(x) ** 2), rtol=1e-12, atol=0)
 
@@ -484,7 +485,7 @@ def test_a_device_buffer_copied_back_into_is_reused_after_the_copy(gen):
     b1.sum().backward()  # prefetches a2 and copies a1 back, the checkpoints made before it
     del a2
     gc.collect()  # graph A dropped: a1's device buffer goes back with its copy back in flight
-    assert not activation_checkpoint._live
+    assert not checkpoint_buffers.live
     # The smallest spare that fits 8 floats is a1's: packing into it must wait for that copy.
     y = zerocore.checkpoint(torch.tanh, small, offload="cpu", backend=backend)
     y.sum().backward()
@@ -494,4 +495,4 @@ def test_a_device_buffer_copied_back_into_is_reused_after_the_copy(gen):
     reference = small.detach().clone().requires_grad_(True)
     torch.tanh(reference).sum().backward()
     assert torch.equal(small.grad, reference.grad)
-    activation_checkpoint.free_buffers()
+    checkpoint_buffers.free_buffers()

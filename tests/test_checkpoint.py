@@ -1,4 +1,4 @@
-"""engine.save / engine.load / zerocore.export: a resumed run continues as
+"""engine.save / engine.load / zerocore.io.export: a resumed run continues as
 the uninterrupted one (bitwise at the same world size and stage, within the
 equivalence tolerance across them); broken checkpoints fail on every rank
 with the engine unchanged; a save that fails or dies leaves the previous
@@ -186,7 +186,7 @@ def _rank_file(path, rank):
 def _flip_a_byte(path):
     """One bit of one param's stretch in rank 1's file, which only rank 1 reads."""
     f = _rank_file(path, 1)
-    reader = zerocore.safetensors_file.Reader(f)
+    reader = zerocore.io.safetensors_file.Reader(f)
     key = next(k for k in reader.entries if k.startswith("param/blocks.1"))
     where = reader._data_start + reader.entries[key][2] + 2
     reader.close()
@@ -250,7 +250,7 @@ def _save_failing_on_rank_1(rank, world, path):
     engine, scheduler = _engine(3, seed=1)
     _train(engine, scheduler, rank, world, range(1))
     if rank == 1:
-        zerocore.save_load.write_rank_file = _disk_full
+        zerocore.io.save_load.write_rank_file = _disk_full
     try:
         engine.save(path)
     except zerocore.CheckpointError as e:
@@ -294,13 +294,13 @@ def _killed_save(path, point):
     engine.save(path)
     _train(engine, scheduler, 0, 1, range(2, 3))
     if point == "rank file":
-        real = zerocore.safetensors_file.write
+        real = zerocore.io.safetensors_file.write
 
         def dying(path, entries, *args, **kwargs):  # the second half of the tensors never comes
             die = (lambda: os.kill(os.getpid(), signal.SIGKILL))
             real(path, [e if i < len(entries) // 2 else (*e[:3], die) for i, e in enumerate(entries)], *args, **kwargs)
 
-        zerocore.safetensors_file.write = dying
+        zerocore.io.safetensors_file.write = dying
     else:
         os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
     engine.save(path)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import zerocore
 from dist_harness import run_ranks
 from zerocore import _native, ops
-from zerocore import comm as zcomm
-from zerocore.comm import KINDS, CollectiveNames, Communicator
+from zerocore.comm import communicator as zcomm
+from zerocore.comm.communicator import KINDS, CollectiveNames, Communicator
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST = range(4)
 

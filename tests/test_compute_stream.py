@@ -1,4 +1,4 @@
-"""The engine follows torch's current CUDA stream (zerocore/compute_stream.py),
+"""The engine follows torch's current CUDA stream (zerocore/runtime/compute_stream.py),
 checked without a GPU: a fake backend records set_compute_stream, and a
 fake provider plays torch's current stream.
 
@@ -19,8 +19,9 @@ import torch
 
 import zerocore
 from models import lm_batch, lm_loss, make
-from zerocore import _native, compute_stream
-from zerocore.compute_stream import ComputeStream
+from zerocore import _native
+from zerocore.runtime import compute_stream
+from zerocore.runtime.compute_stream import ComputeStream
 
 WRAPPED = 0x7000  # the stream the backend was made with
 

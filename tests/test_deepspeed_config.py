@@ -18,8 +18,8 @@ import torch
 
 import zerocore
 from zerocore import Config, DeepSpeedConfig, DeepSpeedConfigError, DynamicLossScale
-from zerocore.deepspeed_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
-from zerocore.loss_scale import LossScaler, NonFiniteGradientError
+from zerocore.integrations.deepspeed.schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zerocore.ops.loss_scale import LossScaler, NonFiniteGradientError
 import readme
 from dist_harness import run_ranks
 from models import assert_state_close, engine_train, make

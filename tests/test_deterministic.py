@@ -23,7 +23,7 @@ import torch
 import zerocore
 from dist_harness import run_ranks
 from models import LateGrads, TinyLM, lm_batch, lm_loss
-from zerocore.exact_grads import as_int64, quantize_with_torch
+from zerocore.state.exact_grads import as_int64, quantize_with_torch
 from readme import blocks
 
 M = 12  # micro-batches a step: every world size 1-4 divides it

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_ranks
-from zerocore.process_group import ProcessGroupTransport
+from zerocore.comm.process_group import ProcessGroupTransport
 
 
 def _issue_on_device_3(rank, world):

@@ -1,5 +1,5 @@
 """Model-state memory and communication volume equal the ZeRO formulas
-(zerocore.accounting, docs/formulas.md) up to alignment padding, and
+(zerocore.sizing.accounting, docs/formulas.md) up to alignment padding, and
 memory_report() is the memory the engine's backend holds."""
 import gc
 
@@ -10,7 +10,8 @@ import zerocore
 from backend_bytes import assert_report_is_the_backends
 from dist_harness import run_ranks
 from models import lm_batch, lm_loss, local, make
-from zerocore import _native, accounting
+from zerocore import _native
+from zerocore.sizing import accounting
 
 KEYS = ("param", "grad", "optim")
 

@@ -1,4 +1,4 @@
-"""The engine's backend is an object chosen per engine (zerocore/devices.py).
+"""The engine's backend is an object chosen per engine (zerocore/runtime/devices.py).
 
 - An engine given a CheckingBackend of its own (wrap's backend=, not the
   ZEROCORE_BACKEND switch) runs everything on it in the CUDA path's stream
@@ -25,8 +25,9 @@ import torch.distributed as dist
 import zerocore
 from dist_harness import run_ranks
 from models import assert_state_close, engine_train, lm_batch, lm_loss, local, make, reference_train
-from zerocore import _native, devices
-from zerocore.comm import KINDS
+from zerocore import _native
+from zerocore.runtime import devices
+from zerocore.comm.communicator import KINDS
 
 STEPS, ACCUM = 3, 2
 TINY = 256  # bytes a bucket: params straddle buckets and ranks

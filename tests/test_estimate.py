@@ -1,5 +1,5 @@
 """Will it fit? zerocore.estimate, zerocore.largest_model and the zerocore
-command (zerocore/sizing.py): the ZeRO paper's Table 1, engine.memory_report()
+command (zerocore/sizing/estimate.py): the ZeRO paper's Table 1, engine.memory_report()
 of wrapped models, Hugging Face configs, the inverse query, the command line
 and the examples of docs/estimate.md as written."""
 import json
@@ -20,7 +20,9 @@ import zerocore
 import readme
 from dist_harness import run_ranks
 from models import Block, TinyLM
-from zerocore import sizing
+from zerocore.sizing import estimate as sizing
+from zerocore.sizing.models import Model, hf_param_count
+from zerocore.sizing.quantities import EstimateError, format_bytes, format_count, parse_bytes, parse_count
 from zerocore.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,13 +49,13 @@ def test_the_paper_table_1_row():
                        (2 + 2 + k) * psi / n]
         assert got == [120_000_000_000, 31_406_250_000, 16_640_625_000, 1_875_000_000]
         assert [float(f"{b / 1e9:.3g}") for b in got] == [120, 31.4, 16.6, 1.88]
-        assert [sizing.format_bytes(b) for b in got] == ["120", "31.4", "16.6", "1.88"]
+        assert [format_bytes(b) for b in got] == ["120", "31.4", "16.6", "1.88"]
         assert all(r.host_bytes == 0 for r in est.rows) and len(est.rows) == 4
 
 
 def _expected(stage, offload, psi, frozen, n, dtype, optimizer, momentum, reduce_dtype, delayed):
     """The bytes per rank written out from docs/formulas.md and
-    docs/offload.md's table, independently of zerocore.accounting."""
+    docs/offload.md's table, independently of zerocore.sizing.accounting."""
     p, r = P[dtype], P[reduce_dtype]
     states = {"adam": 8, "adamw": 8, "sgd": 4 if momentum else 0}[optimizer]
     off_opt, off_params = offload != "none", offload == "params"
@@ -86,7 +88,7 @@ def test_formula_rows_by_device_and_host(gen):
                     n=rng.choice([1, 2, 3, 8, 64, 1000]), dtype=rng.choice(list(P)),
                     optimizer=rng.choice(sizing.OPTIMIZERS), momentum=rng.random() < 0.5,
                     reduce_dtype=rng.choice(list(P)), delayed=rng.random() < 0.5)
-        model = sizing.Model(case["psi"], case["frozen"])
+        model = Model(case["psi"], case["frozen"])
         est = zerocore.estimate(model, case["n"], case["dtype"], case["optimizer"], momentum=case["momentum"],
                                 config={"reduce_dtype": case["reduce_dtype"], "delayed_update": case["delayed"]})
         assert [(r.stage, r.offload) for r in est.rows] == [
@@ -187,7 +189,7 @@ def test_module_estimate_is_the_formula_where_nothing_pads():
             kw = dict(world_size=[1, 2, 4], dtype=dtype, optimizer=optimizer, momentum=momentum,
                       config={"delayed_update": True})
             layout = zerocore.estimate(build, **kw)
-            formula = zerocore.estimate(sizing.Model(3 * 64 * 64, 64 * 64), **kw)
+            formula = zerocore.estimate(Model(3 * 64 * 64, 64 * 64), **kw)
             assert (layout.model.trainable, layout.model.frozen) == (3 * 64 * 64, 64 * 64)
             assert layout.rows == formula.rows and len(layout.rows) == 24
 
@@ -198,11 +200,11 @@ def test_a_model_built_by_name_on_the_meta_device():
     from zerocore.examples.train import default_model
 
     assert est.rows == zerocore.estimate(default_model, 2, stages=[3], offload=["none"]).rows
-    with pytest.raises(sizing.EstimateError, match="has no nothing"):
+    with pytest.raises(EstimateError, match="has no nothing"):
         zerocore.estimate("zerocore.examples.train:nothing")
-    with pytest.raises(sizing.EstimateError, match="cannot import"):
+    with pytest.raises(EstimateError, match="cannot import"):
         zerocore.estimate("zerocore.no_such_module:build")
-    with pytest.raises(sizing.EstimateError, match="not a torch.nn.Module"):
+    with pytest.raises(EstimateError, match="not a torch.nn.Module"):
         zerocore.estimate(lambda: 3)
 
 
@@ -224,7 +226,7 @@ TINYLLAMA = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "i
 def test_hugging_face_config_param_counts(tmp_path, config, params):
     """The published counts of GPT-2, Llama-2-7B, Mistral-7B and TinyLlama-1.1B."""
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert sizing.hf_param_count(config) == params
+    assert hf_param_count(config) == params
     for source in (tmp_path / "config.json", str(tmp_path)):  # the file, or its folder
         est = zerocore.estimate(source, 8, "bf16", "adamw", stages=[3], offload=["none"])
         assert (est.model.trainable, est.model.frozen, est.layout) == (params, 0, "formula")
@@ -233,21 +235,21 @@ def test_hugging_face_config_param_counts(tmp_path, config, params):
 
 def test_hugging_face_config_variants():
     untied = dict(GPT2, tie_word_embeddings=False)
-    assert sizing.hf_param_count(untied) == 124_439_808 + 50257 * 768
+    assert hf_param_count(untied) == 124_439_808 + 50257 * 768
     tied = dict(LLAMA2_7B, tie_word_embeddings=True)
-    assert sizing.hf_param_count(tied) == 6_738_415_616 - 32000 * 4096
+    assert hf_param_count(tied) == 6_738_415_616 - 32000 * 4096
     biased = dict(TINYLLAMA, attention_bias=True, mlp_bias=True)
     extra_per_layer = (2048 + 2 * 256 + 2048) + (2 * 5632 + 2048)
-    assert sizing.hf_param_count(biased) == 1_100_048_384 + 22 * extra_per_layer
+    assert hf_param_count(biased) == 1_100_048_384 + 22 * extra_per_layer
 
 
 def test_hugging_face_config_errors(tmp_path):
-    with pytest.raises(sizing.EstimateError) as e:
-        sizing.hf_param_count({"model_type": "t5"})
+    with pytest.raises(EstimateError) as e:
+        hf_param_count({"model_type": "t5"})
     assert all(name in str(e.value) for name in ("'t5'", "gpt2", "llama", "mistral", "module:function"))
-    with pytest.raises(sizing.EstimateError, match="has no 'hidden_size'"):
-        sizing.hf_param_count({"model_type": "llama", "vocab_size": 10})
-    with pytest.raises(sizing.EstimateError, match="cannot read"):
+    with pytest.raises(EstimateError, match="has no 'hidden_size'"):
+        hf_param_count({"model_type": "llama", "vocab_size": 10})
+    with pytest.raises(EstimateError, match="cannot read"):
         zerocore.estimate(str(tmp_path / "missing.json"))
 
 
@@ -267,7 +269,7 @@ def test_hugging_face_counts_match_transformers(gen):
                     transformers.MistralConfig(**llama)):
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(cfg)
-            assert sizing.hf_param_count(cfg.to_dict()) == sum(p.numel() for p in model.parameters()), cfg
+            assert hf_param_count(cfg.to_dict()) == sum(p.numel() for p in model.parameters()), cfg
 
 
 # ------------------------------------------------------------------ the inverse
@@ -305,23 +307,23 @@ def test_largest_model_figures():
     assert zerocore.largest_model("80GB", 64, stage=3, offload="params", host_memory="18GB") == 64 * 10**9
     assert zerocore.largest_model(10**9, 1, stage=0, dtype="fp32", optimizer="sgd", momentum=False) == 10**9 // 8
     assert zerocore.largest_model("80GB", 64, stage=3, granularity=10**9) == 320_000_000_000
-    with pytest.raises(sizing.EstimateError, match="cannot offload"):
+    with pytest.raises(EstimateError, match="cannot offload"):
         zerocore.largest_model("80GB", 8, stage=0, offload="optimizer")
-    with pytest.raises(sizing.EstimateError, match="unit"):
+    with pytest.raises(EstimateError, match="unit"):
         zerocore.largest_model("80", 8)
 
 
 def test_sizes_and_counts():
-    assert [sizing.parse_count(x) for x in ("7.5B", "125M", "350k", "1.3e9", "7_500_000", "2T", 12)] == [
+    assert [parse_count(x) for x in ("7.5B", "125M", "350k", "1.3e9", "7_500_000", "2T", 12)] == [
         7_500_000_000, 125_000_000, 350_000, 1_300_000_000, 7_500_000, 2 * 10**12, 12]
-    assert [sizing.parse_bytes(x) for x in ("80GB", "80 GiB", "512MiB", "1.5TB", "4096B", "2kb", 7)] == [
+    assert [parse_bytes(x) for x in ("80GB", "80 GiB", "512MiB", "1.5TB", "4096B", "2kb", 7)] == [
         80 * 10**9, 80 * 2**30, 512 * 2**20, 1_500_000_000_000, 4096, 2000, 7]
     for bad in ("7.5X", "many"):
-        with pytest.raises(sizing.EstimateError):
-            sizing.parse_count(bad)
-    with pytest.raises(sizing.EstimateError, match="unit"):
-        sizing.parse_bytes("80")
-    assert sizing.format_count(7_500_000_000) == "7,500,000,000 (7.5B)"
+        with pytest.raises(EstimateError):
+            parse_count(bad)
+    with pytest.raises(EstimateError, match="unit"):
+        parse_bytes("80")
+    assert format_count(7_500_000_000) == "7,500,000,000 (7.5B)"
 
 
 # ------------------------------------------------------------------ the command

@@ -12,8 +12,8 @@ forked ranks cannot use CUDA. The references are the CPU tests' own
 (models.reference_train, mixed_precision_reference), run on the GPU.
 
 wrap puts a CUDA module on a CudaBackend of its device, torch's current
-stream its compute stream (zerocore/devices.py; a stream made current
-between steps is followed, zerocore/compute_stream.py: checked here under
+stream its compute stream (zerocore/runtime/devices.py; a stream made current
+between steps is followed, zerocore/runtime/compute_stream.py: checked here under
 side streams), with the data plane on NCCL and the control plane on gloo
 groups beside it. tests/gpu.sh runs these with ZEROCORE_CUDA_POISON=1, so
 that a read of a released slot or staging range shows as NaN. The native
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import zerocore
 import zerocore.cuda
-from zerocore.safetensors_file import Reader
+from zerocore.io.safetensors_file import Reader
 from backend_bytes import assert_report_is_the_backends
 from mixed_precision_reference import assert_moved_like, mp_reference_train
 from models import TinyLM, assert_state_close, engine_train, lm_batch, lm_loss, make, reference_train
@@ -283,7 +283,7 @@ def test_save_load_and_export_of_a_cuda_engine(world1, tmp_path, stage, offload)
     got = {k: v.cpu() for k, v in resumed.full_state_dict().items()}
     resumed.close()
     assert_state_close(got, uninterrupted, rtol=0, atol=0, what=f"stage {stage} offload={offload} resumed")
-    zerocore.export(path, out)
+    zerocore.io.export(path, out)
     plain = make()
     with Reader(out) as exported:
         plain.load_state_dict({name: exported.get(name) for name in exported.entries}, strict=True)

@@ -16,7 +16,7 @@ from torch import nn
 import zerocore
 from dist_harness import RankError, run_ranks
 from models import DIM, TinyLM, lm_batch, lm_loss, local, make
-from zerocore import safetensors_file
+from zerocore.io import safetensors_file
 
 SEED = 5
 STEPS = 3

@@ -1,4 +1,4 @@
-"""The native NCCL transport (zerocore/nccl.py, cuda/src/nccl_transport.cpp).
+"""The native NCCL transport (zerocore/comm/nccl.py, cuda/src/nccl_transport.cpp).
 
 Everywhere: Config(nccl=...)'s validation; where the library is looked for;
 the loader's errors (a missing library names its path, a library without
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import zerocore
 import zerocore.cuda
-import zerocore.nccl as native_nccl
+import zerocore.comm.nccl as native_nccl
 import gpu_data_planes
 from dist_harness import run_ranks
 from models import assert_state_close, engine_train, lm_batch, make

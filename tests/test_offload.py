@@ -13,7 +13,7 @@ import torch
 
 import zerocore
 import zerocore.flat_group
-import zerocore.offload
+import zerocore.state.offload
 from dist_harness import RankError, run_ranks
 from models import lm_batch, lm_loss, local, make
 
@@ -305,7 +305,7 @@ def test_bad_offload_config_names_the_field(config, message):
 
 def _short_of_host_memory(rank, world):
     if rank == 1:
-        zerocore.offload.available_host_bytes = lambda: 10_000
+        zerocore.state.offload.available_host_bytes = lambda: 10_000
     _wrap(dict(stage=2, offload_optimizer="cpu"))
 
 

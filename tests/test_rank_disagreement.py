@@ -31,7 +31,7 @@ import zerocore
 from backward_call import CallInBackward
 from dist_harness import run_ranks
 from models import lm_batch, lm_loss, local, make
-from zerocore.positions import Positions
+from zerocore.comm.positions import Positions
 
 DIAGNOSE_AFTER = 0.3  # seconds
 TIMEOUT = 20  # seconds: well past any bound asserted here

@@ -23,7 +23,7 @@ import torch
 import snapshot_job
 import zerocore
 from dist_harness import run_ranks
-from zerocore import snapshot
+from zerocore.io import snapshot
 
 STEPS = 7
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_job.py")

@@ -17,8 +17,8 @@ import zerocore
 from dist_harness import run_ranks
 from models import assert_state_close, engine_train, make, reference_train
 from zerocore import _native
-from zerocore import comm as zcomm
-from zerocore.process_group import ProcessGroupTransport
+from zerocore.comm import communicator as zcomm
+from zerocore.comm.process_group import ProcessGroupTransport
 
 STEPS, ACCUM = 3, 2
 HP = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99))

@@ -28,7 +28,7 @@ from backward_call import CallInBackward
 from dist_harness import RankError, run_ranks
 from models import lm_batch, lm_loss, local, make
 from zerocore import _native
-from zerocore.comm import KINDS
+from zerocore.comm.communicator import KINDS
 
 pytestmark = pytest.mark.skipif(not isinstance(_native.process_backend(), _native.CheckingBackend),
                                 reason="stream order is checked under ZEROCORE_BACKEND=checking only")

@@ -126,7 +126,7 @@ def test_a_stuck_peer_raises_within_the_timeout(world, stage, where, offload, in
                          live["error"]), (rank, live["error"])
         peers = [r for r in range(world) if r != rank]
         assert f"timed out after {TIMEOUT:g} s waiting for rank(s) {peers}" in live["error"], (rank, live["error"])
-        if world == 2:  # and where the peer it waited for was (zerocore/positions.py)
+        if world == 2:  # and where the peer it waited for was (zerocore/comm/positions.py)
             assert "(rank 1 has not started it: in " in live["error"], (rank, live["error"])
         if where == "step":  # rank 1 stalls before the step's first control collective, the ranks' meeting
             waited = "control all_gather of the ranks' micro-batch counts"
@@ -160,7 +160,7 @@ def test_a_dead_peer_fails_at_once():
 
 
 def _group_timeouts(rank, world):
-    from zerocore.process_group import group_timeout
+    from zerocore.comm.process_group import group_timeout
 
     def timeouts(config, group=None):
         model = make()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
-from zerocore import devices
+from zerocore.runtime import devices
 from dist_harness import RankError, run_ranks
 from models import assert_state_close, lm_batch, lm_loss, local, make, reference_train
 

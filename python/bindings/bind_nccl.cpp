@@ -1,7 +1,7 @@
 // zerocore._native.NcclLibrary: the native NCCL transport's library and the
 // comm queues over it (only in a build with the transport: cmake/nccl.cmake).
 // The bootstrap (the unique id through torch.distributed's store) and the
-// choice of transport are Python's: zerocore/nccl.py.
+// choice of transport are Python's: zerocore/comm/nccl.py.
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 

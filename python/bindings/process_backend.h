@@ -5,7 +5,7 @@
 // its collectives, their waits, the schedules' slots and the stores' buffers
 // are checked, and a violation raises StreamOrderError where it happens).
 // Python reaches it as zerocore._native.process_backend(); the engine picks
-// it for a module on the CPU (zerocore/devices.py). One per process, made
+// it for a module on the CPU (zerocore/runtime/devices.py). One per process, made
 // when first asked for and never destroyed (queues may outlive module
 // teardown): forked ranks each make their own, or inherit one made before
 // the fork, which has no threads of its own yet (a stream's thread starts

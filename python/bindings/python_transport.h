@@ -1,6 +1,6 @@
 // A zerocore::Transport over a Python object, so a CommQueue can run
 // collectives that only Python can issue (torch.distributed process groups;
-// zerocore.process_group.ProcessGroupTransport) in its one native order,
+// zerocore.comm.process_group.ProcessGroupTransport) in its one native order,
 // beside collectives native code issues on the same queue.
 #pragma once
 #include <nanobind/nanobind.h>

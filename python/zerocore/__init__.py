@@ -34,17 +34,18 @@ from zerocore._native import (
 from zerocore._native import from_dlpack as from_torch
 from zerocore import ops
 from zerocore.config import Config, DynamicLossScale
-from zerocore.deepspeed_config import DeepSpeedConfig, DeepSpeedConfigError
-from zerocore.activation_checkpoint import activation_memory, checkpoint
-from zerocore.comm_errors import CollectiveOrderError, RankDisagreementError
-from zerocore.checkpoint_format import CheckpointError
+from zerocore.integrations.deepspeed.config import DeepSpeedConfig, DeepSpeedConfigError
+from zerocore.zero_r.buffers import activation_memory
+from zerocore.zero_r.checkpoint import checkpoint
+from zerocore.comm.errors import CollectiveOrderError, RankDisagreementError
+from zerocore.io.checkpoint_format import CheckpointError
 from zerocore.engine import Engine, wrap
-from zerocore.export import export
-from zerocore.loss_scale import NonFiniteGradientError
-from zerocore.materialize import init
+from zerocore.io.export import export
+from zerocore.ops.loss_scale import NonFiniteGradientError
+from zerocore.state.materialize import init
 from zerocore.optim import SGD, Adam, AdamW
-from zerocore.sizing import estimate, largest_model
-from zerocore.snapshot_restore import SnapshotLostError
+from zerocore.sizing.estimate import estimate, largest_model
+from zerocore.io.snapshot_restore import SnapshotLostError
 
 __version__ = "0.1.0"
 

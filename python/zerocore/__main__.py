@@ -7,7 +7,7 @@
 import argparse
 import sys
 
-from zerocore.checkpoint_format import CheckpointError
+from zerocore.io.checkpoint_format import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "safetensors file, loadable by model.load_state_dict.")
     ex.add_argument("checkpoint", help="the folder engine.save wrote")
     ex.add_argument("out", help="the .safetensors file to write")
-    from zerocore import sizing
+    from zerocore.sizing import cli
 
     est = commands.add_parser(
         "estimate", help="will it fit? model-state bytes per rank, every stage, with and without offload; or the "
@@ -34,14 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
                "  zerocore estimate zerocore.examples.train:default_model --ranks 2\n"
                "  zerocore estimate --memory 80GB --ranks 64",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    sizing.add_arguments(est)
+    cli.add_arguments(est)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
-        from zerocore.export import export
+        from zerocore.io.export import export
 
         try:
             export(args.checkpoint, args.out)
@@ -49,11 +49,12 @@ def main(argv=None) -> int:
             print(f"zerocore export: {e}", file=sys.stderr)
             return 1
         return 0
-    from zerocore import sizing
+    from zerocore.sizing import cli
+    from zerocore.sizing.quantities import EstimateError
 
     try:
-        print(sizing.run(args))
-    except sizing.EstimateError as e:
+        print(cli.run(args))
+    except EstimateError as e:
         print(f"zerocore estimate: {e}", file=sys.stderr)
         return 1
     return 0

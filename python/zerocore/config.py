@@ -52,7 +52,7 @@ def _positive(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
-    """fp16's dynamic loss scaling (loss_scale.py): start at `initial`; an
+    """fp16's dynamic loss scaling (ops/loss_scale.py): start at `initial`; an
     overflow (inf/NaN grads on any rank) skips the step, and once
     `hysteresis` overflows came without a scale increase between them the
     scale halves, never below `min_scale` (an overflow there raises); after
@@ -126,7 +126,7 @@ class Config:
         timeout of the process group given to wrap (init_process_group's),
         which the engine's own groups then take.
     diagnose_after: seconds a collective of the engine waits before reading
-        where its peers are (zerocore/positions.py): ranks in different
+        where its peers are (zerocore/comm/positions.py): ranks in different
         collectives (one in full_state_dict(), another in its step) raise
         zerocore.RankDisagreementError on every rank involved, naming each
         rank's position; a peer that is only slow (computing, loading
@@ -135,7 +135,7 @@ class Config:
     nccl: on CUDA, what issues the data plane's collectives: "torch" (the
         default: torch.distributed's NCCL group, called from Python under
         the GIL) or "native" (zerocore's own NCCL communicator, which the
-        comm queue's native threads call directly: zerocore/nccl.py). The
+        comm queue's native threads call directly: zerocore/comm/nccl.py). The
         control plane stays on gloo either way. "native" needs a CUDA
         module and zerocore built with the transport (nccl.h at build time).
     snapshot: "memory": after every snapshot_every-th step each rank keeps
@@ -258,8 +258,8 @@ class Config:
     def from_deepspeed(cls, source, world_size=None) -> "Config":
         """The Config a DeepSpeed JSON config (a path or a dict) sets;
         zerocore.DeepSpeedConfig also builds its optimizer and scheduler
-        and resolves its batch keys (deepspeed_config.py)."""
-        from zerocore.deepspeed_config import DeepSpeedConfig
+        and resolves its batch keys (integrations/deepspeed/config.py)."""
+        from zerocore.integrations.deepspeed.config import DeepSpeedConfig
 
         return DeepSpeedConfig(source, world_size).config
 

@@ -2,11 +2,11 @@
 
 The engine builds the model states from the plan (see flat_group.py for
 where they live per stage) and the native schedule over them: the comm
-queues (comm.py) and the native core (EngineCore, engine/engine_core.h:
+queues (comm/communicator.py) and the native core (EngineCore, engine/engine_core.h:
 gradient reduction, stage 3's UnitSchedule, the post-step param
 all-gather and the step, built and connected natively); then it runs
 forward through the module, backward through autograd with the hooks that
-drive that schedule (grad_reducer.py, stage3.py), and steps the
+drive that schedule (hooks/grad_reducer.py, hooks/stage3.py), and steps the
 partitioned native optimizer in one call.
 
 The engine is one object in five files, by concern:
@@ -25,7 +25,7 @@ The engine is one object in five files, by concern:
 Mixins, not parts the engine holds and forwards to: every concern works on
 the same parts (the flat groups, the communicators, the reducer, stage 3's
 scheduler, the native step), which __init__ builds and names in one place,
-and save_load.py, the accounting and the tests read them on the engine.
+and io/save_load.py, the accounting and the tests read them on the engine.
 Parts of their own would each hold those (or the engine) again, and Engine
 would be a list of methods that forward to them.
 """
@@ -35,9 +35,11 @@ import weakref
 
 from torch import nn
 
-from zerocore import _native, compute_stream, devices, param_guards
+from zerocore import _native, param_guards
+from zerocore.runtime import compute_stream
+from zerocore.runtime import devices
 from zerocore._native import EngineCore
-from zerocore.comm import Communicator
+from zerocore.comm.communicator import Communicator
 from zerocore.config import Config
 from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_process_group, fill_agreeing,
                                    model_problem, training_process_group,
@@ -45,21 +47,21 @@ from zerocore.engine_build import (allocate_agreeing, check_same_model, engine_p
 from zerocore.engine_reports import Reports
 from zerocore.engine_state_io import StateIO
 from zerocore.engine_training import Training
-from zerocore.exact_grads import ExactGradSum
+from zerocore.state.exact_grads import ExactGradSum
 from zerocore.flat_group import TORCH_DTYPES
-from zerocore.grad_reducer import FullGradReducer, StagedReducer
-from zerocore.grouping import build_groups, param_names
-from zerocore.loss_scale import LossScaler
-from zerocore.materialize import Initializer
-from zerocore.offload import OffloadUpdate
+from zerocore.hooks.grad_reducer import FullGradReducer, StagedReducer
+from zerocore.state.grouping import build_groups, param_names
+from zerocore.ops.loss_scale import LossScaler
+from zerocore.state.materialize import Initializer
+from zerocore.state.offload import OffloadUpdate
 from zerocore.optim import drive_engine, read_optimizer, state_names
 from zerocore.optim import release as release_optimizer
-from zerocore.partition_update import InPlaceUpdate
-from zerocore.placement import Placement
-from zerocore.positions import Positions
-from zerocore.snapshot import Snapshots
-from zerocore.snapshot_restore import restore as restore_snapshots
-from zerocore.stage3 import UnitScheduler
+from zerocore.state.partition_update import InPlaceUpdate
+from zerocore.state.placement import Placement
+from zerocore.comm.positions import Positions
+from zerocore.io.snapshot import Snapshots
+from zerocore.io.snapshot_restore import restore as restore_snapshots
+from zerocore.hooks.stage3 import UnitScheduler
 
 
 class Engine(Training, StateIO, Reports):
@@ -189,7 +191,7 @@ class Engine(Training, StateIO, Reports):
         # The user's optimizer drives the engine (optim.drive_engine); its
         # param_groups hold the hyperparameters every step reads.
         self.optimizer = optimizer
-        # Config(snapshot="memory"): a snapshot after steps (snapshot.py), mirrored over a group of its own.
+        # Config(snapshot="memory"): a snapshot after steps (io/snapshot.py), mirrored over a group of its own.
         self.snapshots = Snapshots(self, engine_process_group(process_group, cfg.timeout, "gloo")) \
             if cfg.snapshot else None
         drive_engine(optimizer, self.snapshots.step if self.snapshots else self._step,
@@ -277,7 +279,7 @@ def wrap(module, optimizer, config=None, *, group=None, units=None, init=None, d
         function called on each module that holds meta params, as
         model.apply(fn) (init=model._init_weights); or a state_dict or the
         path of a safetensors file, which sets every param (meta or not)
-        and the buffers it holds. zerocore/materialize.py says how.
+        and the buffers it holds. zerocore/state/materialize.py says how.
     device: where params and buffers on the meta device are materialised
         and train ("cuda", "cuda:1", a torch.device; default: the CPU). A
         model larger than the GPU, built inside zerocore.init(), trains
@@ -286,7 +288,7 @@ def wrap(module, optimizer, config=None, *, group=None, units=None, init=None, d
     backend: the native backend the engine runs on (zerocore._native:
         CpuBackend, CheckingBackend, CudaBackend), for tests that check or
         compare backends; by default the module's device decides
-        (zerocore/devices.py): the process's default backend on the CPU, a
+        (zerocore/runtime/devices.py): the process's default backend on the CPU, a
         CudaBackend on a CUDA device. It must run the module's device.
     """
     return Engine(module, optimizer, config, group=group, units=units, init=init, device=device, backend=backend)

@@ -18,9 +18,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from zerocore import devices
-from zerocore.offload import host_memory_problem
-from zerocore.process_group import private_group
+from zerocore.runtime import devices
+from zerocore.state.offload import host_memory_problem
+from zerocore.comm.process_group import private_group
 
 
 # The process groups ---------------------------------------------------------

@@ -2,12 +2,12 @@
 elements its collectives moved (comm_stats), and the loss scale. Each is
 read from what the engine holds or counts (the groups' buffers, the
 backend's comm buffers, the queues' counters), never estimated:
-zerocore.accounting and zerocore.estimate give the formulas they are
+zerocore.sizing.accounting and zerocore.estimate give the formulas they are
 checked against (docs/formulas.md).
 """
 from __future__ import annotations
 
-from zerocore import activation_checkpoint
+from zerocore.zero_r import buffers as checkpoint_buffers
 
 
 class Reports:
@@ -51,8 +51,8 @@ class Reports:
             (self.scheduler.native.buffer_bytes if self.scheduler else 0) + self.zero_step.device_buffer_bytes
         # The step's exchange row and verdict readbacks; the landing buffer of reduced grads bound for the host.
         by["host"]["comm_buffers"] = self.zero_step.buffer_bytes + getattr(self.reducer, "landing_bytes", 0)
-        by["device"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=False)
-        by["host"]["activations"] = activation_checkpoint.buffer_bytes(offloaded=True)
+        by["device"]["activations"] = checkpoint_buffers.buffer_bytes(offloaded=False)
+        by["host"]["activations"] = checkpoint_buffers.buffer_bytes(offloaded=True)
         if self.snapshots:  # Config(snapshot="memory"): their files (own and mirrors')
             by["device"]["snapshots"], by["host"]["snapshots"] = 0, self.snapshots.bytes_held
         return {**{k: by["device"][k] + by["host"][k] for k in by["device"]}, "by_device": by}
@@ -61,7 +61,7 @@ class Reports:
         """Elements moved by each kind of collective ({"all_gather",
         "reduce_scatter", "all_reduce"}), each counted at its full,
         unpartitioned size, since wrap or the last reset_comm_stats(): reset
-        before a step to measure one step (zerocore.accounting.predicted_comm
+        before a step to measure one step (zerocore.sizing.accounting.predicted_comm
         gives the formula). Control traffic (the start-up model check, the
         step's norm exchange, buffer broadcasts) is not counted. With
         offload_optimizer, "offload" adds the bytes copied between the device

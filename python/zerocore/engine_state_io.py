@@ -1,6 +1,6 @@
 """The engine's state in and out: the full state dict, loading one
 (a state dict or a safetensors file), checkpoints (save and load, in
-save_load.py), and the full params visible on the module for a while
+io/save_load.py), and the full params visible on the module for a while
 (gathered_params). Every one of them first lets a delayed offload update
 land (finish_update), so what goes out or comes in is the latest.
 """
@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 
-from zerocore import param_guards, save_load
-from zerocore.grouping import param_names
-from zerocore.materialize import IncompatibleKeys, Loader
-from zerocore.positions import engine_call
+from zerocore import param_guards
+from zerocore.io import save_load
+from zerocore.state.grouping import param_names
+from zerocore.state.materialize import IncompatibleKeys, Loader
+from zerocore.comm.positions import engine_call
 
 
 class StateIO:

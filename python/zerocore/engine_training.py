@@ -2,8 +2,8 @@
 clip_grad_norm_, over the parts engine.py builds.
 
 forward runs the module (stage 3's hooks gather units as it goes);
-backward runs autograd with the hooks that reduce grads (grad_reducer.py)
-and, at stage 3, release and reduce units (stage3.py); the step is one
+backward runs autograd with the hooks that reduce grads (hooks/grad_reducer.py)
+and, at stage 3, release and reduce units (hooks/stage3.py); the step is one
 native call (ZeroStep) that reduces what is left, takes the global norm,
 agrees across ranks, decides with the loss scaler, updates the partition
 and gathers the params. The user's optimizer drives it: its step() and
@@ -12,7 +12,7 @@ zero_grad() are the engine's (optim.drive_engine).
 torch.compile: the engine's own work runs eagerly, never traced
 (torch.compiler.disable: dynamo must not trace native calls): the buffer
 broadcast before the forward, backward, the step and zero_grad, and stage
-3's hooks (stage3.py). The module's forward is compiled (in one graph at
+3's hooks (hooks/stage3.py). The module's forward is compiled (in one graph at
 stages 0-2, between the units' hooks at stage 3), and so is the backward of
 what it compiled, through autograd as usual. (torch.compiler.disable imports
 torch._dynamo with zerocore; building any torch.optim optimizer does too.)
@@ -23,12 +23,13 @@ import math
 
 import torch
 
-from zerocore import _native, interrupts
-from zerocore.comm import MICRO_BATCHES, CollectiveOrderError
-from zerocore.loss_scale import NonFiniteGradientError
+from zerocore import _native
+from zerocore.runtime import interrupts
+from zerocore.comm.communicator import MICRO_BATCHES, CollectiveOrderError
+from zerocore.ops.loss_scale import NonFiniteGradientError
 from zerocore.param_guards import dtype_changed
-from zerocore.positions import engine_call
-from zerocore.stage3 import UNIT_HOOKS
+from zerocore.comm.positions import engine_call
+from zerocore.hooks.eager import UNIT_HOOKS
 
 # Why a graph breaks at the engine's calls: dynamo's error under fullgraph=True.
 _BUFFERS = ("zerocore: engine.forward broadcasts the module's buffers from rank 0 eagerly, a graph break before the "
@@ -311,7 +312,7 @@ class Training:
         bounds = [b for b in (self.config.max_grad_norm, self._clip_norm) if b is not None]
         self._carry_param_writes()
         # A Ctrl-C during the native step comes out after the engine counted
-        # the update it applied and released what it must (interrupts.py).
+        # the update it applied and released what it must (runtime/interrupts.py).
         with interrupts.deferred():
             try:
                 applied, _, _ = self._agreeing(lambda: self.zero_step.step(

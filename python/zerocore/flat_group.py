@@ -8,7 +8,7 @@ owns block r of every bucket, and its partition is those blocks end to end.
 The native partition store (zerocore.PartitionStore) keeps the buffers and
 hands out every view into them, by (param, kind), (bucket, kind) or
 (run, kind): no offset is computed here.
-What lives where, per stage (placement.py; P: partition, F: full flat buffer):
+What lives where, per stage (state/placement.py; P: partition, F: full flat buffer):
 
     stage   params (dtype)      grads (reduce dtype)   fp32 master, states
     0       F, replicated       F, all-reduced         F (world size 1 plan)
@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 import zerocore
-from zerocore.comm import Communicator
+from zerocore.comm.communicator import Communicator
 from zerocore.flat_group_binding import ParamBinding
 from zerocore.flat_group_views import LayoutViews
 

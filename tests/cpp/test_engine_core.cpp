@@ -212,7 +212,7 @@ void offload_swap() {
   PartitionStore store(LayoutPlan::make({{37, 0}, {10, 0}}, LayoutOptions{1, 4, 48}), p, backend);
   store.allocate();
   CHECK(store.swaps_grads());
-  // The host update's buckets, as python/zerocore/offload.py makes them.
+  // The host update's buckets, as python/zerocore/state/offload.py makes them.
   std::vector<OffloadBucket> buckets(store.plan().buckets().size());
   const std::vector<FlatRun> runs = store.flat_runs();
   for (int k = 0; k < int(runs.size()); ++k) {

@@ -6,7 +6,7 @@
 namespace zerocore {
 
 // kInt64: Config(deterministic=True)'s exact grad sums (python/zerocore/
-// exact_grads.py), which gradient reduction stages, reduce-scatters and adds
+// state/exact_grads.py), which gradient reduction stages, reduce-scatters and adds
 // as integers; the float kernels refuse it. kInt40: the sums a grad
 // partition keeps across a step's micro-batches, 40-bit two's complement
 // in 5 bytes, little-endian, packed (no alignment: the grid keeps every

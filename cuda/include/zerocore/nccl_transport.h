@@ -2,7 +2,7 @@
 // own threads: no Python and no GIL on the data plane's path.
 //
 // - The library: libnccl.so.2, loaded at run time (dlopen) from a path the
-//   caller chooses (zerocore.nccl: ZEROCORE_NCCL_LIBRARY, else the
+//   caller chooses (zerocore.comm.nccl: ZEROCORE_NCCL_LIBRARY, else the
 //   nvidia-nccl pip package's, else the loader's search). Nothing links
 //   against NCCL, so zerocore loads where NCCL is absent; only asking for
 //   this transport fails there, naming the path tried.

@@ -19,10 +19,10 @@ prints the loss, tokens/s and time of every step (tokens of the global
 batch, all ranks together), and after the last the run's throughput in one
 line (``throughput:``, the first step left out as warm-up). At the end
 every rank's measured model-state memory (``engine.memory_report()``) is
-printed beside the ZeRO formula (``zerocore.accounting.predicted_memory``,
+printed beside the ZeRO formula (``zerocore.sizing.accounting.predicted_memory``,
 docs/formulas.md) and beside what plain data parallelism would hold, and the
 elements moved by each kind of collective in one step
-(``engine.comm_stats()``) beside ``zerocore.accounting.predicted_comm``.
+(``engine.comm_stats()``) beside ``zerocore.sizing.accounting.predicted_comm``.
 With ``--tp T`` the GPT's blocks are tensor-parallel
 (zerocore.examples.tp_gpt) over groups of T consecutive ranks and ZeRO
 partitions over the other dimension (--ranks / T ranks), each block
@@ -261,7 +261,7 @@ def train(args, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import zerocore
-    from zerocore import accounting
+    from zerocore.sizing import accounting
     from zerocore.examples.gpt import CORPUS_PATH, TextData
 
     from zerocore.examples.tp_gpt import tp_groups
@@ -373,7 +373,7 @@ MEMORY_LEGEND = """\
   comm_buffers  buffers collectives work in, allocated at wrap: the gradient reduction's staging
                 buckets and, in stage 3, the pool units are gathered into (not model states; with
                 experts, the pool grows once to the units the ranks need at the same time)
-  formula       the ZeRO formula for this stage (docs/formulas.md, zerocore.accounting; offloaded, with
+  formula       the ZeRO formula for this stage (docs/formulas.md, zerocore.sizing.accounting; offloaded, with
                 the host's buffers too, docs/offload.md)
   plain DP      what plain data parallelism (stage 0, as DDP) would hold on every rank
   measured may exceed the formula by alignment padding; stage-3 params under --persist-threshold

@@ -41,9 +41,9 @@ import torch.distributed as dist
 import transformers
 from torch import nn
 
-from zerocore import devices
+from zerocore.runtime import devices
 from zerocore.config import Config
-from zerocore.deepspeed_config import DeepSpeedConfig, fill_auto, read_json
+from zerocore.integrations.deepspeed.config import DeepSpeedConfig, fill_auto, read_json
 from zerocore.engine import wrap
 
 # The engine's checkpoint inside each of the Trainer's checkpoint-N folders.

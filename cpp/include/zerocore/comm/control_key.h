@@ -1,7 +1,7 @@
 // The keys of the control plane's collectives (agreements, the step's
 // exchange, stage 3's rounds, broadcasts of buffers): group kControlGroup,
 // which the queue neither fingerprints nor counts, and in the bucket what
-// the collective is for, so that an error names it (python/zerocore/comm.py
+// the collective is for, so that an error names it (python/zerocore/comm/communicator.py
 // reads the same values through the bindings).
 #pragma once
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Config(deterministic=True)'s grid (python/zerocore/exact_grads.py), on
+// Config(deterministic=True)'s grid (python/zerocore/state/exact_grads.py), on
 // the host, each in one pass where torch would take several through
 // temporaries: a micro-batch's grads as integer multiples of 2**exponent,
 // and the exact sum of squares of the integer sums.

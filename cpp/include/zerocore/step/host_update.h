@@ -1,7 +1,7 @@
 // ZeRO-Offload's update as the native step (ZeroStep) drives it: the policy
 // over an OffloadOptimizer (offload/offload_optimizer.h) that says when the
 // host grads are taken, when the update's params go up and when they wait
-// for the next step (the delayed update, python/zerocore/offload.py). The
+// for the next step (the delayed update, python/zerocore/state/offload.py). The
 // step calls it between its own parts, so the whole step is one native call
 // that never calls back into Python.
 #pragma once

@@ -51,7 +51,7 @@ namespace zerocore {
 // thrown on every rank by the exchange, before anything is updated. It
 // carries this rank's trace (the data queue starts afresh), so that the
 // caller, who knows its collectives' names, can exchange the traces and
-// name where ranks parted (python/zerocore/comm.py does).
+// name where ranks parted (python/zerocore/comm/communicator.py does).
 class CollectiveOrderDiverged : public std::runtime_error {
  public:
   CollectiveOrderDiverged(const std::string& what, std::vector<CollectiveKey> trace)
@@ -82,7 +82,7 @@ struct StepOptions {
   int64_t step = 1;               // the optimizer step this one becomes, if applied
   std::optional<double> max_norm; // clip to this global L2 norm (the smaller of the caller's bounds)
   int64_t changes = 0;            // this rank's trainability changes (the exchange's, if step() runs it)
-  // Config(deterministic=True) (python/zerocore/exact_grads.py): the caller
+  // Config(deterministic=True) (python/zerocore/state/exact_grads.py): the caller
   // summed the grads exactly and left their mean over every micro-batch of
   // every rank in the grad buffers, so the update does not divide by the
   // world size, and these replace what the exchange summed.

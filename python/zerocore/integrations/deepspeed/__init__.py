@@ -1,0 +1,1 @@
+"""DeepSpeed JSON configs read as zerocore Configs, and their lr schedules."""
