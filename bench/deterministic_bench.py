@@ -13,7 +13,7 @@ lowest of R medians (the modes interleave); beside it rank 0's CPU time a
 step (its process's, every thread), the measure that holds on a machine
 other jobs load. Memory is memory_report()'s
 model states (params + grads + optimizer states; in deterministic mode the
-int64 sums count as grads) and its comm buffers (stages 2-3: the staging,
+exact sums count as grads: int40 in the grad partition at stages 2-3) and its comm buffers (stages 2-3: the staging,
 int64 in deterministic mode). Bytes per collective: comm_stats()'s elements
 times their size for the data plane (int64 for the grads' reductions in
 deterministic mode), and deterministic mode's agreements (control plane),

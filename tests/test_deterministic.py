@@ -23,7 +23,7 @@ import torch
 import zerocore
 from dist_harness import run_ranks
 from models import LateGrads, TinyLM, lm_batch, lm_loss
-from zerocore.state.exact_grads import quantize_with_torch
+from zerocore.state.exact_grads import as_int64, quantize_with_torch
 from readme import blocks
 
 M = 12  # micro-batches a step: every world size 1-4 divides it
@@ -258,10 +258,11 @@ def _grad_bytes(rank, world):
 
 def test_memory_report_counts_the_sums():
     """Stage 1 keeps int64 sums beside the whole fp32 grads (3x their
-    bytes); at stage 3 they are the grad partition's own memory (2x)."""
+    bytes); at stage 3 they are the grad partition's own memory, 5 bytes
+    an element (int40) where the grads take 4."""
     got = run_ranks(_grad_bytes, 2)[0]
     assert got[1, True][0] == 3 * got[1, False][0] and not any(got[1, True][1])
-    assert got[3, True][0] == 2 * got[3, False][0] and all(got[3, True][1]) and got[3, True][1]
+    assert 4 * got[3, True][0] == 5 * got[3, False][0] and all(got[3, True][1]) and got[3, True][1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -295,6 +296,19 @@ def test_exact_sum_of_squares_against_python_ints():
     sums[:3] = torch.tensor([2**63 - 1, -(2**63) + 1, 0])
     low, high, top = zerocore._native.exact_sum_of_squares(sums)
     assert low + (high << 64) + (top << 128) == sum(x * x for x in sums.tolist())
+
+
+def test_int40_sums_read_back_exactly():
+    """A partition's int40 sums (n x 5 bytes, two's complement) as int64
+    (exact_grads.as_int64, torch's ops) and their native sum of squares,
+    against Python ints, over the whole range [-2**39, 2**39)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    values = torch.randint(-(2**39), 2**39, (3001,), dtype=torch.int64, generator=g)
+    values[:5] = torch.tensor([2**39 - 1, -(2**39), -1, 0, 1])
+    packed = torch.tensor([[(v >> (8 * b)) & 0xFF for b in range(5)] for v in values.tolist()], dtype=torch.uint8)
+    assert torch.equal(as_int64(packed), values)
+    low, high, top = zerocore._native.exact_sum_of_squares(packed)
+    assert low + (high << 64) + (top << 128) == sum(x * x for x in values.tolist())
 
 
 def test_config_refuses_a_non_bool():

@@ -127,9 +127,13 @@ CASES = {
     2: [(tied, "bf16", "adamw", True, {"bucket_bytes": 1024}, None),
         (untied_half_frozen, "fp32", "sgd", True, {"bucket_bytes": 512, "delayed_update": True}, None),
         (odd_sizes, "fp16", "adam", True, {"persist_threshold": 20}, None),
-        (tied, "bf16", "sgd", False, {"reduce_dtype": "fp32", "bucket_bytes": 300}, [Block])],
+        (tied, "bf16", "sgd", False, {"reduce_dtype": "fp32", "bucket_bytes": 300}, [Block]),
+        # Config(deterministic=True): the exact sums, in the grad partition or beside the grads
+        (untied_half_frozen, "fp32", "adamw", True, {"deterministic": True, "bucket_bytes": 512,
+                                                     "delayed_update": True}, None)],
     3: [(odd_sizes, "bf16", "adamw", True, {"bucket_bytes": 256}, [nn.Linear]),
-        (untied_half_frozen, "fp16", "adamw", True, {}, None)],
+        (untied_half_frozen, "fp16", "adamw", True, {}, None),
+        (odd_sizes, "bf16", "sgd", True, {"deterministic": True, "persist_threshold": 20}, None)],
 }
 
 

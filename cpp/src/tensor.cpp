@@ -14,6 +14,7 @@ const char* dtype_name(DType t) {
     case DType::kFloat16: return "float16";
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt64: return "int64";
+    case DType::kInt40: return "int40";
   }
   return "unknown";
 }

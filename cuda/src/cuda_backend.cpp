@@ -18,6 +18,7 @@
 #include "zerocore/cuda_reduce.h"
 #include "zerocore/error.h"
 #include "zerocore/kernels/cpu_accumulate.h"
+#include "zerocore/kernels/cpu_exact_grid.h"
 #include "zerocore/kernels/cpu_fill.h"
 #include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/kernels/cpu_reduce.h"
@@ -361,6 +362,12 @@ void CudaBackend::fill(Stream& stream, const Tensor& dst, float value) {
 void CudaBackend::accumulate(Stream& stream, const Tensor& dst, const Tensor& src) {
   dispatch(stream, "accumulate", {{"dst", &dst}, {"src", &src}}, [dst, src] { zerocore::accumulate(dst, src); },
            [&](cudaStream_t h) { cuda_accumulate(dst, src, h); });
+}
+
+void CudaBackend::accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent) {
+  dispatch(stream, "accumulate_on_grid", {{"dst", &dst}, {"src", &src}},
+           [dst, src, exponent] { zerocore::accumulate_on_grid(dst, src, exponent); },
+           [&](cudaStream_t h) { cuda_accumulate_on_grid(dst, src, exponent, h); });
 }
 
 void CudaBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,

@@ -5,6 +5,7 @@
 // both arrays are aligned for them.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <string>
 
 #include "cuda_check.h"
@@ -45,6 +46,26 @@ __global__ void __launch_bounds__(kThreads) accumulate_int64_kernel(int64_t* dst
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] += src[i];
 }
 
+// A grad onto its grid and into the int64 staging: round(src * scale),
+// ties to even (__double2ll_rn, IEEE round-to-nearest-even), as the host's
+// accumulate_on_grid; 0 past int64 or not finite (the step is skipped).
+template <class S>
+__global__ void __launch_bounds__(kThreads) accumulate_on_grid_kernel(int64_t* dst, const S* src, double scale,
+                                                                       int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const double r = double(kernels::load<CudaOps>(src + i)) * scale;
+    dst[i] += fabs(r) < 9.2e18 ? __double2ll_rn(r) : 0;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) accumulate_int40_kernel(uint8_t* dst, const int64_t* src, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    kernels::add_to_int40(dst + 5 * i, src[i]);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) fill_int64_kernel(int64_t* dst, int64_t value, int64_t n) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = value;
@@ -73,11 +94,22 @@ void cuda_accumulate(const Tensor& dst, const Tensor& src, void* stream) {
     throw InvalidArgument("cuda_accumulate: " + std::to_string(src.numel()) + " elements into " +
                           std::to_string(dst.numel()));
   }
+  const bool into_int40 = dst.dtype() == DType::kInt40;  // a partition's exact sums
+  if (into_int40 && src.dtype() != DType::kInt64) throw TypeMismatch("cuda_accumulate: int40 sums take int64 elements only");
   const bool integers = dst.dtype() == DType::kInt64 || src.dtype() == DType::kInt64;  // exact sums
-  if (integers && dst.dtype() != src.dtype()) throw TypeMismatch("cuda_accumulate: int64 sums take int64 elements only");
+  if (!into_int40 && integers && dst.dtype() != src.dtype()) {
+    throw TypeMismatch("cuda_accumulate: int64 sums take int64 elements only");
+  }
   const int64_t n = dst.numel();
   if (n == 0) return;
   cuda_detail::DeviceGuard guard(device.index);
+  if (into_int40) {
+    accumulate_int40_kernel<<<cuda_detail::grid_size(device.index, (n + kThreads - 1) / kThreads), kThreads, 0,
+                              static_cast<cudaStream_t>(stream)>>>(static_cast<uint8_t*>(dst.data()),
+                                                                   static_cast<const int64_t*>(src.data()), n);
+    cuda_detail::check(cudaGetLastError(), "cuda_accumulate kernel launch");
+    return;
+  }
   if (integers) {
     accumulate_int64_kernel<<<cuda_detail::grid_size(device.index, (n + kThreads - 1) / kThreads), kThreads, 0,
                               static_cast<cudaStream_t>(stream)>>>(static_cast<int64_t*>(dst.data()),
@@ -99,6 +131,30 @@ void cuda_accumulate(const Tensor& dst, const Tensor& src, void* stream) {
   cuda_detail::check(cudaGetLastError(), "cuda_accumulate kernel launch");
 }
 
+void cuda_accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent, void* stream) {
+  const Device device{DeviceType::kCUDA, dst.device().index};
+  if (dst.device() != device || src.device() != device) {
+    throw TypeMismatch("cuda_accumulate_on_grid: both tensors must be on one CUDA device, got dst on " + where(dst) +
+                       " and src on " + where(src));
+  }
+  if (dst.dtype() != DType::kInt64) throw TypeMismatch("cuda_accumulate_on_grid: dst must be int64");
+  if (dst.numel() != src.numel()) {
+    throw InvalidArgument("cuda_accumulate_on_grid: " + std::to_string(src.numel()) + " elements into " +
+                          std::to_string(dst.numel()));
+  }
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  cuda_detail::DeviceGuard guard(device.index);
+  const double scale = std::ldexp(1.0, -exponent);  // a power of two: the product is exact
+  kernels::with_element_type(src.dtype(), [&](auto s_type) {
+    using S = decltype(s_type);
+    accumulate_on_grid_kernel<S><<<cuda_detail::grid_size(device.index, (n + kThreads - 1) / kThreads), kThreads, 0,
+                                   static_cast<cudaStream_t>(stream)>>>(static_cast<int64_t*>(dst.data()),
+                                                                        static_cast<const S*>(src.data()), scale, n);
+  });
+  cuda_detail::check(cudaGetLastError(), "cuda_accumulate_on_grid kernel launch");
+}
+
 void cuda_fill(const Tensor& dst, float value, void* stream) {
   if (dst.device().type != DeviceType::kCUDA) {
     throw TypeMismatch("cuda_fill: the tensor must be on a CUDA device, got " + where(dst));
@@ -106,6 +162,12 @@ void cuda_fill(const Tensor& dst, float value, void* stream) {
   const int64_t n = dst.numel();
   if (n == 0) return;
   cuda_detail::DeviceGuard guard(dst.device().index);
+  if (dst.dtype() == DType::kInt40) {  // a partition's exact sums: zeroed only, bytewise
+    if (value != 0.0f) throw InvalidArgument("cuda_fill: int40 sums are only zeroed");
+    cuda_detail::check(cudaMemsetAsync(dst.data(), 0, size_t(5 * n), static_cast<cudaStream_t>(stream)),
+                       "cuda_fill memset");
+    return;
+  }
   if (dst.dtype() == DType::kInt64) {  // exact sums: integers
     fill_int64_kernel<<<cuda_detail::grid_size(dst.device().index, (n + kThreads - 1) / kThreads), kThreads, 0,
                         static_cast<cudaStream_t>(stream)>>>(static_cast<int64_t*>(dst.data()), int64_t(value), n);

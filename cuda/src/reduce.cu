@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(kThreads)
       case DType::kFloat32: acc = add_squares(acc, static_cast<const float*>(s.data), begin, end); break;
       case DType::kBFloat16: acc = add_squares(acc, static_cast<const kernels::Bf16*>(s.data), begin, end); break;
       case DType::kFloat16: acc = add_squares(acc, static_cast<const kernels::Fp16*>(s.data), begin, end); break;
-      case DType::kInt64: break;  // refused on the host (no float sum of squares of int64 sums)
+      case DType::kInt64:
+      case DType::kInt40: break;  // refused on the host (no float sum of squares of integer sums)
     }
   }
   const double block_total = block_sum(acc, shared);
@@ -151,7 +152,9 @@ void launch_sum_of_squares(const std::vector<Tensor>& xs, int device, double* su
     if (xs[i].device() != cuda) {
       throw TypeMismatch("cuda_sum_of_squares: tensor " + std::to_string(i) + " is not on cuda:" + std::to_string(device));
     }
-    if (xs[i].dtype() == DType::kInt64) throw TypeMismatch("cuda_sum_of_squares: int64 elements (float ones only)");
+    if (xs[i].dtype() == DType::kInt64 || xs[i].dtype() == DType::kInt40) {
+      throw TypeMismatch("cuda_sum_of_squares: integer elements (float ones only)");
+    }
     if (xs[i].numel() == 0) continue;
     segs.push_back(Segment{xs[i].data(), xs[i].numel(), chunks, int64_t(xs[i].dtype())});
     chunks += cuda_detail::chunks_of(xs[i].numel());

@@ -4,6 +4,7 @@
 // to say what happened; every call that may wait for a collective releases
 // the GIL, since the queue's thread may need it to run a transport written
 // in Python.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -129,18 +130,19 @@ void bind_schedule(nb::module_& m) {
           "then hands out the views of each bucket that takes staging.")
       .def(
           "grad_ready",
-          [](BucketReducer& self, int group, int param, nb::handle grad) {
+          [](BucketReducer& self, int group, int param, nb::handle grad, std::optional<int> grid_exponent) {
             const Tensor t = tensor_from_dlpack(grad, "BucketReducer.grad_ready: grad");
             std::vector<GradView> views;
             {
               nb::gil_scoped_release release;
-              views = self.grad_ready(group, param, t);
+              views = self.grad_ready(group, param, t, grid_exponent);
             }
             return grad_views(views);
           },
-          "group"_a, "param"_a, "grad"_a,
+          "group"_a, "param"_a, "grad"_a, "grid_exponent"_a.none() = nb::none(),
           "The param's grad is in (added, or in its view already): [(group, param, view)] of the buckets that took "
-          "staging in this call (after begin_backward).")
+          "staging in this call (after begin_backward). grid_exponent (int64 reductions): the float grad is put onto "
+          "the grid of 2**grid_exponent as it is added.")
       .def(
           "grad_views",
           [](BucketReducer& self, int group) {

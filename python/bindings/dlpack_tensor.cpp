@@ -21,6 +21,8 @@ DType dtype_from_dlpack(const nb::dlpack::dtype& dt, const char* name) {
     // and collectives only (every float kernel refuses it), so not offered
     // in the message below.
     if (dt.code == uint8_t(nb::dlpack::dtype_code::Int) && dt.bits == 64) return DType::kInt64;
+    // Bytes: int40 sums, n x 5 of them (tensor_to_ndarray), checked by the caller.
+    if (dt.code == uint8_t(nb::dlpack::dtype_code::UInt) && dt.bits == 8) return DType::kInt40;
   }
   throw TypeMismatch(std::string(name) + " must be float32, bfloat16 or float16 (DLPack type code " +
                      std::to_string(dt.code) + ", " + std::to_string(dt.bits) + " bits)");
@@ -32,6 +34,7 @@ nb::dlpack::dtype dtype_to_dlpack(DType t) {
     case DType::kFloat16: return {uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
     case DType::kBFloat16: return {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
     case DType::kInt64: return nb::dtype<int64_t>();
+    case DType::kInt40: return nb::dtype<uint8_t>();  // its bytes: torch has no 40-bit integer
   }
   return nb::dtype<float>();
 }
@@ -85,6 +88,12 @@ Tensor tensor_from_dlpack(nb::handle obj, const char* name) {
   }
   std::vector<int64_t> shape(arr.ndim());
   for (size_t i = 0; i < arr.ndim(); ++i) shape[i] = int64_t(arr.shape(i));
+  if (dtype == DType::kInt40) {  // n int40 sums cross as n x 5 bytes
+    if (shape.size() != 2 || shape[1] != 5) {
+      throw TypeMismatch(std::string(name) + ": uint8 elements are int40 sums, an n x 5 array of bytes");
+    }
+    shape.pop_back();
+  }
   void* data = arr.data();
   std::shared_ptr<void> owner(new nb::ndarray<>(std::move(arr)), release_ndarray);
   return Tensor(data, dtype, device, std::move(shape), std::move(owner));
@@ -98,6 +107,7 @@ nb::ndarray<nb::array_api> tensor_to_ndarray(const Tensor& t) {
   auto* keep = new std::shared_ptr<void>(t.owner());
   nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<void>*>(p); });
   std::vector<size_t> shape(t.shape().begin(), t.shape().end());
+  if (t.dtype() == DType::kInt40) shape.push_back(5);  // its bytes, an element's 5 a row
   const bool cuda = t.device().type == DeviceType::kCUDA;
   return nb::ndarray<nb::array_api>(t.data(), shape.size(), shape.data(), owner, nullptr, dtype_to_dlpack(t.dtype()),
                        cuda ? nb::device::cuda::value : nb::device::cpu::value, cuda ? t.device().index : 0);

@@ -16,6 +16,8 @@
 #include "check.h"
 #include "zerocore/backend/checking_backend.h"
 #include "zerocore/error.h"
+#include "zerocore/kernels/cpu_accumulate.h"
+#include "zerocore/kernels/element_math.h"
 #include "zerocore/store/partition_store.h"
 
 using namespace zerocore;
@@ -301,8 +303,9 @@ void zeroing() {
 }
 
 // exact_sums (Config(deterministic=True) at stages 2-3): grad_part's memory
-// is 8 bytes an element, all of it the int64 sums, the grads its first
-// bytes; refused where the grads are whole or on the host.
+// is 5 bytes an element, all of it the int40 sums, the grads its first
+// bytes; int64 adds into them exactly across the whole 40-bit range;
+// refused where the grads are whole or on the host.
 void exact_sums() {
   const LayoutPlan plan = LayoutPlan::make({{30, 0}, {11, 1}}, LayoutOptions{2, 4, 16});
   StorePlacement p;
@@ -313,11 +316,21 @@ void exact_sums() {
   StorePlacement plain = p;
   plain.exact_sums = false;
   const size_t without = PartitionStore(plan, plain, default_cpu_backend()).planned_bytes(Where::kDevice);
-  CHECK(s.planned_bytes(Where::kDevice) == without + size_t(plan.partition_elems()) * (8 - 2));
+  CHECK(s.planned_bytes(Where::kDevice) == without + size_t(plan.partition_elems()) * (5 - 2));
   CHECK(throws([&] { s.buffer("grad_sums"); }));  // before allocate()
   s.allocate();
   const Tensor sums = s.buffer("grad_sums"), grads = s.buffer("grad_part");
-  CHECK(s.has("grad_sums") && sums.dtype() == DType::kInt64 && sums.numel() == plan.partition_elems());
+  CHECK(s.has("grad_sums") && sums.dtype() == DType::kInt40 && sums.numel() == plan.partition_elems());
+  // Values near 2**38 of either sign, added twice: sums near +-2**39, exact.
+  const Tensor step = Tensor::empty({sums.numel()}, DType::kInt64);
+  for (int64_t i = 0; i < step.numel(); ++i) step.data_as<int64_t>()[i] = ((int64_t(1) << 38) - 1 - 3 * i) * (i % 2 ? -1 : 1);
+  accumulate(sums, step);
+  accumulate(sums, step);
+  bool exact = true;
+  for (int64_t i = 0; i < step.numel(); ++i) {
+    exact &= kernels::load_int40(static_cast<const uint8_t*>(sums.data()) + 5 * i) == 2 * step.data_as<int64_t>()[i];
+  }
+  CHECK(exact);
   CHECK(sums.data() == grads.data() && grads.dtype() == DType::kBFloat16 && grads.numel() == plan.partition_elems());
   for (bool whole_or_host : {true, false}) {
     StorePlacement q = p;

@@ -153,12 +153,40 @@ void test_a_ranks_failing_stream_work_fails_every_rank() {
   }
 }
 
+// Config(deterministic=True)'s int64 sums: added as integers, exactly (past
+// fp32's 24 bits and float64's 53), in an all-reduce and a reduce-scatter.
+void test_int64_sums_are_exact() {
+  constexpr int kWorld = 3;
+  constexpr int64_t kN = 6;
+  const auto value = [](int rank, int64_t i) { return (int64_t(1) << 60) / 7 * (i % 2 ? -1 : 1) + rank * 3 + i; };
+  std::atomic<int> bad{0};
+  test::on_group_ranks(kWorld, plain_cpu(), std::nullopt, [&](int rank, Backend& backend, CommQueue& q, CommQueue&) {
+    const Tensor host = Tensor::empty({kWorld * kN}, DType::kInt64);
+    for (int64_t i = 0; i < kWorld * kN; ++i) host.data_as<int64_t>()[i] = value(rank, i);
+    const Tensor all = Tensor::empty({kWorld * kN}, DType::kInt64, backend, MemoryKind::kDevice, "sums");
+    const Tensor shard = Tensor::empty({kN}, DType::kInt64, backend, MemoryKind::kDevice, "shard");
+    backend.copy(backend.compute_stream(), all, host);
+    backend.host_wait(*backend.record(backend.compute_stream()));
+    backend.host_wait(*q.reduce_scatter({CollectiveKind::kReduceScatter, 0, 0, kWorld * kN}, all, shard));
+    backend.host_wait(*q.all_reduce({CollectiveKind::kAllReduce, 0, 1, kWorld * kN}, all));
+    const auto want = [&](int64_t i) {
+      int64_t s = 0;
+      for (int r = 0; r < kWorld; ++r) s += value(r, i);
+      return s;
+    };
+    for (int64_t i = 0; i < kN; ++i) bad += shard.data_as<int64_t>()[i] != want(rank * kN + i);
+    for (int64_t i = 0; i < kWorld * kN; ++i) bad += all.data_as<int64_t>()[i] != want(i);
+  });
+  CHECK(bad == 0);
+}
+
 }  // namespace
 
 int main() {
   test_misuse();
   test_host_queue_starts_once_its_stream_is_there();
   test_a_ranks_failing_stream_work_fails_every_rank();
+  test_int64_sums_are_exact();
   test::check_stream_group(plain_cpu(), std::nullopt);
   test::check_stream_group(plain_cpu(), LateCompletion{11, 500});
   test::check_stream_group(checking_cpu(), LateCompletion{12, 200});

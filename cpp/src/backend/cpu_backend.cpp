@@ -5,6 +5,7 @@
 
 #include "zerocore/runtime/arena.h"
 #include "zerocore/kernels/cpu_accumulate.h"
+#include "zerocore/kernels/cpu_exact_grid.h"
 #include "zerocore/kernels/cpu_fill.h"
 #include "zerocore/kernels/cpu_optim.h"
 #include "zerocore/kernels/cpu_reduce.h"
@@ -129,6 +130,12 @@ void CpuBackend::accumulate(Stream& stream, const Tensor& dst, const Tensor& src
   check_kernel_memory("accumulate", {{"dst", &dst}, {"src", &src}});
   enqueue(stream, "accumulate", {Access::write(dst), Access::read(src)},
           [dst, src] { zerocore::accumulate(dst, src); });
+}
+
+void CpuBackend::accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent) {
+  check_kernel_memory("accumulate_on_grid", {{"dst", &dst}, {"src", &src}});
+  enqueue(stream, "accumulate_on_grid", {Access::write(dst), Access::read(src)},
+          [dst, src, exponent] { zerocore::accumulate_on_grid(dst, src, exponent); });
 }
 
 void CpuBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,

@@ -21,7 +21,8 @@ float load(const Tensor& t, int64_t i) {
     case DType::kFloat32: return t.data_as<float>()[i];
     case DType::kBFloat16: return bf16_to_float(t.data_as<uint16_t>()[i]);
     case DType::kFloat16: return fp16_to_float(t.data_as<uint16_t>()[i]);
-    case DType::kInt64: break;
+    case DType::kInt64:
+    case DType::kInt40: break;
   }
   throw TypeMismatch("the in-process transport sums float elements only, not int64");
   return 0.0f;
@@ -32,7 +33,8 @@ void store(const Tensor& t, int64_t i, float x) {
     case DType::kFloat32: t.data_as<float>()[i] = x; break;
     case DType::kBFloat16: t.data_as<uint16_t>()[i] = float_to_bf16(x); break;
     case DType::kFloat16: t.data_as<uint16_t>()[i] = float_to_fp16(x); break;
-    case DType::kInt64: throw TypeMismatch("the in-process transport sums float elements only, not int64");
+    case DType::kInt64:
+    case DType::kInt40: throw TypeMismatch("the in-process transport sums float elements only, not int64");
   }
 }
 

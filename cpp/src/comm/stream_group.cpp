@@ -91,21 +91,22 @@ class StreamGroupRank final : public StreamGroupTransport {
            std::to_string(block.numel());
   }
 
-  // The sums are fp32's: an int64 tensor (Config(deterministic=True)'s
-  // exact sums) would lose bits, so it is refused, on every rank.
+  // int40 sums (a grad partition's) never cross ranks: refused, on every rank.
   static std::string sum_error(const Tensor& t) {
-    return t.dtype() == DType::kInt64 ? "a stream group sums float elements only, not int64" : "";
+    return t.dtype() == DType::kInt40 ? "a stream group sums float and int64 elements, not int40" : "";
   }
 
   // Elements [lo, lo + n) of every rank's input summed in rank order, in
-  // fp32, into this rank's scratch (which only this stream touches, so one
-  // buffer serves every collective in the stream's order).
+  // fp32 (int64 for Config(deterministic=True)'s exact sums: integers,
+  // exactly), into this rank's scratch (which only this stream touches,
+  // so one buffer serves every collective in the stream's order).
   Tensor sum(const Peers& p, int64_t lo, int64_t n) {
-    if (!scratch_ || scratch_->bytes() < size_t(n) * sizeof(float)) {
-      scratch_ = stream_->backend().allocate(MemoryKind::kDevice, size_t(n) * sizeof(float),
+    const DType dtype = p.input[0].dtype() == DType::kInt64 ? DType::kInt64 : DType::kFloat32;
+    if (!scratch_ || scratch_->bytes() < size_t(n) * dtype_size(dtype)) {
+      scratch_ = stream_->backend().allocate(MemoryKind::kDevice, size_t(n) * dtype_size(dtype),
                                              "stream group sums (rank " + std::to_string(rank_) + ")");
     }
-    const Tensor total = scratch_->view(0, DType::kFloat32, {n});
+    const Tensor total = scratch_->view(0, dtype, {n});
     stream_->zero(total);
     for (int q = 0; q < world_size(); ++q) {
       if (q != rank_) stream_->wait(*p.ready[size_t(q)]);
@@ -153,7 +154,7 @@ class StreamGroupRank final : public StreamGroupTransport {
       if (q != rank_) stream_->wait(*s.done[size_t(q)]);
     }
     if (total.data() != nullptr) {
-      if (out.dtype() == DType::kFloat32) {
+      if (out.dtype() == total.dtype()) {
         stream_->copy(out, total);
       } else {
         stream_->zero(out);

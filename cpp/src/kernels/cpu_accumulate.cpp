@@ -22,6 +22,13 @@ void accumulate(const Tensor& dst, const Tensor& src) {
                           std::to_string(dst.numel()));
   }
   const int64_t n = dst.numel();
+  if (dst.dtype() == DType::kInt40) {  // a partition's exact sums: int64 shards into 40-bit sums
+    if (src.dtype() != DType::kInt64) throw TypeMismatch("accumulate: int40 sums take int64 elements only");
+    uint8_t* d = static_cast<uint8_t*>(dst.data());
+    const int64_t* s = static_cast<const int64_t*>(src.data());
+    for (int64_t i = 0; i < n; ++i) kernels::add_to_int40(d + 5 * i, s[i]);
+    return;
+  }
   if (dst.dtype() == DType::kInt64 || src.dtype() == DType::kInt64) {  // exact sums: integers into integers
     if (dst.dtype() != src.dtype()) throw TypeMismatch("accumulate: int64 sums take int64 elements only");
     int64_t* d = static_cast<int64_t*>(dst.data());

@@ -31,15 +31,18 @@ int64_t bits_of(double x) {
   return b;
 }
 
-}  // namespace
-
-double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
+// src * 2**-exponent rounded to integers, ties to even, handed to
+// put(dst[i], value) (which stores or adds it); returns the largest |value|
+// (a rounded double), or +inf when some src[i] is not finite (dst is then
+// left as it was, as where a value is beyond int64: the caller skips the step).
+template <class Put>
+double onto_grid(const char* name, const Tensor& src, const Tensor& dst, int exponent, Put put) {
   if (src.device().type != DeviceType::kCPU || dst.device().type != DeviceType::kCPU) {
-    throw TypeMismatch("quantize_to_grid: tensors must be on the host");
+    throw TypeMismatch(std::string(name) + ": tensors must be on the host");
   }
-  if (dst.dtype() != DType::kInt64) throw TypeMismatch("quantize_to_grid: dst must be int64");
+  if (dst.dtype() != DType::kInt64) throw TypeMismatch(std::string(name) + ": dst must be int64");
   if (dst.numel() != src.numel()) {
-    throw InvalidArgument("quantize_to_grid: " + std::to_string(src.numel()) + " elements into " +
+    throw InvalidArgument(std::string(name) + ": " + std::to_string(src.numel()) + " elements into " +
                           std::to_string(dst.numel()));
   }
   const double scale = std::ldexp(1.0, -exponent);  // a power of two: x * scale is exact in double
@@ -65,28 +68,46 @@ double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
     }
     peak = std::nearbyint(double(std::max(std::max(lane[0], lane[1]), std::max(lane[2], lane[3]))) * scale);
     if (peak < kMagicRange) {  // every element: no branch
-      for (int64_t i = 0; i < n; ++i) d[i] = bits_of(double(kernels::load<ScalarVec>(s + i)) * scale + kMagic) - magic_bits;
+      for (int64_t i = 0; i < n; ++i) put(d[i], bits_of(double(kernels::load<ScalarVec>(s + i)) * scale + kMagic) - magic_bits);
       return;
     }
     for (int64_t i = 0; i < n; ++i) {  // past 2**51, and maybe int64: the step widens the grid
       const double r = std::nearbyint(double(kernels::load<ScalarVec>(s + i)) * scale);
-      d[i] = std::fabs(r) < 9.2e18 ? int64_t(r) : 0;
+      put(d[i], std::fabs(r) < 9.2e18 ? int64_t(r) : 0);
     }
   });
   return peak;
 }
 
+}  // namespace
+
+double quantize_to_grid(const Tensor& src, const Tensor& dst, int exponent) {
+  return onto_grid("quantize_to_grid", src, dst, exponent, [](int64_t& d, int64_t v) { d = v; });
+}
+
+void accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent) {
+  onto_grid("accumulate_on_grid", src, dst, exponent, [](int64_t& d, int64_t v) { d += v; });
+}
+
 std::array<uint64_t, 3> exact_sum_of_squares(const Tensor& sums) {
   if (sums.device().type != DeviceType::kCPU) throw TypeMismatch("exact_sum_of_squares: the tensor must be on the host");
-  if (sums.dtype() != DType::kInt64) throw TypeMismatch("exact_sum_of_squares: the sums must be int64");
-  const int64_t* x = static_cast<const int64_t*>(sums.data());
   Uint128 low = 0;  // the sum modulo 2**128
   uint64_t carries = 0;       // and its multiples of 2**128
-  for (int64_t i = 0, n = sums.numel(); i < n; ++i) {
-    const uint64_t a = x[i] < 0 ? uint64_t(0) - uint64_t(x[i]) : uint64_t(x[i]);
+  const auto add = [&](int64_t x) {
+    const uint64_t a = x < 0 ? uint64_t(0) - uint64_t(x) : uint64_t(x);
     const Uint128 square = Uint128(a) * a;
     low += square;
     carries += low < square;
+  };
+  const int64_t n = sums.numel();
+  if (sums.dtype() == DType::kInt64) {
+    const int64_t* x = static_cast<const int64_t*>(sums.data());
+    for (int64_t i = 0; i < n; ++i) add(x[i]);
+  } else if (sums.dtype() == DType::kInt40) {
+    const uint8_t* x = static_cast<const uint8_t*>(sums.data());
+    for (int64_t i = 0; i < n; ++i) add(kernels::load_int40(x + 5 * i));
+  } else {
+    throw TypeMismatch("exact_sum_of_squares: the sums must be int64 or int40");
   }
   return {uint64_t(low), uint64_t(low >> 64), carries};
 }

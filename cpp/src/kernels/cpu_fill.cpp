@@ -19,6 +19,11 @@ void fill(const Tensor& dst, float value) {
     std::fill_n(static_cast<int64_t*>(dst.data()), dst.numel(), int64_t(value));
     return;
   }
+  if (dst.dtype() == DType::kInt40) {  // a partition's exact sums: zeroed only
+    if (value != 0.0f) throw InvalidArgument("fill: int40 sums are only zeroed");
+    std::fill_n(static_cast<uint8_t*>(dst.data()), 5 * dst.numel(), uint8_t(0));
+    return;
+  }
   kernels::with_element_type(dst.dtype(), [&](auto d_type) {
     using D = decltype(d_type);
     D* d = static_cast<D*>(dst.data());

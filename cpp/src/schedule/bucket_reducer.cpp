@@ -78,10 +78,12 @@ BucketReducer::~BucketReducer() {
 }
 
 void BucketReducer::check_grad_part(const FlatGroupBuffer& group, const Tensor& grad_part) const {
-  if (grad_part.dtype() != reduce_dtype_ || grad_part.numel() != group.plan.partition_elems()) {
+  // int64 reductions may add into int40 sums (a partition's, on the device: DType::kInt40).
+  const bool narrow_sums = reduce_dtype_ == DType::kInt64 && grad_part.dtype() == DType::kInt40;
+  if ((grad_part.dtype() != reduce_dtype_ && !narrow_sums) || grad_part.numel() != group.plan.partition_elems()) {
     throw InvalidArgument("BucketReducer: group " + std::to_string(group.tag) + ": grad_part must be " +
                           std::to_string(group.plan.partition_elems()) + " elements of " +
-                          dtype_name(reduce_dtype_));
+                          dtype_name(reduce_dtype_) + (reduce_dtype_ == DType::kInt64 ? " or int40" : ""));
   }
 }
 
@@ -186,7 +188,8 @@ std::vector<GradView> BucketReducer::begin_backward() {
   return views;
 }
 
-std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tensor& grad) {
+std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tensor& grad,
+                                                std::optional<int> grid_exponent) {
   const std::vector<Piece>& ps = pieces(group, param);
   const int64_t numel = groups_[size_t(group)].plan.params()[size_t(param)].numel;
   if (grad.numel() != numel) {
@@ -198,7 +201,9 @@ std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tens
     BucketState& b = buckets_[size_t(piece.bucket)];
     const Tensor target = pool_.slot(take_staging(piece.bucket)).slice(piece.staging_offset, piece.numel);
     const Tensor source = grad.slice(piece.param_offset, piece.numel);
-    if (source.data() != target.data()) {
+    if (grid_exponent) {
+      backend_.accumulate_on_grid(backend_.compute_stream(), target, source, *grid_exponent);
+    } else if (source.data() != target.data()) {
       backend_.accumulate(backend_.compute_stream(), target, source);
     } else {  // autograd accumulated in place
       backend_.declare_access(backend_.compute_stream(), Access::write(target), "autograd accumulates a grad");

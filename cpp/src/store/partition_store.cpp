@@ -92,7 +92,7 @@ void PartitionStore::allocate() {
   for (const BufferSpec& b : buffers_) {
     const auto memory = backend_->allocate(memory_kind(b.where), b.bytes(), b.kind + " of " + name_, /*zeroed=*/true);
     tensors_.push_back(memory->view(0, b.dtype, {b.elems}));
-    if (b.holds_sums) sums_ = memory->view(0, DType::kInt64, {b.elems});
+    if (b.holds_sums) sums_ = memory->view(0, DType::kInt40, {b.elems});
   }
 }
 

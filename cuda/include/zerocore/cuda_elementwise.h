@@ -13,6 +13,11 @@ namespace zerocore {
 // TypeMismatch (device) or InvalidArgument (sizes) before launching.
 void cuda_accumulate(const Tensor& dst, const Tensor& src, void* stream);
 
+// dst (int64) += src * 2**-exponent rounded to an integer, ties to even,
+// as kernels/cpu_exact_grid.h's accumulate_on_grid (0 where not finite or
+// beyond int64); src fp32, bf16 or fp16, one CUDA device.
+void cuda_accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent, void* stream);
+
 // Every element of dst (a CUDA tensor) set to `value` rounded to its dtype.
 void cuda_fill(const Tensor& dst, float value, void* stream);
 

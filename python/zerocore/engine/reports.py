@@ -29,7 +29,7 @@ class Reports:
             for g in parts.groups:
                 for k, v in g.memory(at).items():
                     counts[k] += v
-        if parts.exact:  # Config(deterministic=True)'s int64 sums of the grads, where the groups do not hold them
+        if parts.exact:  # Config(deterministic=True)'s exact sums of the grads, where the groups do not hold them
             by["device"]["grad"] += parts.exact.own_bytes
         by["device"]["buffers"] = sum(b.numel() * b.element_size() for b in parts.module.buffers())
         by["host"]["buffers"] = 0

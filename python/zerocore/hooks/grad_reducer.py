@@ -125,8 +125,9 @@ class StagedReducer:
         """groups: the engine's flat groups, as the core has them; core:
         the EngineCore whose reducer this hooks autograd to."""
         self.core = core
-        # Config(deterministic=True): the exact_grads.ExactGradSum whose int64
-        # sums the native reducer adds into, each grad on its grid.
+        # Config(deterministic=True): the exact_grads.ExactGradSum whose
+        # sums the native reducer adds into, each grad put on its grid as
+        # it is staged (grad_ready's grid_exponent).
         self.exact = exact
         self.on_request = core.stage == 3
         self.place = {id(g): i for i, g in enumerate(groups)}  # in the core's groups
@@ -216,7 +217,8 @@ class StagedReducer:
                 view.copy_(p.grad)
             p.grad = view
         grad = p.grad.reshape(-1)
-        views = self.native.grad_ready(i, j, self.exact.quantize(grad) if self.exact else grad)
+        views = self.native.grad_ready(i, j, grad, self.exact.grid_for(grad, self.groups[i], j)) if self.exact \
+            else self.native.grad_ready(i, j, grad)
         p.grad = None
         self._attach_handed(views)
 

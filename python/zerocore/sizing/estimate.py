@@ -171,6 +171,7 @@ def _engine_layout(module, config, world_size: int, state_names, units) -> dict:
     group and no memory."""
     from zerocore import _native
     from zerocore.state.flat_group import TORCH_DTYPES
+    from zerocore.state.exact_grads import planned_bytes
     from zerocore.state.grouping import build_groups, param_names
     from zerocore.state.placement import Placement
 
@@ -184,6 +185,8 @@ def _engine_layout(module, config, world_size: int, state_names, units) -> dict:
     for g in groups:
         for _, category, at, numel, dtype in g.buffer_plan():
             out[at][category] += numel * dtype.itemsize
+    if config.deterministic:  # the grads' exact sums, which memory_report() counts as grads
+        out["device"]["grad"] += planned_bytes(groups, Placement.of(config))
     return out
 
 

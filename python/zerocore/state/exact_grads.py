@@ -3,9 +3,9 @@ micro-batch's grads over every rank, summed exactly, so it has the same
 bits at any world size, whichever rank ran which micro-batch and in which
 order (docs/deterministic.md).
 
-Each micro-batch's grads go onto one grid fixed for the step, multiples of
-2**exponent, as int64 (rounded to nearest, ties to even), and add into
-int64 sums. Integer sums are exact, so associative: no order of adding, on
+Each micro-batch's grads go onto a grid fixed for the step, each param's
+own, multiples of 2**exponent (rounded to nearest, ties to even), and add
+into integer sums. Integer sums are exact, so associative: no order of adding, on
 a rank or across ranks, changes them. Stages 0-1: the flat grad buffers
 hold one micro-batch's grads after its backward; they are added into
 whole-size sums here and zeroed, and at the step the engine all-reduces
@@ -13,23 +13,27 @@ whole-size sums here and zeroed, and at the step the engine all-reduces
 have reduced the grads (grad_reducer.FullGradReducer's collectives), before
 the step's exchange, whose copies to the host (offload) then take the
 mean. Stages 2-3: gradient reduction (the native BucketReducer, in int64)
-stages each param's grad as quantize() gives it, reduce-scatters its
+stages each param's grad onto its grid (grid_for's exponent: one native
+pass into the int64 staging, no copy), reduce-scatters its
 buckets as integers and adds each rank's block into the partition's sums,
-which (grads on the device) live in the grad partition's own memory, 8
-bytes an element (FlatGroup.buffers["grad_sums"]), the mean formed in its first bytes.
+which (grads on the device) live in the grad partition's own memory, 5
+bytes an element (FlatGroup.buffers["grad_sums"]: 40-bit integers, packed, as n x 5
+torch bytes), the mean formed in its first bytes.
 
-Then the ranks agree on their largest |grad| in grid units (a maximum is
-order-independent too) and, where each holds a part of the grads, on
-their parts of the norm. If count * (largest + 1) is below 2**62, no
-partial sum in any order can have overflowed int64, and the mean,
+Then the ranks agree on their largest |grad| of each param in its grid's
+units (a maximum is order-independent too) and, where each holds a part
+of the grads, on their parts of the norm. If count * (largest + 1) is
+below 2**39 for every param, no partial sum in any order can have left
+the 40 bits a partition keeps, and the mean,
 sum * 2**exponent / count (formed in float64 from the integer sum, then
 rounded into the grad buffers' dtype), becomes the grads the update reads;
 otherwise the step is skipped on every rank, as an fp16 overflow is, and
-the grid widens. The norm is the exact mean's: the squares of the integer
-sums, added exactly (in 128-bit integers) and across ranks as integers. Every
-next grid comes from the step before's largest grad and count, with
-HEADROOM bits for grads to grow: the same numbers on every rank and at
-every world size, so the same grid.
+the grids widen. The norm is the exact mean's: the squares of the integer
+sums, added exactly (in 128-bit integers, scaled to the finest grid) and
+across ranks as integers. Every param's next grid comes from its largest
+grad in the step before and the count, with HEADROOM bits for grads to
+grow: the same numbers on every rank and at every world size, so the same
+grids.
 """
 from __future__ import annotations
 
@@ -43,26 +47,56 @@ from zerocore import _native
 from zerocore.comm.communicator import ControlPurpose
 
 HEADROOM = 8  # bits a step's largest grad (times the count) may grow over the last one's before a skip
-LIMIT_BITS = 62  # count * (largest |grad| in grid units + 1) below 2**62: no int64 partial sum overflows
-FIRST_BOUND = 2.0**16  # the first step's assumed largest |grad| times its count
+# count * (largest |grad| in grid units + 1) below 2**39: no partial sum, in
+# any order, leaves the int40 a grad partition keeps (nor the int64 of the
+# staging, the reductions and stages 0-1's sums).
+LIMIT_BITS = 39
+FIRST_BOUND = 2.0**8  # the first step's assumed largest |grad| times its count (2**16 fits, HEADROOM)
 # Every value of the dtype is a multiple of 2**this: a finer grid keeps nothing more.
 _FINEST = {torch.float16: -24, torch.bfloat16: -133, torch.float32: -149}
 _WORDS = 8  # 32-bit words of a rank's exact sum of squares in the exchange (below 2**256)
-_MEAN_CHUNK = 1 << 18  # elements of the mean formed at a time (a float64 temporary of 2 MiB)
+_MEAN_CHUNK = 1 << 18  # elements of the mean formed at a time (int64 and float64 temporaries of 2 MiB)
+_INT40_SHIFTS = tuple(8 * b for b in range(5))  # an int40's bytes, least significant first
 
 
 def grid_exponent(bound: float, dtype: torch.dtype) -> int:
     """The grid for grads whose largest |grad| times the count is `bound`,
-    with HEADROOM bits to spare: bound / 2**exponent < 2**(62 - HEADROOM)."""
+    with HEADROOM bits to spare: bound / 2**exponent < 2**(LIMIT_BITS - HEADROOM)."""
     return max(_FINEST[dtype], math.frexp(bound)[1] + HEADROOM - LIMIT_BITS)
 
 
+def planned_bytes(groups, placement) -> int:
+    """Device bytes the exact sums of these groups take beyond the grad
+    buffers their buffer_plan() lists (before anything is allocated: what
+    zerocore.estimate adds, what memory_report() then counts): where the
+    grad partition holds them, its fifth byte an element (int40 in place of
+    a 4-byte grad; 3 more for a 2-byte one); elsewhere int64 sums of their
+    own, one per element of the grads the update reads."""
+    extra = 0
+    for g in groups:
+        for name, _, _, n, dtype in g.buffer_plan() if g.trainable else ():
+            if name == ("grad_part" if placement.partitions_grads else "grad_full"):
+                extra += n * (5 - dtype.itemsize) if g.store.has("grad_sums") else 8 * n
+    return extra
+
+
 def sum_of_squares(sums: torch.Tensor) -> int:
-    """The exact sum of the squares of int64 `sums`, as a Python int (one
-    native pass on the host, in 128-bit integers: kernels/cpu_exact_grid.h;
-    a GPU's sums are copied there first, once a step)."""
-    low, high, top = _native.exact_sum_of_squares(sums.reshape(-1).cpu())
+    """The exact sum of the squares of `sums` (int64, or int40 as n x 5
+    bytes), as a Python int (one native pass on the host, in 128-bit
+    integers: kernels/cpu_exact_grid.h; a GPU's sums are copied there
+    first, once a step)."""
+    low, high, top = _native.exact_sum_of_squares(sums.cpu())
     return low + (high << 64) + (top << 128)
+
+
+def as_int64(sums: torch.Tensor) -> torch.Tensor:
+    """`sums` as int64: themselves, or int40 sums (n x 5 bytes, little-endian
+    two's complement) widened, in torch's ops (on any device)."""
+    if sums.dtype == torch.int64:
+        return sums
+    wide = sums.to(torch.int64)
+    value = (wide << torch.tensor(_INT40_SHIFTS, device=sums.device)).sum(1)
+    return value - ((wide[:, 4] >> 7) << 40)  # the top bit set: negative
 
 
 def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
@@ -80,8 +114,10 @@ def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
 
 class ExactGradSum:
     """The exact sums of the trainable groups' grads on this rank, one
-    int64 per element: whole (stages 0-1, in the grad_full layout) or the
-    rank's partition (stages 2-3)."""
+    integer per element: whole (stages 0-1, int64, in the grad_full layout)
+    or the rank's partition (stages 2-3: int40 in the grad partition's
+    memory on the device, int64 beside an offloaded one). Each param has a
+    grid of its own, multiples of 2**exponents[group][param]."""
 
     def __init__(self, groups, comm, placement):
         self.groups = [g for g in groups if g.trainable]
@@ -89,16 +125,17 @@ class ExactGradSum:
         self.partitioned = placement.partitions_grads  # the sums are the partition's
         self.shared = placement.partitions_optimizer  # each rank holds a part of the mean: the norm is summed
         self.dtype = self.groups[0].dtype if self.groups else torch.float32
-        self.exponent = grid_exponent(FIRST_BOUND, self.dtype)  # this step's grid: multiples of 2**exponent
+        first = grid_exponent(FIRST_BOUND, self.dtype)
+        self.exponents = [[first] * len(g.params) for g in self.groups]  # this step's grids, per param
         # Stages 2-3 on the device: the grad partition's own memory holds
         # them (FlatGroup.buffers["grad_sums"]), the mean formed in its first bytes.
         self.sums = [g.buffers["grad_sums"] if self.partitioned and "grad_sums" in g.buffers else
                      torch.zeros(self._grads(g).numel(), dtype=torch.int64, device=self._grads(g).device)
                      for g in self.groups]
         # Bytes of sums beside the groups' buffers (memory_report counts the rest as grad_part's).
-        self.own_bytes = sum(8 * s.numel() for s, g in zip(self.sums, self.groups)
-                             if s is not g.buffers.get("grad_sums"))
+        self.own_bytes = sum(s.nbytes for s, g in zip(self.sums, self.groups) if s is not g.buffers.get("grad_sums"))
         self._index = {id(g): i for i, g in enumerate(self.groups)}
+        self._runs = [self._runs_of(g) for g in self.groups]
         self.bytes_moved = 0  # of the agreements (control plane), received, since wrap
         self._reset()
 
@@ -109,34 +146,79 @@ class ExactGradSum:
     def sums_of(self, group) -> torch.Tensor:
         return self.sums[self._index[id(group)]]
 
+    def _runs_of(self, group) -> list:
+        """This rank's stretches of the group's sums and grads, in order:
+        its partition, or at stages 0-1 its block of every bucket (all of
+        it at stage 0); each a list of (first, elements, param index or
+        None for padding) covering it whole."""
+        whole = "grad_full" in group.buffers and not self.partitioned
+        if whole:
+            n = group.buffers["grad_full"].numel()
+            spans = [(*group.store.param_span(n, j), j) for j in range(len(group.params))]
+            windows = [group.store.shard_span(n, b, group.rank) for b in range(len(group.buckets))]
+        else:
+            n = self._grads(group).numel()
+            spans = [(*group.store.segment_span(n, i), seg.param) for i, seg in enumerate(group.segments)]
+            windows = [(0, n)]
+        out = []
+        for lo, size in windows:
+            runs, at = [], lo
+            for first, length, j in sorted(spans):
+                start, end = max(first, lo), min(first + length, lo + size)
+                if start < end:
+                    if start > at:
+                        runs.append((at - lo, start - at, None))
+                    runs.append((start - lo, end - start, j))
+                    at = end
+            if at < lo + size:
+                runs.append((at - lo, lo + size - at, None))
+            out.append((lo, size, runs))
+        return out
+
     def _mine(self):
-        """(sums, grads) of each stretch of this rank's: its partition, or
-        at stages 0-1 its block of every bucket (all of it at stage 0)."""
-        for g, s in zip(self.groups, self.sums):
-            if self.partitioned:
-                yield s, g.buffers["grad_part"]
-            else:
-                for b in range(len(g.buckets)):
-                    yield g.view(s, "shard", b, g.rank), g.view("grad_full", "shard", b, g.rank)
+        """(sums, grads, exponents, runs) of each stretch of this rank's
+        (_runs_of)."""
+        for g, s, exponents, stretches in zip(self.groups, self.sums, self.exponents, self._runs):
+            grads = self._grads(g)
+            for lo, size, runs in stretches:
+                yield s[lo:lo + size], grads[lo:lo + size], exponents, runs
 
     def _reset(self):
         for s in self.sums:
             s.zero_()
-        self.largest = 0.0  # this rank's largest |grad| in grid units this step (inf: one was not finite)
-        self.next_exponent = None  # once reduced: the next step's grid
+        # This rank's largest |grad| in grid units this step, per param (inf: one was not finite).
+        self.largest = [[0.0] * len(g.params) for g in self.groups]
+        self.next_exponents = None  # once reduced: the next step's grids
         self.squares = None  # once reduced: the exact mean's sum of squares (inf: not finite)
-        self.regrid = False  # once reduced: a grad fell outside the grid, the step is skipped
+        self.regrid = False  # once reduced: a grad fell outside its grid, the step is skipped
 
-    def quantize(self, grad: torch.Tensor) -> torch.Tensor:
-        """grad on this step's grid, as int64 (rounded to nearest, ties to
-        even: one native pass on the host), its largest noted."""
+    def quantize(self, grad: torch.Tensor, group, param: int) -> torch.Tensor:
+        """Param `param` of `group`'s grad on its grid this step, as int64
+        (rounded to nearest, ties to even: one native pass on the host),
+        its largest noted."""
+        i = self._index[id(group)]
+        exponent = self.exponents[i][param]
         if grad.device.type == "cpu":
             units = torch.empty(grad.shape, dtype=torch.int64)
-            peak = _native.quantize_to_grid(grad.contiguous(), units, self.exponent)
+            peak = _native.quantize_to_grid(grad.contiguous(), units, exponent)
         else:  # the native pass is the host's: torch's ops on a GPU
-            units, peak = quantize_with_torch(grad, self.exponent)
-        self.largest = max(self.largest, peak)
+            units, peak = quantize_with_torch(grad, exponent)
+        self.largest[i][param] = max(self.largest[i][param], peak)
         return units  # out of range only where the step skips anyway
+
+    def grid_for(self, grad: torch.Tensor, group, param: int) -> int:
+        """Stages 2-3: the exponent of the grid param `param` of `group`'s
+        grad goes onto as the native reducer stages it (one pass, no int64
+        copy: Backend::accumulate_on_grid), its largest |value| on that grid
+        noted (the same number quantize notes: rounding is monotonic)."""
+        i = self._index[id(group)]
+        exponent = self.exponents[i][param]
+        if grad.numel():
+            low, high = (x.item() for x in torch.aminmax(grad.detach()))  # no temporary; nan: one not finite
+            top = max(-low, high)
+            peak = math.inf if not (math.isfinite(low) and math.isfinite(high)) else round(math.ldexp(top, -exponent))
+            self.largest[i][param] = max(self.largest[i][param], peak)
+        return exponent
 
     def add_micro_batch(self):
         """Stages 0-1, after a micro-batch's backward: its grads into the
@@ -144,7 +226,8 @@ class ExactGradSum:
         if self.partitioned:
             return
         for g, total in zip(self.groups, self.sums):
-            total.add_(self.quantize(g.buffers["grad_full"]))
+            for j in range(len(g.params)):
+                g.view(total, "param", j).add_(self.quantize(g.view(g.buffers["grad_full"], "param", j), g, j))
             g.buffers["grad_full"].zero_()
 
     def reduce(self, count: int, reducer=None):
@@ -159,59 +242,102 @@ class ExactGradSum:
         if any(late):  # on some rank: every rank reduces those buckets, and the sums changed
             reducer.reduce_late(late)
             largest, totals, _ = self._agree([])
-        if not math.isfinite(largest):  # the step decides as for any non-finite grad
-            self.squares, self.next_exponent = math.inf, self.exponent
+        flat = [x for per_group in largest for x in per_group]
+        if not all(math.isfinite(x) for x in flat):  # the step decides as for any non-finite grad
+            self.squares, self.next_exponents = math.inf, self.exponents
             return
-        self.next_exponent = grid_exponent(count * largest * 2.0**self.exponent, self.dtype)
-        if count * (int(largest) + 1) >= 2**LIMIT_BITS:
+        # A param with no grad keeps its grid: a zero says nothing of its next grads.
+        self.next_exponents = [[grid_exponent(count * x * 2.0**e, self.dtype) if x else e
+                                for x, e in zip(per_group, exponents)]
+                               for per_group, exponents in zip(largest, self.exponents)]
+        if any(count * (int(x) + 1) >= 2**LIMIT_BITS for x in flat):
             self.regrid, self.squares = True, 0.0
             return
-        for s, grads in self._mine():
-            self._mean_into(s, grads, count)
+        for sums, grads, exponents, runs in self._mine():
+            self._mean_into(sums, grads, exponents, runs, count)
         # (sum * 2**e / count)**2, summed: exact as a fraction, rounded once.
-        self.squares = math.ldexp(float(Fraction(sum(totals), count * count)), 2 * self.exponent)
+        self.squares = math.ldexp(float(Fraction(sum(totals), count * count)), 2 * self._finest())
 
-    def _mean_into(self, sums: torch.Tensor, grads: torch.Tensor, count: int):
+    def _finest(self) -> int:
+        """The finest grid of any param: the unit of the exact sums of squares."""
+        return min((e for exponents in self.exponents for e in exponents), default=0)
+
+    def _mean_into(self, sums, grads, exponents, runs, count: int):
         """grads = sums * 2**exponent / count (formed in float64, one
-        rounding into the grads' dtype), a chunk at a time in order: where
-        grads lie in the sums' own first bytes (FlatGroup.buffers["grad_sums"]), a
-        chunk's writes land on sums of it or of chunks before, read already."""
-        scale = 2.0**self.exponent
-        for first in range(0, sums.numel(), _MEAN_CHUNK):
-            part = slice(first, first + _MEAN_CHUNK)
-            grads[part].copy_(sums[part].double().mul_(scale).div_(count))
+        rounding into the grads' dtype), run by run and a chunk at a time,
+        in order (padding: zeros): where grads lie in the sums' own first
+        bytes (FlatGroup.buffers["grad_sums"]), a chunk's writes land on sums of it or
+        of chunks before, read already."""
+        for first, length, param in runs:
+            if param is None:
+                grads[first:first + length].zero_()
+                continue
+            scale = 2.0**exponents[param]
+            for at in range(first, first + length, _MEAN_CHUNK):
+                part = slice(at, min(at + _MEAN_CHUNK, first + length))
+                grads[part].copy_(as_int64(sums[part]).double().mul_(scale).div_(count))
+
+    def _sum_of_squares(self) -> int:
+        """This rank's exact sum of squares of its sums, in units of the
+        finest grid squared (each param's scaled up to it)."""
+        finest, total = self._finest(), 0
+        for sums, _, exponents, runs in self._mine():
+            for first, length, param in runs:
+                if param is not None:
+                    total += sum_of_squares(sums[first:first + length]) << 2 * (exponents[param] - finest)
+        return total
+
+    def _norm_words(self) -> int:
+        """32-bit words of a rank's sum of squares in the agreement, from
+        numbers every rank has: its elements (below 2**40 each, in grid
+        units) times the widest scaling up to the finest grid."""
+        elements = sum(s.shape[0] for s in self.sums) if self.partitioned else \
+            sum(g.buffers["grad_full"].numel() for g in self.groups)
+        spread = max((e for exponents in self.exponents for e in exponents), default=0) - self._finest()
+        return (elements.bit_length() + 2 * (LIMIT_BITS + 1 + spread)) // 32 + 1
 
     def _agree(self, late: list) -> tuple:
         """One control all-gather: (the ranks' largest |grad| in grid units,
-        their exact sums of squares of their stretches (this rank's alone
-        where each rank holds all of them), the buckets late on any rank),
-        every number in 32-bit words of int64 rows."""
-        total = sum(sum_of_squares(s) for s, _ in self._mine())
+        per group and param, their exact sums of squares of their stretches
+        (this rank's alone where each rank holds all of them), the buckets
+        late on any rank), every number in 32-bit words of int64 rows."""
+        total = self._sum_of_squares()
+        mine = [x for per_group in self.largest for x in per_group]
         late_words = [sum(1 << b for b, flag in enumerate(late[w:w + 32]) if flag) for w in range(0, len(late), 32)]
-        norm_words = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(_WORDS)] if self.shared else []
-        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", self.largest))[0]] + late_words
+        words = self._norm_words() if self.shared else 0
+        norm_words = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(words)]
+        rows = self.comm.gather_int_rows([struct.unpack("<q", struct.pack("<d", x))[0] for x in mine] + late_words
                                          + norm_words, ControlPurpose.EXACT_GRADS)
         self.bytes_moved += 8 * len(rows) * len(rows[0])
-        largest = max(struct.unpack("<d", struct.pack("<q", row[0]))[0] for row in rows)
+        flat = [max(struct.unpack("<d", struct.pack("<q", row[k]))[0] for row in rows) for k in range(len(mine))]
+        largest, at = [], 0
+        for per_group in self.largest:
+            largest.append(flat[at:at + len(per_group)])
+            at += len(per_group)
         agreed = 0
         for row in rows:
-            agreed |= sum(w << (32 * i) for i, w in enumerate(row[1:1 + len(late_words)]))
-        totals = [sum(w << (32 * i) for i, w in enumerate(row[1 + len(late_words):])) for row in rows] \
+            agreed |= sum(w << (32 * i) for i, w in enumerate(row[len(mine):len(mine) + len(late_words)]))
+        totals = [sum(w << (32 * i) for i, w in enumerate(row[len(mine) + len(late_words):])) for row in rows] \
             if self.shared else [total]
         return largest, totals, [bool(agreed >> b & 1) for b in range(len(late))]
 
     def end_step(self):
         """The step ended (applied, skipped, or its grads dropped): the next
-        one starts from zero on the grid this one chose."""
-        if self.next_exponent is not None:
-            self.exponent = self.next_exponent
+        one starts from zero on the grids this one chose."""
+        if self.next_exponents is not None:
+            self.exponents = self.next_exponents
         if not self.partitioned:
             for g in self.groups:
                 g.buffers["grad_full"].zero_()
         self._reset()
 
     def state_dict(self) -> dict:
-        return {"exponent": self.exponent}
+        return {"exponents": self.exponents}
 
     def load_state_dict(self, state: dict):
-        self.exponent = int(state["exponent"])
+        if "exponent" in state:  # saved before the grids were per param: one grid for all
+            state = {"exponents": [[state["exponent"]] * len(e) for e in self.exponents]}
+        if [len(e) for e in state["exponents"]] != [len(e) for e in self.exponents]:
+            raise ValueError(f"the checkpoint's grids are for {[len(e) for e in state['exponents']]} params a "
+                             f"group, this model's groups hold {[len(e) for e in self.exponents]}")
+        self.exponents = [[int(e) for e in per_group] for per_group in state["exponents"]]

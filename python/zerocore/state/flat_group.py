@@ -80,7 +80,7 @@ class FlatGroup:
         # The store's buffers by kind, as torch tensors (allocate; the binder reads the same dict). Offloaded
         # with the host step reading its grads where reduction leaves them,
         # "host_grad" is "grad_part"; with exact sums, "grad_sums" is
-        # grad_part's memory as int64 (partition_store.h).
+        # grad_part's memory as int40, n x 5 bytes (partition_store.h).
         self.buffers: dict[str, torch.Tensor] = {}
         self.binder = ParamBinder(params, names, dtype=dtype, stage=placement.stage, sharded=sharded,
                                   store=self.store, buffers=self.buffers, rank=self.rank)

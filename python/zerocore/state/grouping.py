@@ -92,7 +92,7 @@ def build_groups(module, params, names, param_group_of, *, config, placement, dt
                          placement=placement, dtype=dtype, reduce_dtype=reduce_dtype, trainable=trainable,
                          sharded=sharded, bucket_bytes=config.bucket_bytes, comm=comm,
                          state_names=state_names if trainable else (), delayed=config.delayed_update,
-                         # Config(deterministic=True): the int64 sums in the grad partition's memory
+                         # Config(deterministic=True): the int40 sums in the grad partition's memory
                          exact_sums=(config.deterministic and trainable and placement.partitions_grads
                                      and not placement.optimizer_on_host))
 

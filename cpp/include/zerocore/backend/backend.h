@@ -100,6 +100,10 @@ class Backend {
   virtual void fill(Stream& stream, const Tensor& dst, float value) = 0;
   // dst += src, computed in fp32 and rounded once to dst's dtype.
   virtual void accumulate(Stream& stream, const Tensor& dst, const Tensor& src) = 0;
+  // dst (int64) += src * 2**-exponent rounded to an integer, ties to even
+  // (kernels/cpu_exact_grid.h): Config(deterministic=True)'s grads onto
+  // their grid and into the int64 staging, one pass.
+  virtual void accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent) = 0;
   // box[sum_slot] = the sum of squares of every element of xs (fp64);
   // box[finite_slot] = 1 when every element is finite, else 0.
   virtual void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,

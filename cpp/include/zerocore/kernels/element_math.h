@@ -40,15 +40,34 @@ struct Fp16 {
 struct NoCopy {};
 
 // Calls f(T{}) with T the element type of `dtype`: float, Bf16 or Fp16;
-// int64 (the exact grad sums) has no float kernel.
+// the exact grad sums' integers (int64, int40) have no float kernel.
 template <class F>
 inline void with_element_type(DType dtype, F&& f) {
   switch (dtype) {
     case DType::kFloat32: f(float{}); break;
     case DType::kBFloat16: f(Bf16{}); break;
     case DType::kFloat16: f(Fp16{}); break;
-    case DType::kInt64: throw TypeMismatch("a float kernel was given int64 elements");
+    case DType::kInt64:
+    case DType::kInt40: throw TypeMismatch("a float kernel was given integer elements (exact grad sums)");
   }
+}
+
+// *p += x for a 40-bit two's complement integer packed in 5 little-endian
+// bytes (DType::kInt40): exact while the sum stays in [-2**39, 2**39),
+// which the grid guarantees or the step is skipped (exact_grads.py);
+// past it the sum wraps. Byte loads: a packed element has no alignment.
+ZC_HD void add_to_int40(uint8_t* p, int64_t x) {
+  uint64_t v = 0;
+  for (int b = 0; b < 5; ++b) v |= uint64_t(p[b]) << (8 * b);
+  v += uint64_t(x);  // modulo 2**64, of which the low 40 bits are the sum's
+  for (int b = 0; b < 5; ++b) p[b] = uint8_t(v >> (8 * b));
+}
+
+// The int40 at p, sign-extended.
+ZC_HD int64_t load_int40(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int b = 0; b < 5; ++b) v |= uint64_t(p[b]) << (8 * b);
+  return int64_t(v << 24) >> 24;  // arithmetic shift (C++20's rule, and every compiler's before it)
 }
 
 template <class V>

@@ -19,9 +19,9 @@
 //   host_param    partition  dtype         optimizer on the host and dtype != fp32
 //
 // With exact_sums (Config(deterministic=True) at stages 2-3, grads on the
-// device) grad_part's memory is 8 bytes an element: buffer("grad_sums") is
-// all of it as int64, the exact sums reduction adds into, and the grads
-// (their mean, formed at the step) are its first bytes.
+// device) grad_part's memory is 5 bytes an element: buffer("grad_sums") is
+// all of it as int40 (DType::kInt40), the exact sums reduction adds into,
+// and the grads (their mean, formed at the step) are its first bytes.
 //
 // An offloaded group that keeps no host_grad of its own reads its grads
 // where reduction leaves them: "host_grad" names grad_part there.
@@ -66,7 +66,7 @@ struct StorePlacement {
   bool params_on_host = false;    // offloaded params (stage 3)
   bool optimizer_on_host = false;
   bool delayed = false;  // offloaded update overlapping the next backward
-  bool exact_sums = false;  // grad_part holds the int64 sums too (the table above)
+  bool exact_sums = false;  // grad_part holds the int40 sums too (the table above)
   std::vector<std::string> state_names;  // optimizer states, in order
 };
 
@@ -77,8 +77,8 @@ struct BufferSpec {
   bool whole;  // total_elems elements; else partition_elems
   int64_t elems;
   DType dtype;
-  bool holds_sums = false;  // grad_part with exact_sums: 8 bytes an element
-  size_t bytes() const { return size_t(elems) * (holds_sums ? dtype_size(DType::kInt64) : dtype_size(dtype)); }
+  bool holds_sums = false;  // grad_part with exact_sums: 5 bytes an element (int40)
+  size_t bytes() const { return size_t(elems) * (holds_sums ? dtype_size(DType::kInt40) : dtype_size(dtype)); }
 };
 
 // A stretch of this rank's partition inside one bucket whose params all
@@ -203,7 +203,7 @@ class PartitionStore {
   std::vector<std::vector<int>> segments_of_;
   std::vector<PartitionRun> runs_;
   std::vector<Tensor> tensors_;  // per buffers_ entry, once allocated
-  Tensor sums_;  // exact_sums: grad_part's memory as int64
+  Tensor sums_;  // exact_sums: grad_part's memory as int40
 };
 
 }  // namespace zerocore
