@@ -16,7 +16,7 @@ it; rank 0 then waits, its process alive and in no collective, until every
 rank has raised: where rank 0 runs into its peers' backward at stage 3
 (eval, user_raises) they wait in the CPU data plane's ring reduce-scatter,
 whose waits are not diagnosed in place, and raise within the bound because
-rank 0 hangs up its groups (process_group.hang_up), not because its
+rank 0 hangs up its groups (failure.hang_up), not because its
 process ended. Last, Positions.diagnose's rule on
 published records, in one process: a peer in another collective is apart,
 one in none is slow and named by where it is or last was."""

@@ -43,7 +43,7 @@ from zerocore.engine import Engine, wrap
 from zerocore.io.export import export
 from zerocore.ops.loss_scale import NonFiniteGradientError
 from zerocore.state.materialize import init
-from zerocore.optim import SGD, Adam, AdamW
+from zerocore.ops.optim import SGD, Adam, AdamW
 from zerocore.sizing.estimate import estimate, largest_model
 from zerocore.io.snapshot_restore import SnapshotLostError
 

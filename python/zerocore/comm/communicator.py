@@ -51,7 +51,8 @@ from zerocore import _native
 from zerocore.runtime import devices
 from zerocore.comm import nccl as native_nccl
 from zerocore.comm.errors import CollectiveOrderError
-from zerocore.comm.process_group import Failure, ProcessGroupTransport, group_timeout
+from zerocore.comm.failure import Failure
+from zerocore.comm.process_group import ProcessGroupTransport, group_timeout
 
 CollectiveKind = _native.CollectiveKind
 # The data plane's kinds by name, in native CollectiveKind's order (the queue's stats').

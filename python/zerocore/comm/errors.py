@@ -17,7 +17,7 @@ class RankDisagreementError(CollectiveOrderError):
     once a collective has waited Config(diagnose_after=...), naming each
     rank's position. The ranks are out of step: every later call of the
     engine raises it again, and the rank hangs up the engine's groups, so
-    that no peer waits for it (process_group.hang_up)."""
+    that no peer waits for it (failure.hang_up)."""
 
 
 # A transport raises it on the queue's thread: Event.wait() raises it again as itself.

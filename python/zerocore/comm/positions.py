@@ -95,7 +95,7 @@ class Positions:
         diagnose_after on device work diagnose (diagnose(None, ...)), and again
         each diagnose_after: ranks in different collectives end the wait
         with RankDisagreementError (recorded in `failure`, the engine's
-        process_group.Failure, which aborts this rank's device collectives);
+        failure.Failure, which aborts this rank's device collectives);
         so does an earlier failure of the engine's collectives. Waits on a
         merely slow device go on. The backend keeps the last engine's watch
         (the process's CPU backend serves every engine of the process)."""

@@ -2,7 +2,7 @@
 zerocore.wrap accepts, and what it hands back.
 
 wrap() reads the user's optimizer (torch.optim.Adam, AdamW, SGD, or
-zerocore's own, optim.py) into an OptimizerSpec: the kind and each param
+zerocore's own, ops/optim.py) into an OptimizerSpec: the kind and each param
 group's hyperparameters. It then takes the optimizer over (drive_engine):
 the same object, with the same param_groups, which the engine reads its
 hyperparameters from at every step (so torch.optim.lr_scheduler works on
@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from zerocore.optim import NativeOptimizer
+from zerocore.ops.optim import NativeOptimizer
 
 # Hyperparameters each kind reads from a param group, and options whose
 # non-default values zerocore does not implement.

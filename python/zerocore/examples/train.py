@@ -33,6 +33,10 @@ checkpoints take whole.
 
 The job exits non-zero with a message on any failure; every collective and
 the rendezvous have a timeout (``--timeout``), so no rank waits forever.
+
+One file on purpose, longer than the library's modules: it is the README's
+main job, which a user reads top to bottom and copies from (its flags,
+their launch, the loop, the report) without following imports.
 """
 
 from __future__ import annotations
