@@ -24,6 +24,7 @@
 #include "zerocore/cuda_optim.h"
 #include "zerocore/kernels/cpu_accumulate.h"
 #include "zerocore/kernels/cpu_fill.h"
+#include "zerocore/kernels/element_math.h"
 #include "zerocore/error.h"
 #include "zerocore/half.h"
 #include "test_modes.h"
@@ -143,6 +144,12 @@ void randomize(const Tensor& t, std::mt19937& rng, float stddev) {
       case DType::kBFloat16: t.data_as<uint16_t>()[i] = float_to_bf16(x); break;
       case DType::kFloat16: t.data_as<uint16_t>()[i] = float_to_fp16(x); break;
       case DType::kInt64: t.data_as<int64_t>()[i] = int64_t(x); break;  // stddev large: past 2**53
+      case DType::kInt40: {  // packed, 5 bytes an element
+        uint8_t* element = static_cast<uint8_t*>(t.data()) + 5 * i;
+        std::memset(element, 0, 5);
+        kernels::add_to_int40(element, int64_t(x));
+        break;
+      }
     }
   }
 }
