@@ -2,7 +2,7 @@
 
 The engine builds the model states from the plan (see state/flat_group.py
 for where they live per stage) and the native schedule over them: the comm
-queues (comm.py) and the native core (EngineCore, engine/engine_core.h:
+queues (comm/communicator.py) and the native core (EngineCore, engine/engine_core.h:
 gradient reduction, stage 3's UnitSchedule, the post-step param
 all-gather and the step, built and connected natively); then it runs
 forward through the module, backward through autograd with the hooks that
