@@ -80,13 +80,13 @@ def planned_bytes(groups, placement) -> int:
     return extra
 
 
-def sum_of_squares(sums: torch.Tensor) -> int:
-    """The exact sum of the squares of `sums` (int64, or int40 as n x 5
-    bytes), as a Python int (one native pass on the host, in 128-bit
-    integers: kernels/cpu_exact_grid.h; a GPU's sums are copied there
-    first, once a step)."""
-    low, high, top = _native.exact_sum_of_squares(sums.cpu())
-    return low + (high << 64) + (top << 128)
+def sums_of_squares(sums: torch.Tensor, runs) -> list:
+    """Per run (first, length) of `sums` (int64, or int40 as n x 5 bytes),
+    the exact sum of its squares as a Python int: one native pass on the
+    host, in 128-bit integers (kernels/cpu_exact_grid.h); a GPU's sums are
+    copied there first, once a step."""
+    words = _native.exact_sums_of_squares(sums.cpu(), [(first, length, None) for first, length in runs])
+    return [low + (high << 64) + (top << 128) for low, high, top in words]
 
 
 def as_int64(sums: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,7 @@ def as_int64(sums: torch.Tensor) -> torch.Tensor:
 def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
     """(grad on the grid of 2**exponent as int64, its largest |value| in
     grid units; inf: one not finite) in torch's ops, the numbers the native
-    quantize_to_grid gives on the host: the scaling by a power of two is
+    accumulate_on_grid adds on the host: the scaling by a power of two is
     exact in float64, then round_ rounds once, ties to even."""
     units = grad.double().mul_(2.0**-exponent).round_()
     peak = 0.0
@@ -110,6 +110,12 @@ def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
         low, high = (x.item() for x in torch.aminmax(units))
         peak = math.inf if math.isnan(low) or math.isnan(high) else max(-low, high)
     return units.to(torch.int64), peak
+
+
+def _grid_runs(runs, exponents) -> list:
+    """A stretch's runs (first, length, param or None) as the native step
+    takes them: (first, length, the param's exponent or None: padding)."""
+    return [(first, length, None if param is None else exponents[param]) for first, length, param in runs]
 
 
 class ExactGradSum:
@@ -192,25 +198,25 @@ class ExactGradSum:
         self.squares = None  # once reduced: the exact mean's sum of squares (inf: not finite)
         self.regrid = False  # once reduced: a grad fell outside its grid, the step is skipped
 
-    def quantize(self, grad: torch.Tensor, group, param: int) -> torch.Tensor:
-        """Param `param` of `group`'s grad on its grid this step, as int64
-        (rounded to nearest, ties to even: one native pass on the host),
-        its largest noted."""
+    def _add_on_grid(self, sums: torch.Tensor, grad: torch.Tensor, group, param: int):
+        """sums (int64) += param `param` of `group`'s grad on its grid this
+        step (rounded to nearest, ties to even: on the host one native pass
+        with no temporary), its largest noted. Out of range only where the
+        step skips anyway."""
         i = self._index[id(group)]
         exponent = self.exponents[i][param]
         if grad.device.type == "cpu":
-            units = torch.empty(grad.shape, dtype=torch.int64)
-            peak = _native.quantize_to_grid(grad.contiguous(), units, exponent)
+            peak = _native.accumulate_on_grid(sums, grad, exponent)
         else:  # the native pass is the host's: torch's ops on a GPU
             units, peak = quantize_with_torch(grad, exponent)
+            sums.add_(units)
         self.largest[i][param] = max(self.largest[i][param], peak)
-        return units  # out of range only where the step skips anyway
 
     def grid_for(self, grad: torch.Tensor, group, param: int) -> int:
         """Stages 2-3: the exponent of the grid param `param` of `group`'s
         grad goes onto as the native reducer stages it (one pass, no int64
         copy: Backend::accumulate_on_grid), its largest |value| on that grid
-        noted (the same number quantize notes: rounding is monotonic)."""
+        noted (the number accumulate_on_grid returns: rounding is monotonic)."""
         i = self._index[id(group)]
         exponent = self.exponents[i][param]
         if grad.numel():
@@ -227,7 +233,7 @@ class ExactGradSum:
             return
         for g, total in zip(self.groups, self.sums):
             for j in range(len(g.params)):
-                g.view(total, "param", j).add_(self.quantize(g.view(g.buffers["grad_full"], "param", j), g, j))
+                self._add_on_grid(g.view(total, "param", j), g.view(g.buffers["grad_full"], "param", j), g, j)
             g.buffers["grad_full"].zero_()
 
     def reduce(self, count: int, reducer=None):
@@ -263,11 +269,15 @@ class ExactGradSum:
         return min((e for exponents in self.exponents for e in exponents), default=0)
 
     def _mean_into(self, sums, grads, exponents, runs, count: int):
-        """grads = sums * 2**exponent / count (formed in float64, one
-        rounding into the grads' dtype), run by run and a chunk at a time,
-        in order (padding: zeros): where grads lie in the sums' own first
-        bytes (FlatGroup.buffers["grad_sums"]), a chunk's writes land on sums of it or
-        of chunks before, read already."""
+        """grads = sums * 2**exponent / count (formed in float64, rounded
+        into the grads' dtype), run by run, in order (padding: zeros): on the
+        host one native pass over the stretch (kernels/cpu_exact_grid.h),
+        on a GPU a chunk at a time in torch's ops, the same numbers. Where
+        grads lie in the sums' own first bytes (FlatGroup.buffers["grad_sums"]),
+        each write lands on sums read already."""
+        if sums.device.type == "cpu":
+            _native.mean_of_sums(sums, grads, _grid_runs(runs, exponents), count)
+            return
         for first, length, param in runs:
             if param is None:
                 grads[first:first + length].zero_()
@@ -279,12 +289,14 @@ class ExactGradSum:
 
     def _sum_of_squares(self) -> int:
         """This rank's exact sum of squares of its sums, in units of the
-        finest grid squared (each param's scaled up to it)."""
+        finest grid squared (each param's scaled up to it): one native pass
+        a stretch, on the host (a GPU's sums are copied there, a stretch at
+        a time)."""
         finest, total = self._finest(), 0
         for sums, _, exponents, runs in self._mine():
-            for first, length, param in runs:
-                if param is not None:
-                    total += sum_of_squares(sums[first:first + length]) << 2 * (exponents[param] - finest)
+            params = [(first, length, param) for first, length, param in runs if param is not None]
+            for square, (_, _, param) in zip(sums_of_squares(sums, [run[:2] for run in params]), params):
+                total += square << 2 * (exponents[param] - finest)
         return total
 
     def _norm_words(self) -> int:
