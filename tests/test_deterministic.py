@@ -15,6 +15,7 @@ its bucket was reduced). A checkpoint saved at 4 ranks continues at 3 with
 the same bits, and docs/deterministic.md's example gives the same bits at 1
 and 3 ranks. The world-1 job's SGD cases are checked against
 single-process torch in float64 (the mean of the micro-batches' grads)."""
+import math
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ import torch
 import zerocore
 from dist_harness import run_ranks
 from models import LateGrads, TinyLM, lm_batch, lm_loss
-from zerocore.state.exact_grads import as_int64, quantize_with_torch, sums_of_squares
+from zerocore.state.exact_grads import add_on_grid_with_torch, as_int64, in_grid_units, sums_of_squares
 from readme import blocks
 
 M = 12  # micro-batches a step: every world size 1-4 divides it
@@ -265,32 +266,48 @@ def test_memory_report_counts_the_sums():
     assert 4 * got[3, True][0] == 5 * got[3, False][0] and all(got[3, True][1]) and got[3, True][1]
 
 
+def _on_grid_both_ways(grads, exponent, before, top=0.0):
+    """(sums, largest) after the native accumulate_on_grid and after the
+    torch ops a GPU runs (exact_grads.add_on_grid_with_torch), from the
+    same sums and largest."""
+    out = []
+    for add in (zerocore._native.accumulate_on_grid, add_on_grid_with_torch):
+        sums, largest = before.clone(), torch.tensor([top])
+        add(sums, grads, exponent, largest)
+        out.append((sums, largest.item()))
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_accumulate_on_grid_against_torch(dtype):
-    """The native grid kernel against torch's float64 round, ties to even
-    (exact_grads.quantize_with_torch, the GPU's path), added into int64
-    sums: random grads over 30 binades, exact ties; past 2**51 and past
-    int64, and not finite, the largest (which skips the step: the sums are
-    not read then)."""
+    """The native grid kernel against torch's float64 round, ties to even,
+    added into int64 sums, and the largest |grad| it keeps: random grads
+    over 30 binades, exact ties; a largest already larger stays; past 2**51
+    and past int64, and not finite, the largest alone (it skips the step:
+    the sums are not read then)."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     grads = (torch.randn(4099, generator=g) * 2.0 ** torch.randint(-20, 10, (4099,), generator=g)).to(dtype)
     exponent = -12
     grads[:8] = torch.tensor([0.5, 1.5, -2.5, -0.5, 3.5, 2.0**-13, -(2.0**-13), 0.0]).mul(2.0**exponent).to(dtype)
     before = torch.randint(-(2**40), 2**40, (grads.numel(),), dtype=torch.int64, generator=g)
-    sums = before.clone()
-    want, peak = quantize_with_torch(grads, exponent)
-    assert zerocore._native.accumulate_on_grid(sums, grads, exponent) == peak
-    assert torch.equal(sums, before + want)
-    assert (sums - before)[:8].tolist() == [0, 2, -2, 0, 4, 0, 0, 0]  # ties to even
+    (native, native_top), (torch_sums, torch_top) = _on_grid_both_ways(grads, exponent, before)
+    assert torch.equal(native, torch_sums)
+    assert native_top == torch_top == grads.abs().max().item()
+    assert (native - before)[:8].tolist() == [0, 2, -2, 0, 4, 0, 0, 0]  # ties to even
+    assert in_grid_units(native_top, exponent) == max(abs(x) for x in (native - before).tolist())
+    assert _on_grid_both_ways(grads, exponent, before, top=1e6)[0][1] == 1e6
     if dtype != torch.float16:  # past 2**51, and past int64
         big = torch.tensor([2.0**52 + 2.0**30, -(2.0**60), 2.0**70], dtype=dtype)
-        assert zerocore._native.accumulate_on_grid(sums[:3], big, 0) == quantize_with_torch(big, 0)[1] == 2.0**70
+        tops = [top for _, top in _on_grid_both_ways(big, 0, before[:3])]
+        assert tops == [2.0**70] * 2 and in_grid_units(2.0**70, 0) == 2.0**70
     for bad in (float("nan"), float("inf")):
         grads[7] = bad
-        assert zerocore._native.accumulate_on_grid(sums, grads, exponent) == float("inf")
-        assert quantize_with_torch(grads, exponent)[1] == float("inf")
+        tops = [top for _, top in _on_grid_both_ways(grads, exponent, before)]
+        assert not any(math.isfinite(t) for t in tops) and in_grid_units(tops[0], exponent) == math.inf
     with pytest.raises(TypeError, match="dst must be int64"):
-        zerocore._native.accumulate_on_grid(grads, grads, exponent)
+        zerocore._native.accumulate_on_grid(grads, grads, exponent, torch.zeros(1))
+    with pytest.raises(TypeError, match="largest must be one float32"):
+        zerocore._native.accumulate_on_grid(before, grads, exponent, torch.zeros(2))
 
 
 def _random_runs(n, g):

@@ -69,16 +69,17 @@ void bind_cpu(nb::module_& m) {
   m.def("num_threads", &num_threads);
   m.def(
       "accumulate_on_grid",
-      [](nb::handle dst, nb::handle src, int exponent) {
+      [](nb::handle dst, nb::handle src, int exponent, nb::handle largest) {
         const Tensor d = tensor_from_dlpack(dst, "accumulate_on_grid: dst");
         const Tensor s = tensor_from_dlpack(src, "accumulate_on_grid: src");
+        const Tensor l = tensor_from_dlpack(largest, "accumulate_on_grid: largest");
         nb::gil_scoped_release release;
-        return accumulate_on_grid(d, s, exponent);
+        accumulate_on_grid(d, s, exponent, l);
       },
-      nb::arg("dst"), nb::arg("src"), nb::arg("exponent"),
+      nb::arg("dst"), nb::arg("src"), nb::arg("exponent"), nb::arg("largest"),
       "Config(deterministic=True): dst (int64) += src * 2**-exponent rounded to nearest, ties to even, on the "
-      "host, in one pass; returns the largest rounded |src * 2**-exponent| (inf: a value not finite). See "
-      "kernels/cpu_exact_grid.h.");
+      "host, in one pass; largest (one float32) becomes the largest of itself and every |src| (a NaN or an inf "
+      "stays). See kernels/cpu_exact_grid.h.");
   m.def(
       "exact_sums_of_squares",
       [](nb::handle sums, const std::vector<std::tuple<int64_t, int64_t, std::optional<int>>>& runs) {

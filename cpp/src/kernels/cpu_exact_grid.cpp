@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <string>
 
 #include "zerocore/error.h"
@@ -32,11 +31,15 @@ int64_t bits_of(double x) {
 
 }  // namespace
 
-double accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent) {
-  if (src.device().type != DeviceType::kCPU || dst.device().type != DeviceType::kCPU) {
+void accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent, const Tensor& largest) {
+  if (src.device().type != DeviceType::kCPU || dst.device().type != DeviceType::kCPU ||
+      largest.device().type != DeviceType::kCPU) {
     throw TypeMismatch("accumulate_on_grid: tensors must be on the host");
   }
   if (dst.dtype() != DType::kInt64) throw TypeMismatch("accumulate_on_grid: dst must be int64");
+  if (largest.dtype() != DType::kFloat32 || largest.numel() != 1) {
+    throw TypeMismatch("accumulate_on_grid: largest must be one float32 element");
+  }
   if (dst.numel() != src.numel()) {
     throw InvalidArgument("accumulate_on_grid: " + std::to_string(src.numel()) + " elements into " +
                           std::to_string(dst.numel()));
@@ -45,20 +48,18 @@ double accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent) {
   const uint64_t magic_bits = uint64_t(bits_of(kMagic));
   const int64_t n = src.numel();
   uint64_t* d = static_cast<uint64_t*>(dst.data());  // unsigned: adds modulo 2**64, never overflow
-  float largest = 0;  // of |src|: rounding is monotonic, so the largest result is it, rounded
-  bool finite = true;
+  float* top = static_cast<float*>(largest.data());
+  uint32_t top_bits = float_bits(*top) & 0x7FFFFFFFu;  // |x|'s bits order as |x|, a NaN's above an inf's
   kernels::with_element_type(src.dtype(), [&](auto s_type) {
     using S = decltype(s_type);
     const S* s = static_cast<const S*>(src.data());
     for (int64_t i = 0; i < n; ++i) {
       const float x = kernels::load<ScalarVec>(s + i);
-      const float a = std::fabs(x);
-      finite &= a <= std::numeric_limits<float>::max();  // a NaN or an inf fails it
-      largest = std::max(largest, a);
+      top_bits = std::max(top_bits, float_bits(x) & 0x7FFFFFFFu);
       d[i] += uint64_t(bits_of(double(x) * scale + kMagic)) - magic_bits;
     }
   });
-  return finite ? std::nearbyint(double(largest) * scale) : HUGE_VAL;
+  *top = bits_float(top_bits);
 }
 
 namespace {

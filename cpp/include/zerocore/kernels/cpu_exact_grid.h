@@ -17,13 +17,15 @@ namespace zerocore {
 // no temporary: how gradient reduction stages a grad in deterministic mode
 // (Backend::accumulate_on_grid), and stages 0-1 add a micro-batch's grads
 // into their sums. src is fp32, bf16 or fp16, dst int64 of as many
-// elements, both on the host. Returns the largest rounded |src[i] *
-// 2**-exponent|, or +inf when some src[i] is not finite. Exact where that
-// is below 2**51; past it, or where a src[i] is not finite, what dst[i]
-// gets is unspecified: the caller, seeing the largest far past the grid's
-// 2**39, skips the step. Throws TypeMismatch or InvalidArgument for other
-// tensors.
-double accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent);
+// elements, largest one fp32 element, all on the host. largest becomes the
+// largest of itself and every |src[i]|, ordered by their bits (a NaN above
+// an inf above every finite value, so one not finite stays in it): the
+// caller puts it on the grid (rounding is monotonic) once a step. Exact
+// where |src[i] * 2**-exponent| < 2**51; past it, or where a src[i] is not
+// finite, what dst[i] gets is unspecified: the caller, seeing the largest
+// far past the grid's 2**39, skips the step. Throws TypeMismatch or
+// InvalidArgument for other tensors.
+void accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent, const Tensor& largest);
 
 // A stretch of one param's sums on one grid (multiples of 2**exponent), or
 // of padding (no exponent), at elements [first, first + length) of a rank's
