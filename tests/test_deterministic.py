@@ -15,6 +15,7 @@ its bucket was reduced). A checkpoint saved at 4 ranks continues at 3 with
 the same bits, and docs/deterministic.md's example gives the same bits at 1
 and 3 ranks. The world-1 job's SGD cases are checked against
 single-process torch in float64 (the mean of the micro-batches' grads)."""
+import math
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ import torch
 import zerocore
 from dist_harness import run_ranks
 from models import LateGrads, TinyLM, lm_batch, lm_loss
-from zerocore.state.exact_grads import as_int64, quantize_with_torch
+from zerocore.state.exact_grads import add_on_grid_with_torch, as_int64, in_grid_units, sums_of_squares
 from readme import blocks
 
 M = 12  # micro-batches a step: every world size 1-4 divides it
@@ -265,50 +266,109 @@ def test_memory_report_counts_the_sums():
     assert 4 * got[3, True][0] == 5 * got[3, False][0] and all(got[3, True][1]) and got[3, True][1]
 
 
+def _on_grid_both_ways(grads, exponent, before, top=0.0):
+    """(sums, largest) after the native accumulate_on_grid and after the
+    torch ops a GPU runs (exact_grads.add_on_grid_with_torch), from the
+    same sums and largest."""
+    out = []
+    for add in (zerocore._native.accumulate_on_grid, add_on_grid_with_torch):
+        sums, largest = before.clone(), torch.tensor([top])
+        add(sums, grads, exponent, largest)
+        out.append((sums, largest.item()))
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_quantize_to_grid_against_torch(dtype):
-    """The native grid kernel against torch's float64 round, ties to even
-    (exact_grads.quantize_with_torch, the GPU's path): random grads over 30
-    binades, exact ties, values past the fast path's 2**51 and past int64
-    (a skipped step), and non-finite ones."""
+def test_accumulate_on_grid_against_torch(dtype):
+    """The native grid kernel against torch's float64 round, ties to even,
+    added into int64 sums, and the largest |grad| it keeps: random grads
+    over 30 binades, exact ties; a largest already larger stays; past 2**51
+    and past int64, and not finite, the largest alone (it skips the step:
+    the sums are not read then)."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     grads = (torch.randn(4099, generator=g) * 2.0 ** torch.randint(-20, 10, (4099,), generator=g)).to(dtype)
     exponent = -12
     grads[:8] = torch.tensor([0.5, 1.5, -2.5, -0.5, 3.5, 2.0**-13, -(2.0**-13), 0.0]).mul(2.0**exponent).to(dtype)
-    units = torch.empty(grads.numel(), dtype=torch.int64)
-    want, peak = quantize_with_torch(grads, exponent)
-    assert zerocore._native.quantize_to_grid(grads, units, exponent) == peak
-    assert torch.equal(units, want)
-    assert units[:8].tolist() == [0, 2, -2, 0, 4, 0, 0, 0]  # ties to even
+    before = torch.randint(-(2**40), 2**40, (grads.numel(),), dtype=torch.int64, generator=g)
+    (native, native_top), (torch_sums, torch_top) = _on_grid_both_ways(grads, exponent, before)
+    assert torch.equal(native, torch_sums)
+    assert native_top == torch_top == grads.abs().max().item()
+    assert (native - before)[:8].tolist() == [0, 2, -2, 0, 4, 0, 0, 0]  # ties to even
+    assert in_grid_units(native_top, exponent) == max(abs(x) for x in (native - before).tolist())
+    assert _on_grid_both_ways(grads, exponent, before, top=1e6)[0][1] == 1e6
     if dtype != torch.float16:  # past 2**51, and past int64
         big = torch.tensor([2.0**52 + 2.0**30, -(2.0**60), 2.0**70], dtype=dtype)
-        assert zerocore._native.quantize_to_grid(big, units[:3], 0) == quantize_with_torch(big, 0)[1]
-        assert units[:2].tolist() == [int(big[0]), int(big[1])]
+        tops = [top for _, top in _on_grid_both_ways(big, 0, before[:3])]
+        assert tops == [2.0**70] * 2 and in_grid_units(2.0**70, 0) == 2.0**70
     for bad in (float("nan"), float("inf")):
         grads[7] = bad
-        assert zerocore._native.quantize_to_grid(grads, units, exponent) == float("inf")
-        assert quantize_with_torch(grads, exponent)[1] == float("inf")
+        tops = [top for _, top in _on_grid_both_ways(grads, exponent, before)]
+        assert not any(math.isfinite(t) for t in tops) and in_grid_units(tops[0], exponent) == math.inf
+    with pytest.raises(TypeError, match="dst must be int64"):
+        zerocore._native.accumulate_on_grid(grads, grads, exponent, torch.zeros(1))
+    with pytest.raises(TypeError, match="largest must be one float32"):
+        zerocore._native.accumulate_on_grid(before, grads, exponent, torch.zeros(2))
 
 
-def test_exact_sum_of_squares_against_python_ints():
+def _random_runs(n, g):
+    """Runs (first, length) in order over n elements, with gaps between some."""
+    cuts = sorted(set(torch.randint(0, n, (12,), generator=g).tolist()) | {0, n})
+    return [(lo, hi - lo) for k, (lo, hi) in enumerate(zip(cuts, cuts[1:])) if k % 3 != 1]
+
+
+def _packed_int40(values: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([[(v >> (8 * b)) & 0xFF for b in range(5)] for v in values.tolist()], dtype=torch.uint8)
+
+
+def test_exact_sums_of_squares_against_python_ints():
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     sums = torch.randint(-(2**62), 2**62, (5000,), dtype=torch.int64, generator=g)
     sums[:3] = torch.tensor([2**63 - 1, -(2**63) + 1, 0])
-    low, high, top = zerocore._native.exact_sum_of_squares(sums)
-    assert low + (high << 64) + (top << 128) == sum(x * x for x in sums.tolist())
+    runs = _random_runs(sums.numel(), g)
+    values = sums.tolist()
+    assert sums_of_squares(sums, runs) == [sum(x * x for x in values[a:a + n]) for a, n in runs]
+    with pytest.raises(ValueError, match="in order, apart"):
+        sums_of_squares(sums, [(10, 5), (12, 3)])
 
 
 def test_int40_sums_read_back_exactly():
     """A partition's int40 sums (n x 5 bytes, two's complement) as int64
-    (exact_grads.as_int64, torch's ops) and their native sum of squares,
+    (exact_grads.as_int64, torch's ops) and their native sums of squares,
     against Python ints, over the whole range [-2**39, 2**39)."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     values = torch.randint(-(2**39), 2**39, (3001,), dtype=torch.int64, generator=g)
     values[:5] = torch.tensor([2**39 - 1, -(2**39), -1, 0, 1])
-    packed = torch.tensor([[(v >> (8 * b)) & 0xFF for b in range(5)] for v in values.tolist()], dtype=torch.uint8)
+    packed = _packed_int40(values)
     assert torch.equal(as_int64(packed), values)
-    low, high, top = zerocore._native.exact_sum_of_squares(packed)
-    assert low + (high << 64) + (top << 128) == sum(x * x for x in values.tolist())
+    assert sums_of_squares(packed, [(0, 3001)]) == [sum(x * x for x in values.tolist())]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_native_mean_is_torchs_to_the_bit(dtype, packed):
+    """The step's mean on the host (one native pass, _native.mean_of_sums)
+    gives the bits of the torch ops a GPU's sums take (double(sum) *
+    2**exponent / count, then the grads' dtype), padding zeros; int40 sums
+    with the grads in their own first bytes, as a grad partition holds them."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, count = 4000, 6
+    values = torch.randint(-(2**39), 2**39, (n,), dtype=torch.int64, generator=g)
+    runs = [(a, length, int(torch.randint(-160, 10, (), generator=g)) if k % 4 else None)
+            for k, (a, length) in enumerate(_random_runs(n, g))]
+    expected = torch.full((n,), 7.0, dtype=dtype)  # elements outside the runs are left as they were
+    for a, length, exponent in runs:
+        expected[a:a + length] = 0 if exponent is None else values[a:a + length].double() * 2.0**exponent / count
+    if packed:
+        sums = _packed_int40(values)
+        grads = sums.view(-1)[:n * dtype.itemsize].view(dtype)
+        untouched = [(a, b) for (a, b) in zip([0] + [r[0] + r[1] for r in runs], [r[0] for r in runs] + [n])]
+        for a, b in untouched:  # what the step leaves of them reads as the sums' bytes: not compared
+            expected[a:b] = grads[a:b]
+    else:
+        sums, grads = values, torch.full((n,), 7.0, dtype=dtype)
+    zerocore._native.mean_of_sums(sums, grads, runs, count)
+    assert torch.equal(grads.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                       expected.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
 
 
 def test_config_refuses_a_non_bool():

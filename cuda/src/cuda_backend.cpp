@@ -364,10 +364,11 @@ void CudaBackend::accumulate(Stream& stream, const Tensor& dst, const Tensor& sr
            [&](cudaStream_t h) { cuda_accumulate(dst, src, h); });
 }
 
-void CudaBackend::accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent) {
-  dispatch(stream, "accumulate_on_grid", {{"dst", &dst}, {"src", &src}},
-           [dst, src, exponent] { zerocore::accumulate_on_grid(dst, src, exponent); },
-           [&](cudaStream_t h) { cuda_accumulate_on_grid(dst, src, exponent, h); });
+void CudaBackend::accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent,
+                                     const Tensor& largest) {
+  dispatch(stream, "accumulate_on_grid", {{"dst", &dst}, {"src", &src}, {"largest", &largest}},
+           [dst, src, exponent, largest] { zerocore::accumulate_on_grid(dst, src, exponent, largest); },
+           [&](cudaStream_t h) { cuda_accumulate_on_grid(dst, src, exponent, largest, h); });
 }
 
 void CudaBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,

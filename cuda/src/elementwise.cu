@@ -49,14 +49,22 @@ __global__ void __launch_bounds__(kThreads) accumulate_int64_kernel(int64_t* dst
 // A grad onto its grid and into the int64 staging: round(src * scale),
 // ties to even (__double2ll_rn, IEEE round-to-nearest-even), as the host's
 // accumulate_on_grid; 0 past int64 or not finite (the step is skipped).
+// The largest |src| as the host keeps it: the bits of |x| order as |x|
+// (a NaN's above an inf's), so an unsigned maximum over them, a warp's
+// first and then one atomicMax a warp into *largest.
 template <class S>
 __global__ void __launch_bounds__(kThreads) accumulate_on_grid_kernel(int64_t* dst, const S* src, double scale,
-                                                                       int64_t n) {
+                                                                       int64_t n, unsigned int* largest) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  unsigned int top = 0;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const double r = double(kernels::load<CudaOps>(src + i)) * scale;
+    const float x = kernels::load<CudaOps>(src + i);
+    top = max(top, __float_as_uint(x) & 0x7FFFFFFFu);
+    const double r = double(x) * scale;
     dst[i] += fabs(r) < 9.2e18 ? __double2ll_rn(r) : 0;
   }
+  for (int offset = 16; offset > 0; offset /= 2) top = max(top, __shfl_down_sync(0xFFFFFFFFu, top, offset));
+  if ((threadIdx.x & 31) == 0) atomicMax(largest, top);
 }
 
 __global__ void __launch_bounds__(kThreads) accumulate_int40_kernel(uint8_t* dst, const int64_t* src, int64_t n) {
@@ -131,13 +139,17 @@ void cuda_accumulate(const Tensor& dst, const Tensor& src, void* stream) {
   cuda_detail::check(cudaGetLastError(), "cuda_accumulate kernel launch");
 }
 
-void cuda_accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent, void* stream) {
+void cuda_accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent, const Tensor& largest,
+                             void* stream) {
   const Device device{DeviceType::kCUDA, dst.device().index};
-  if (dst.device() != device || src.device() != device) {
-    throw TypeMismatch("cuda_accumulate_on_grid: both tensors must be on one CUDA device, got dst on " + where(dst) +
-                       " and src on " + where(src));
+  if (dst.device() != device || src.device() != device || largest.device() != device) {
+    throw TypeMismatch("cuda_accumulate_on_grid: the tensors must be on one CUDA device, got dst on " + where(dst) +
+                       ", src on " + where(src) + " and largest on " + where(largest));
   }
   if (dst.dtype() != DType::kInt64) throw TypeMismatch("cuda_accumulate_on_grid: dst must be int64");
+  if (largest.dtype() != DType::kFloat32 || largest.numel() != 1) {
+    throw TypeMismatch("cuda_accumulate_on_grid: largest must be one float32 element");
+  }
   if (dst.numel() != src.numel()) {
     throw InvalidArgument("cuda_accumulate_on_grid: " + std::to_string(src.numel()) + " elements into " +
                           std::to_string(dst.numel()));
@@ -149,8 +161,9 @@ void cuda_accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent,
   kernels::with_element_type(src.dtype(), [&](auto s_type) {
     using S = decltype(s_type);
     accumulate_on_grid_kernel<S><<<cuda_detail::grid_size(device.index, (n + kThreads - 1) / kThreads), kThreads, 0,
-                                   static_cast<cudaStream_t>(stream)>>>(static_cast<int64_t*>(dst.data()),
-                                                                        static_cast<const S*>(src.data()), scale, n);
+                                   static_cast<cudaStream_t>(stream)>>>(
+        static_cast<int64_t*>(dst.data()), static_cast<const S*>(src.data()), scale, n,
+        static_cast<unsigned int*>(largest.data()));
   });
   cuda_detail::check(cudaGetLastError(), "cuda_accumulate_on_grid kernel launch");
 }

@@ -1,7 +1,13 @@
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "bindings.h"
 #include "dlpack_tensor.h"
@@ -14,6 +20,18 @@
 namespace nb = nanobind;
 
 namespace zerocore::bindings {
+
+namespace {
+
+// Python's (first, length, exponent or None) runs.
+std::vector<GridRun> grid_runs(const std::vector<std::tuple<int64_t, int64_t, std::optional<int>>>& runs) {
+  std::vector<GridRun> out;
+  out.reserve(runs.size());
+  for (const auto& [first, length, exponent] : runs) out.push_back({first, length, exponent});
+  return out;
+}
+
+}  // namespace
 
 void bind_cpu(nb::module_& m) {
   m.def(
@@ -50,30 +68,43 @@ void bind_cpu(nb::module_& m) {
   m.def("set_num_threads", &set_num_threads, nb::arg("threads"), "Threads used by the CPU optimizers.");
   m.def("num_threads", &num_threads);
   m.def(
-      "quantize_to_grid",
-      [](nb::handle src, nb::handle dst, int exponent) {
-        const Tensor s = tensor_from_dlpack(src, "quantize_to_grid: src");
-        const Tensor d = tensor_from_dlpack(dst, "quantize_to_grid: dst");
+      "accumulate_on_grid",
+      [](nb::handle dst, nb::handle src, int exponent, nb::handle largest) {
+        const Tensor d = tensor_from_dlpack(dst, "accumulate_on_grid: dst");
+        const Tensor s = tensor_from_dlpack(src, "accumulate_on_grid: src");
+        const Tensor l = tensor_from_dlpack(largest, "accumulate_on_grid: largest");
         nb::gil_scoped_release release;
-        return quantize_to_grid(s, d, exponent);
+        accumulate_on_grid(d, s, exponent, l);
       },
-      nb::arg("src"), nb::arg("dst"), nb::arg("exponent"),
-      "Config(deterministic=True): dst (int64) = src * 2**-exponent rounded to nearest, ties to even, on the "
-      "host; returns the largest |dst| (inf: a value not finite). See kernels/cpu_exact_grid.h.");
+      nb::arg("dst"), nb::arg("src"), nb::arg("exponent"), nb::arg("largest"),
+      "Config(deterministic=True): dst (int64) += src * 2**-exponent rounded to nearest, ties to even, on the "
+      "host, in one pass; largest (one float32) becomes the largest of itself and every |src| (a NaN or an inf "
+      "stays). See kernels/cpu_exact_grid.h.");
   m.def(
-      "exact_sum_of_squares",
-      [](nb::handle sums) {
-        const Tensor t = tensor_from_dlpack(sums, "exact_sum_of_squares: sums");
-        std::array<uint64_t, 3> w;
-        {
-          nb::gil_scoped_release release;
-          w = exact_sum_of_squares(t);
-        }
-        return std::make_tuple(w[0], w[1], w[2]);
+      "exact_sums_of_squares",
+      [](nb::handle sums, const std::vector<std::tuple<int64_t, int64_t, std::optional<int>>>& runs) {
+        const Tensor t = tensor_from_dlpack(sums, "exact_sums_of_squares: sums");
+        const std::vector<GridRun> r = grid_runs(runs);
+        nb::gil_scoped_release release;
+        return exact_sums_of_squares(t, r);
       },
-      nb::arg("sums"),
-      "Config(deterministic=True): the exact sum of squares of int64 sums as 64-bit words (w0, w1, w2), least "
-      "significant first. See kernels/cpu_exact_grid.h.");
+      nb::arg("sums"), nb::arg("runs"),
+      "Config(deterministic=True): per run (first, length, exponent or None) of int64 or int40 sums, the exact "
+      "sum of their squares as 64-bit words (w0, w1, w2), least significant first, in one call. See "
+      "kernels/cpu_exact_grid.h.");
+  m.def(
+      "mean_of_sums",
+      [](nb::handle sums, nb::handle grads, const std::vector<std::tuple<int64_t, int64_t, std::optional<int>>>& runs,
+         int64_t count) {
+        const Tensor s = tensor_from_dlpack(sums, "mean_of_sums: sums");
+        const Tensor g = tensor_from_dlpack(grads, "mean_of_sums: grads");
+        const std::vector<GridRun> r = grid_runs(runs);
+        nb::gil_scoped_release release;
+        mean_of_sums(s, g, r, count);
+      },
+      nb::arg("sums"), nb::arg("grads"), nb::arg("runs"), nb::arg("count"),
+      "Config(deterministic=True): grads = sums * 2**exponent / count, run by run (first, length, exponent; None: "
+      "padding, zeros), on the host; the grads may lie in the sums' first bytes. See kernels/cpu_exact_grid.h.");
 }
 
 }  // namespace zerocore::bindings

@@ -130,19 +130,28 @@ void bind_schedule(nb::module_& m) {
           "then hands out the views of each bucket that takes staging.")
       .def(
           "grad_ready",
-          [](BucketReducer& self, int group, int param, nb::handle grad, std::optional<int> grid_exponent) {
+          [](BucketReducer& self, int group, int param, nb::handle grad, std::optional<int> grid_exponent,
+             nb::handle largest) {
             const Tensor t = tensor_from_dlpack(grad, "BucketReducer.grad_ready: grad");
+            if (grid_exponent.has_value() == largest.is_none()) {
+              throw nb::value_error("BucketReducer.grad_ready: grid_exponent and largest come together");
+            }
+            std::optional<BucketReducer::Grid> grid;
+            if (grid_exponent) {
+              grid = BucketReducer::Grid{*grid_exponent, tensor_from_dlpack(largest, "BucketReducer.grad_ready: largest")};
+            }
             std::vector<GradView> views;
             {
               nb::gil_scoped_release release;
-              views = self.grad_ready(group, param, t, grid_exponent);
+              views = self.grad_ready(group, param, t, grid);
             }
             return grad_views(views);
           },
-          "group"_a, "param"_a, "grad"_a, "grid_exponent"_a.none() = nb::none(),
+          "group"_a, "param"_a, "grad"_a, "grid_exponent"_a.none() = nb::none(), "largest"_a.none() = nb::none(),
           "The param's grad is in (added, or in its view already): [(group, param, view)] of the buckets that took "
-          "staging in this call (after begin_backward). grid_exponent (int64 reductions): the float grad is put onto "
-          "the grid of 2**grid_exponent as it is added.")
+          "staging in this call (after begin_backward). grid_exponent and largest (int64 reductions): the float grad "
+          "is put onto the grid of 2**grid_exponent as it is added, and largest (one float32 where the grad is) "
+          "becomes the largest of itself and every |grad| (a NaN or an inf stays), with no host wait.")
       .def(
           "grad_views",
           [](BucketReducer& self, int group) {

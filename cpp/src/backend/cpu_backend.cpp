@@ -132,10 +132,11 @@ void CpuBackend::accumulate(Stream& stream, const Tensor& dst, const Tensor& src
           [dst, src] { zerocore::accumulate(dst, src); });
 }
 
-void CpuBackend::accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent) {
-  check_kernel_memory("accumulate_on_grid", {{"dst", &dst}, {"src", &src}});
-  enqueue(stream, "accumulate_on_grid", {Access::write(dst), Access::read(src)},
-          [dst, src, exponent] { zerocore::accumulate_on_grid(dst, src, exponent); });
+void CpuBackend::accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent,
+                                    const Tensor& largest) {
+  check_kernel_memory("accumulate_on_grid", {{"dst", &dst}, {"src", &src}, {"largest", &largest}});
+  enqueue(stream, "accumulate_on_grid", {Access::write(dst), Access::read(src), Access::write(largest)},
+          [dst, src, exponent, largest] { zerocore::accumulate_on_grid(dst, src, exponent, largest); });
 }
 
 void CpuBackend::sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,

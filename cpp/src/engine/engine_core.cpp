@@ -45,7 +45,12 @@ std::string placement_problem(const StorePlacement& p, int stage, bool offloaded
 // which runs behind that backward; the unit after finds the three taken and
 // completes the oldest, which has run behind a whole unit's backward. With
 // two, every unit's backward began by waiting for the reduce-scatter issued
-// at its start (tests/test_reduction_overlap.py).
+// at its start (tests/test_reduction_overlap.py). Config(deterministic=True)
+// keeps two: its staging is int64, twice fp32's bytes, so three units would
+// hold twice the default's staging (its 1.1x memory target,
+// docs/deterministic.md); its units take staging at their first grad, not
+// at their backward's start (no grad views), so the wait is what is left of
+// that reduce-scatter then.
 int staging_for(const EngineCore::Description& d) {
   auto trainable = [&](int i) { return d.groups[size_t(i)].store->placement().trainable; };
   if (d.stage == 2) {
@@ -65,7 +70,10 @@ int staging_for(const EngineCore::Description& d) {
     buckets.push_back(n);
   }
   if (buckets.empty()) return 0;
-  return buckets[0] + 3 * (buckets.size() > 1 ? *std::max_element(buckets.begin() + 1, buckets.end()) : 0);
+  bool exact = false;
+  for (const EngineCore::Group& g : d.groups) exact = exact || g.reduced.data() != nullptr;
+  const int units = exact ? 2 : 3;
+  return buckets[0] + units * (buckets.size() > 1 ? *std::max_element(buckets.begin() + 1, buckets.end()) : 0);
 }
 
 }  // namespace

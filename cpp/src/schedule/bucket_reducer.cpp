@@ -189,7 +189,7 @@ std::vector<GradView> BucketReducer::begin_backward() {
 }
 
 std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tensor& grad,
-                                                std::optional<int> grid_exponent) {
+                                                const std::optional<Grid>& grid) {
   const std::vector<Piece>& ps = pieces(group, param);
   const int64_t numel = groups_[size_t(group)].plan.params()[size_t(param)].numel;
   if (grad.numel() != numel) {
@@ -201,8 +201,8 @@ std::vector<GradView> BucketReducer::grad_ready(int group, int param, const Tens
     BucketState& b = buckets_[size_t(piece.bucket)];
     const Tensor target = pool_.slot(take_staging(piece.bucket)).slice(piece.staging_offset, piece.numel);
     const Tensor source = grad.slice(piece.param_offset, piece.numel);
-    if (grid_exponent) {
-      backend_.accumulate_on_grid(backend_.compute_stream(), target, source, *grid_exponent);
+    if (grid) {
+      backend_.accumulate_on_grid(backend_.compute_stream(), target, source, grid->exponent, grid->largest);
     } else if (source.data() != target.data()) {
       backend_.accumulate(backend_.compute_stream(), target, source);
     } else {  // autograd accumulated in place

@@ -127,7 +127,8 @@ class CudaBackend : public Backend {
   // Device tensors of this device only.
   void fill(Stream& stream, const Tensor& dst, float value) override;
   void accumulate(Stream& stream, const Tensor& dst, const Tensor& src) override;
-  void accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent) override;
+  void accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent,
+                          const Tensor& largest) override;
   // xs on this device; the kernel writes the box (cuda_reduce.h).
   void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
                       int finite_slot) override;

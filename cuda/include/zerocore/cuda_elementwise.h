@@ -14,9 +14,12 @@ namespace zerocore {
 void cuda_accumulate(const Tensor& dst, const Tensor& src, void* stream);
 
 // dst (int64) += src * 2**-exponent rounded to an integer, ties to even,
-// as kernels/cpu_exact_grid.h's accumulate_on_grid (0 where not finite or
-// beyond int64); src fp32, bf16 or fp16, one CUDA device.
-void cuda_accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent, void* stream);
+// and largest (one fp32 element) = the largest of itself and every |src|,
+// ordered by their bits, as kernels/cpu_exact_grid.h's accumulate_on_grid
+// (0 added where not finite or beyond int64: the step is skipped there);
+// src fp32, bf16 or fp16, all on one CUDA device.
+void cuda_accumulate_on_grid(const Tensor& dst, const Tensor& src, int exponent, const Tensor& largest,
+                             void* stream);
 
 // Every element of dst (a CUDA tensor) set to `value` rounded to its dtype.
 void cuda_fill(const Tensor& dst, float value, void* stream);

@@ -217,7 +217,7 @@ class StagedReducer:
                 view.copy_(p.grad)
             p.grad = view
         grad = p.grad.reshape(-1)
-        views = self.native.grad_ready(i, j, grad, self.exact.grid_for(grad, self.groups[i], j)) if self.exact \
+        views = self.native.grad_ready(i, j, grad, *self.exact.grid_for(grad, self.groups[i], j)) if self.exact \
             else self.native.grad_ready(i, j, grad)
         p.grad = None
         self._attach_handed(views)

@@ -20,8 +20,10 @@ which (grads on the device) live in the grad partition's own memory, 5
 bytes an element (FlatGroup.buffers["grad_sums"]: 40-bit integers, packed, as n x 5
 torch bytes), the mean formed in its first bytes.
 
-Then the ranks agree on their largest |grad| of each param in its grid's
-units (a maximum is order-independent too) and, where each holds a part
+The kernels that put a grad on its grid also keep each param's largest
+|grad| (a float32 a param, where the grads are: no host wait a grad), read
+once at the step. Then the ranks agree on their largest |grad| of each
+param in its grid's units (a maximum is order-independent too) and, where each holds a part
 of the grads, on their parts of the norm. If count * (largest + 1) is
 below 2**39 for every param, no partial sum in any order can have left
 the 40 bits a partition keeps, and the mean,
@@ -80,13 +82,13 @@ def planned_bytes(groups, placement) -> int:
     return extra
 
 
-def sum_of_squares(sums: torch.Tensor) -> int:
-    """The exact sum of the squares of `sums` (int64, or int40 as n x 5
-    bytes), as a Python int (one native pass on the host, in 128-bit
-    integers: kernels/cpu_exact_grid.h; a GPU's sums are copied there
-    first, once a step)."""
-    low, high, top = _native.exact_sum_of_squares(sums.cpu())
-    return low + (high << 64) + (top << 128)
+def sums_of_squares(sums: torch.Tensor, runs) -> list:
+    """Per run (first, length) of `sums` (int64, or int40 as n x 5 bytes),
+    the exact sum of its squares as a Python int: one native pass on the
+    host, in 128-bit integers (kernels/cpu_exact_grid.h); a GPU's sums are
+    copied there first, once a step."""
+    words = _native.exact_sums_of_squares(sums.cpu(), [(first, length, None) for first, length in runs])
+    return [low + (high << 64) + (top << 128) for low, high, top in words]
 
 
 def as_int64(sums: torch.Tensor) -> torch.Tensor:
@@ -99,17 +101,29 @@ def as_int64(sums: torch.Tensor) -> torch.Tensor:
     return value - ((wide[:, 4] >> 7) << 40)  # the top bit set: negative
 
 
-def quantize_with_torch(grad: torch.Tensor, exponent: int) -> tuple:
-    """(grad on the grid of 2**exponent as int64, its largest |value| in
-    grid units; inf: one not finite) in torch's ops, the numbers the native
-    quantize_to_grid gives on the host: the scaling by a power of two is
-    exact in float64, then round_ rounds once, ties to even."""
-    units = grad.double().mul_(2.0**-exponent).round_()
-    peak = 0.0
-    if units.numel():
-        low, high = (x.item() for x in torch.aminmax(units))
-        peak = math.inf if math.isnan(low) or math.isnan(high) else max(-low, high)
-    return units.to(torch.int64), peak
+def add_on_grid_with_torch(sums: torch.Tensor, grad: torch.Tensor, exponent: int, largest: torch.Tensor):
+    """The native accumulate_on_grid in torch's ops (on any device, a GPU's
+    stages 0-1): sums (int64) += grad on the grid of 2**exponent (the
+    scaling by a power of two is exact in float64, then round_ rounds once,
+    ties to even), and largest (one float32) the largest of itself and every
+    |grad| (a NaN or an inf stays: not finite), with no host wait."""
+    sums.add_(grad.double().mul_(2.0**-exponent).round_().to(torch.int64))
+    if grad.numel():
+        torch.maximum(largest, grad.detach().abs().max().float(), out=largest)
+
+
+def in_grid_units(top: float, exponent: int) -> float:
+    """A largest |grad| on the grid of 2**exponent, rounded as the grads
+    are (ties to even; rounding is monotonic, so it is their largest); inf
+    where it is not finite (the step is skipped). A float32 on the finest
+    grid, 2**-149, stays below 2**277: no overflow."""
+    return float(round(math.ldexp(top, -exponent))) if math.isfinite(top) else math.inf
+
+
+def _grid_runs(runs, exponents) -> list:
+    """A stretch's runs (first, length, param or None) as the native step
+    takes them: (first, length, the param's exponent or None: padding)."""
+    return [(first, length, None if param is None else exponents[param]) for first, length, param in runs]
 
 
 class ExactGradSum:
@@ -135,6 +149,10 @@ class ExactGradSum:
         # Bytes of sums beside the groups' buffers (memory_report counts the rest as grad_part's).
         self.own_bytes = sum(s.nbytes for s, g in zip(self.sums, self.groups) if s is not g.buffers.get("grad_sums"))
         self._index = {id(g): i for i, g in enumerate(self.groups)}
+        # Per group, each param's largest |grad| this step (float32, where its
+        # grads are: kept by the kernels that put them on the grid, read once
+        # at the step), made at the first grad.
+        self._tops = [None] * len(self.groups)
         self._runs = [self._runs_of(g) for g in self.groups]
         self.bytes_moved = 0  # of the agreements (control plane), received, since wrap
         self._reset()
@@ -186,39 +204,46 @@ class ExactGradSum:
     def _reset(self):
         for s in self.sums:
             s.zero_()
-        # This rank's largest |grad| in grid units this step, per param (inf: one was not finite).
-        self.largest = [[0.0] * len(g.params) for g in self.groups]
+        for tops in self._tops:
+            if tops is not None:
+                tops.zero_()
         self.next_exponents = None  # once reduced: the next step's grids
         self.squares = None  # once reduced: the exact mean's sum of squares (inf: not finite)
         self.regrid = False  # once reduced: a grad fell outside its grid, the step is skipped
 
-    def quantize(self, grad: torch.Tensor, group, param: int) -> torch.Tensor:
-        """Param `param` of `group`'s grad on its grid this step, as int64
-        (rounded to nearest, ties to even: one native pass on the host),
-        its largest noted."""
-        i = self._index[id(group)]
-        exponent = self.exponents[i][param]
-        if grad.device.type == "cpu":
-            units = torch.empty(grad.shape, dtype=torch.int64)
-            peak = _native.quantize_to_grid(grad.contiguous(), units, exponent)
-        else:  # the native pass is the host's: torch's ops on a GPU
-            units, peak = quantize_with_torch(grad, exponent)
-        self.largest[i][param] = max(self.largest[i][param], peak)
-        return units  # out of range only where the step skips anyway
+    def _top(self, i: int, param: int, device) -> torch.Tensor:
+        """Where param `param` of group `i` keeps its largest |grad|."""
+        if self._tops[i] is None:
+            self._tops[i] = torch.zeros(len(self.groups[i].params), dtype=torch.float32, device=device)
+        return self._tops[i][param:param + 1]
 
-    def grid_for(self, grad: torch.Tensor, group, param: int) -> int:
-        """Stages 2-3: the exponent of the grid param `param` of `group`'s
-        grad goes onto as the native reducer stages it (one pass, no int64
-        copy: Backend::accumulate_on_grid), its largest |value| on that grid
-        noted (the same number quantize notes: rounding is monotonic)."""
+    def _largest(self) -> list:
+        """This rank's largest |grad| this step in grid units, per group and
+        param (inf: one was not finite): each group's read once."""
+        out = []
+        for i, g in enumerate(self.groups):
+            tops = self._tops[i].tolist() if self._tops[i] is not None else [0.0] * len(g.params)
+            out.append([in_grid_units(top, e) for top, e in zip(tops, self.exponents[i])])
+        return out
+
+    def _add_on_grid(self, sums: torch.Tensor, grad: torch.Tensor, group, param: int):
+        """Stages 0-1: sums (int64) += param `param` of `group`'s grad on its
+        grid this step (rounded to nearest, ties to even: on the host one
+        native pass with no temporary), its largest kept."""
         i = self._index[id(group)]
-        exponent = self.exponents[i][param]
-        if grad.numel():
-            low, high = (x.item() for x in torch.aminmax(grad.detach()))  # no temporary; nan: one not finite
-            top = max(-low, high)
-            peak = math.inf if not (math.isfinite(low) and math.isfinite(high)) else round(math.ldexp(top, -exponent))
-            self.largest[i][param] = max(self.largest[i][param], peak)
-        return exponent
+        exponent, top = self.exponents[i][param], self._top(i, param, grad.device)
+        if grad.device.type == "cpu":
+            _native.accumulate_on_grid(sums, grad, exponent, top)
+        else:  # the native pass is the host's: torch's ops on a GPU
+            add_on_grid_with_torch(sums, grad, exponent, top)
+
+    def grid_for(self, grad: torch.Tensor, group, param: int) -> tuple:
+        """Stages 2-3: (the exponent of the grid param `param` of `group`'s
+        grad goes onto as the native reducer stages it, where the kernel
+        keeps its largest |value|): one pass, no int64 copy, no host wait
+        (Backend::accumulate_on_grid)."""
+        i = self._index[id(group)]
+        return self.exponents[i][param], self._top(i, param, grad.device)
 
     def add_micro_batch(self):
         """Stages 0-1, after a micro-batch's backward: its grads into the
@@ -227,7 +252,7 @@ class ExactGradSum:
             return
         for g, total in zip(self.groups, self.sums):
             for j in range(len(g.params)):
-                g.view(total, "param", j).add_(self.quantize(g.view(g.buffers["grad_full"], "param", j), g, j))
+                self._add_on_grid(g.view(total, "param", j), g.view(g.buffers["grad_full"], "param", j), g, j)
             g.buffers["grad_full"].zero_()
 
     def reduce(self, count: int, reducer=None):
@@ -263,11 +288,15 @@ class ExactGradSum:
         return min((e for exponents in self.exponents for e in exponents), default=0)
 
     def _mean_into(self, sums, grads, exponents, runs, count: int):
-        """grads = sums * 2**exponent / count (formed in float64, one
-        rounding into the grads' dtype), run by run and a chunk at a time,
-        in order (padding: zeros): where grads lie in the sums' own first
-        bytes (FlatGroup.buffers["grad_sums"]), a chunk's writes land on sums of it or
-        of chunks before, read already."""
+        """grads = sums * 2**exponent / count (formed in float64, rounded
+        into the grads' dtype), run by run, in order (padding: zeros): on the
+        host one native pass over the stretch (kernels/cpu_exact_grid.h),
+        on a GPU a chunk at a time in torch's ops, the same numbers. Where
+        grads lie in the sums' own first bytes (FlatGroup.buffers["grad_sums"]),
+        each write lands on sums read already."""
+        if sums.device.type == "cpu":
+            _native.mean_of_sums(sums, grads, _grid_runs(runs, exponents), count)
+            return
         for first, length, param in runs:
             if param is None:
                 grads[first:first + length].zero_()
@@ -279,12 +308,14 @@ class ExactGradSum:
 
     def _sum_of_squares(self) -> int:
         """This rank's exact sum of squares of its sums, in units of the
-        finest grid squared (each param's scaled up to it)."""
+        finest grid squared (each param's scaled up to it): one native pass
+        a stretch, on the host (a GPU's sums are copied there, a stretch at
+        a time)."""
         finest, total = self._finest(), 0
         for sums, _, exponents, runs in self._mine():
-            for first, length, param in runs:
-                if param is not None:
-                    total += sum_of_squares(sums[first:first + length]) << 2 * (exponents[param] - finest)
+            params = [(first, length, param) for first, length, param in runs if param is not None]
+            for square, (_, _, param) in zip(sums_of_squares(sums, [run[:2] for run in params]), params):
+                total += square << 2 * (exponents[param] - finest)
         return total
 
     def _norm_words(self) -> int:
@@ -302,7 +333,7 @@ class ExactGradSum:
         (this rank's alone where each rank holds all of them), the buckets
         late on any rank), every number in 32-bit words of int64 rows."""
         total = self._sum_of_squares()
-        mine = [x for per_group in self.largest for x in per_group]
+        mine = [x for per_group in self._largest() for x in per_group]
         late_words = [sum(1 << b for b, flag in enumerate(late[w:w + 32]) if flag) for w in range(0, len(late), 32)]
         words = self._norm_words() if self.shared else 0
         norm_words = [(total >> (32 * w)) & 0xFFFFFFFF for w in range(words)]
@@ -311,9 +342,9 @@ class ExactGradSum:
         self.bytes_moved += 8 * len(rows) * len(rows[0])
         flat = [max(struct.unpack("<d", struct.pack("<q", row[k]))[0] for row in rows) for k in range(len(mine))]
         largest, at = [], 0
-        for per_group in self.largest:
-            largest.append(flat[at:at + len(per_group)])
-            at += len(per_group)
+        for g in self.groups:
+            largest.append(flat[at:at + len(g.params)])
+            at += len(g.params)
         agreed = 0
         for row in rows:
             agreed |= sum(w << (32 * i) for i, w in enumerate(row[len(mine):len(mine) + len(late_words)]))

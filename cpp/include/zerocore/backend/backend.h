@@ -100,10 +100,14 @@ class Backend {
   virtual void fill(Stream& stream, const Tensor& dst, float value) = 0;
   // dst += src, computed in fp32 and rounded once to dst's dtype.
   virtual void accumulate(Stream& stream, const Tensor& dst, const Tensor& src) = 0;
-  // dst (int64) += src * 2**-exponent rounded to an integer, ties to even
-  // (kernels/cpu_exact_grid.h): Config(deterministic=True)'s grads onto
-  // their grid and into the int64 staging, one pass.
-  virtual void accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent) = 0;
+  // dst (int64) += src * 2**-exponent rounded to an integer, ties to even,
+  // and largest (one fp32 element, where src is) = the largest of itself
+  // and every |src| (a NaN or an inf stays): Config(deterministic=True)'s
+  // grads onto their grid and into the int64 staging, one pass, their
+  // largest kept for the step to read once, with no host wait a grad
+  // (kernels/cpu_exact_grid.h).
+  virtual void accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent,
+                                  const Tensor& largest) = 0;
   // box[sum_slot] = the sum of squares of every element of xs (fp64);
   // box[finite_slot] = 1 when every element is finite, else 0.
   virtual void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,

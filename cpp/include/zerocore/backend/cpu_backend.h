@@ -54,7 +54,8 @@ class CpuBackend : public Backend {
   void copy(Stream& stream, const Tensor& dst, const Tensor& src) override;
   void fill(Stream& stream, const Tensor& dst, float value) override;
   void accumulate(Stream& stream, const Tensor& dst, const Tensor& src) override;
-  void accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent) override;
+  void accumulate_on_grid(Stream& stream, const Tensor& dst, const Tensor& src, int exponent,
+                          const Tensor& largest) override;
   void sum_of_squares(Stream& stream, const std::vector<Tensor>& xs, Mailbox& box, int sum_slot,
                       int finite_slot) override;
   void count_nonfinite(Stream& stream, const std::vector<Tensor>& xs, const Tensor& counter) override;

@@ -102,11 +102,16 @@ class BucketReducer {
   // into its buckets' staging, or noted where it is its grad view already.
   // Returns the views of the params of buckets that took staging in this
   // call (after begin_backward; none reported yet, none spanning buckets).
-  // grid_exponent (an int64 reduction, Config(deterministic=True)): grad is
-  // float, put onto the grid of 2**grid_exponent as it is added
-  // (Backend::accumulate_on_grid: no int64 copy of it).
+  // grid (an int64 reduction, Config(deterministic=True)): grad is float,
+  // put onto the grid of 2**grid.exponent as it is added, its largest
+  // |value| kept in grid.largest (Backend::accumulate_on_grid: no int64
+  // copy of it, no host wait).
+  struct Grid {
+    int exponent = 0;
+    Tensor largest;  // one fp32 element where the grad is
+  };
   std::vector<GradView> grad_ready(int group, int param, const Tensor& grad,
-                                   std::optional<int> grid_exponent = std::nullopt);
+                                   const std::optional<Grid>& grid = std::nullopt);
   // Per param of the group, where its grad may accumulate in place (its
   // piece of a staging buffer, taken now), or an undefined tensor when it
   // must be added instead: a param spanning buckets, or one whose bucket was
