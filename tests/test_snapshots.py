@@ -208,11 +208,15 @@ def test_mirrored_through_the_staged_chunk_loop(tmp_path, monkeypatch):
     _assert_restored_in_process(tmp_path, {"stage": 3, "snapshot_dir": str(tmp_path / "node-{rank}")})
 
 
-def _exchanged_around_the_ring(rank, world, sizes, chunk):
+def _exchanged_around_the_ring(rank, world, sizes, chunk, device="cpu"):
     """Each rank's random bytes (sizes[rank] of them, drawn from seed
-    rank) sent to rank + 1 through the staged loop, while rank - 1's
-    arrive; (what arrived, its transport's kind)."""
-    transport = snapshot_transport.StagedTransport(torch.distributed.group.WORLD, torch.device("cpu"), chunk)
+    rank) sent to rank + 1 through the staged loop, its chunk buffers on
+    `device`, while rank - 1's arrive: what arrived (test_gpu_ranks.py
+    runs it on a GPU over NCCL)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    transport = snapshot_transport.StagedTransport(torch.distributed.group.WORLD, device, chunk)
     mine = torch.randint(0, 256, (sizes[rank],), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
     into = torch.zeros(sizes[(rank - 1) % world], dtype=torch.uint8)
     transport.exchange(mine, (rank + 1) % world, into, (rank - 1) % world)
@@ -223,9 +227,15 @@ def test_the_staged_chunk_loop_moves_every_byte():
     """3 ranks in a ring (each sends to one peer and receives from
     another), of sizes drawn afresh: more chunks than the other side, a
     chunk exactly, less than one, none; every byte arrives, in place."""
+    assert_moved_around_the_ring(run_ranks, {})
+
+
+def assert_moved_around_the_ring(run, options, device="cpu"):
+    """_exchanged_around_the_ring on 3 ranks started by `run` (run_ranks,
+    with `options`), of sizes drawn afresh, checked against each sender's bytes."""
     chunk = 1000
     sizes = [random.randint(5 * chunk, 9 * chunk), chunk * random.randint(1, 3), random.choice([0, 17])]
-    for rank, got in enumerate(run_ranks(_exchanged_around_the_ring, 3, sizes, chunk)):
+    for rank, got in enumerate(run(_exchanged_around_the_ring, 3, sizes, chunk, device, **options)):
         src = (rank - 1) % 3
         want = torch.randint(0, 256, (sizes[src],), dtype=torch.uint8, generator=torch.Generator().manual_seed(src))
         assert torch.equal(got, want), f"rank {rank}: rank {src}'s bytes arrived changed"
