@@ -11,9 +11,10 @@ mirrored on the other: snapshot_copies=1) and one without, and trains
 them in turns, --steps steps each per round, for --rounds rounds, so both
 see the same machine. A step is forward, backward, step and zero_grad, timed from a
 barrier to the slowest rank; the snapshot's own work (its copy at the
-step, then at the next forward its checksums, header and mirror: on the
-CPU there, on a device behind that forward and backward, waited for at
-the next snapshot) all falls inside the steps timed. Reported: the median
+step, checksummed in the same pass where it is in host memory, then at
+the next forward its header and mirror, on the snapshots' thread behind
+that forward and backward, waited for at the next snapshot) all falls
+inside the steps timed. Reported: the median
 step of each and their ratio (the target: at most 1.1); per rank the CPU
 time of a step, every thread's (the block's last snapshot waited for), which
 other jobs on a shared machine disturb less than wall time; and per rank
@@ -21,10 +22,10 @@ the bytes the snapshots hold (Snapshots.bytes_held: the files of its
 folder, two steps of its own and of its mirror's) against the partition
 they copy, and the process's peak resident memory. Last, the snapshot
 alone, repeated with no step between (--alone times): the CPU time of
-each piece, the copy (take), the seal (checksums, header, rename; on the
-CPU the mirrors sent and received too) and the wait (a device engine's
-thread, which writes and mirrors it), which a loaded machine moves far
-less than a whole step.
+each piece, the copy with its checksums (take), the seal (the
+manifest, the thread started) and the wait (the snapshots' thread: the
+header, the rename, the mirrors sent and received), which a loaded
+machine moves far less than a whole step.
 """
 from __future__ import annotations
 
@@ -151,8 +152,8 @@ def main():
         print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
               f"({held / owned:.2f}x: two steps of its own file and of its mirror's); peak RSS {rss / 2**20:.0f} MiB (both engines)")
     for r, (*_, (take, seal, wait)) in enumerate(rows):
-        print(f"rank {r}: a snapshot alone, CPU: copy {take * 1e3:.1f} ms, seal {seal * 1e3:.1f} ms (checksums, header; "
-              f"on the CPU the mirrors), wait {wait * 1e3:.1f} ms: {(take + seal + wait) * 1e3:.1f} ms")
+        print(f"rank {r}: a snapshot alone, CPU: copy and checksums {take * 1e3:.1f} ms, seal {seal * 1e3:.1f} ms (the manifest), "
+              f"wait {wait * 1e3:.1f} ms (the thread: header, mirrors): {(take + seal + wait) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

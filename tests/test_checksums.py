@@ -1,7 +1,7 @@
 """The checksum of checkpoint and snapshot files (checkpoint_format.checksum:
 the native CRC-32C, kernels/crc32c.h) against a bit-at-a-time reference on
 fresh random bytes, through the binding from tensors of every dtype a file
-holds; and rank files of before it (zlib's CRC-32, under "crc32") still
+holds, and the copy that checksums in the same pass; and rank files of before it (zlib's CRC-32, under "crc32") still
 read and checked."""
 import zlib
 
@@ -39,6 +39,25 @@ def test_a_tensor_checksum_is_the_crc32c_of_its_bytes(dtype):
         assert _native.crc32c(tail, head) == _reference(data)
     matrix = torch.randn(7, 5)  # a tensor of any shape: its bytes in order
     assert checkpoint_format.checksum(matrix) == _reference(bytes(safetensors_file.tensor_bytes(matrix)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_the_copy_with_its_checksum_in_one_pass(dtype):
+    """A snapshot's copy (checkpoint_format.copy_with_checksum, the native
+    copy_crc32c): the bytes copied exactly into their place and nowhere
+    else, their CRC-32C the reference's, across the copy's 16 KiB blocks;
+    sizes that differ refused."""
+    for n in (0, 1, 4099, 20000):
+        src = (torch.randn(n) * 1000).to(dtype) if dtype.is_floating_point else torch.randint(0, 256, (n,)).to(dtype)
+        nbytes = n * src.element_size()
+        file = torch.randint(0, 256, (nbytes + 8,), dtype=torch.uint8)
+        before = file.clone()
+        crc = checkpoint_format.copy_with_checksum(file[4:4 + nbytes], src)
+        assert crc == _reference(bytes(safetensors_file.tensor_bytes(src)))
+        assert torch.equal(file[4:4 + nbytes], src.view(torch.uint8))
+        assert torch.equal(file[:4], before[:4]) and torch.equal(file[4 + nbytes:], before[4 + nbytes:])
+    with pytest.raises(Exception, match="copy_crc32c"):
+        checkpoint_format.copy_with_checksum(torch.empty(3, dtype=torch.uint8), torch.empty(1))
 
 
 def test_a_rank_file_with_zlib_crc32s_is_still_checked(tmp_path):

@@ -21,6 +21,7 @@ CPU suite. What one GPU cannot show: device-index bugs (every rank is
 cuda:0), NCCL's own paths between GPUs, and speed.
 """
 import functools
+import os
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ import torch
 import test_activation_checkpoint
 import test_grad_scale
 import test_rank_disagreement_device
+import test_snapshots
 import zerocore
 import zerocore.cuda
 from dist_harness import run_ranks
@@ -294,3 +296,49 @@ def test_a_rank_alone_in_full_state_dict_is_named_on_every_rank(plane):
     test_rank_disagreement_device.check_apart(
         run_ranks(_alone_in_full_state_dict, 2, plane.config, timeout=TIMEOUT, start="spawn", group=plane.group),
         "full_state_dict")
+
+
+def _snapshot_folders(rank, world, plane_config, folder):
+    """STEPS steps at stage 3 with a snapshot each, each rank a node of its
+    own (a mirror sent each step): (the mirrors' transport, {file name:
+    bytes} of this rank's snapshot folder)."""
+    device = _gpu()
+    model = make().to(device)
+    engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(
+        stage=3, snapshot="memory", snapshot_run_id="gpu", snapshot_dir=folder.format(rank=rank), **plane_config))
+    engine_train(engine, rank, world, STEPS, ACCUM, batch=_on(device))
+    engine.snapshots.wait()
+    held = engine.snapshots.dir
+    files = {}
+    for name in os.listdir(held):
+        with open(os.path.join(held, name), "rb") as f:
+            files[name] = f.read()
+    transport = type(engine.parts.snapshot_transport).__name__
+    engine.close()
+    return transport, files
+
+
+def test_snapshot_mirrors_travel_over_the_data_plane(tmp_path, plane):
+    """A GPU engine's mirrors: staged through device chunks over an NCCL
+    group of their own where the data plane is NCCL, over gloo on a gloo
+    data plane; each rank's mirror of its peer's snapshot is the peer's own
+    file, byte for byte, for each of the two steps kept."""
+    results = run_ranks(_snapshot_folders, 2, plane.config, str(tmp_path / "node-{rank}"), timeout=TIMEOUT,
+                        start="spawn", group=plane.group)
+    for rank, (transport, files) in enumerate(results):
+        assert transport == ("HostTransport" if plane.name == "gloo" else "StagedTransport")
+        peer_files = results[1 - rank][1]
+        mirrors = [name for name in files if f"rank-{1 - rank:05d}-of" in name]
+        assert len(mirrors) == 2 and len(peer_files) == 4, (sorted(files), sorted(peer_files))
+        for name in mirrors:
+            assert files[name] == peer_files[name], f"rank {rank}'s mirror {name} differs from rank {1 - rank}'s file"
+
+
+def test_the_staged_chunk_loop_on_the_gpu(plane):
+    """The mirrors' staged loop itself (test_snapshots' ring of 3 ranks,
+    sizes of many chunks, a few and none) with its buffers on the GPU,
+    over the NCCL data plane (gloo cannot send a CUDA tensor)."""
+    if plane.name == "gloo":
+        pytest.skip("gloo has no send or recv of CUDA tensors; its mirrors go host to host")
+    test_snapshots.assert_moved_around_the_ring(run_ranks, dict(timeout=TIMEOUT, start="spawn", group=plane.group),
+                                                "cuda:0")

@@ -23,7 +23,7 @@ import torch
 import snapshot_job
 import zerocore
 from dist_harness import run_ranks
-from zerocore.io import snapshot, snapshot_files
+from zerocore.io import snapshot, snapshot_files, snapshot_transport
 from zerocore.io.save_load import rank_tensors
 
 STEPS = 7
@@ -196,13 +196,49 @@ def _assert_restored_in_process(tmp_path, fields):
         assert torch.equal(state[name], value), f"{name} differs from the uninterrupted run"
 
 
-def test_written_behind_the_step_on_a_thread(tmp_path, monkeypatch):
-    """The thread a GPU engine writes and mirrors its snapshots on (behind
-    the next forward and backward), here on the CPU: the restore is still
-    the uninterrupted run, bitwise, with each rank a node of its own (a
-    mirror sent each step)."""
-    monkeypatch.setattr(snapshot, "writes_behind", lambda engine: True)
+def test_mirrored_through_the_staged_chunk_loop(tmp_path, monkeypatch):
+    """The GPU's mirror transport (StagedTransport: chunks copied up into
+    two device buffers, exchanged, copied down into the peer's file), its
+    loop run here on the CPU with host buffers over the gloo group, in
+    chunks of 4 KiB (a snapshot is hundreds of them, its last one short),
+    each rank a node of its own: the restore is still the uninterrupted
+    run, bitwise."""
+    monkeypatch.setattr(snapshot_transport, "for_engine", lambda host_group, *_: snapshot_transport.StagedTransport(
+        host_group, torch.device("cpu"), chunk_bytes=4096))
     _assert_restored_in_process(tmp_path, {"stage": 3, "snapshot_dir": str(tmp_path / "node-{rank}")})
+
+
+def _exchanged_around_the_ring(rank, world, sizes, chunk, device="cpu"):
+    """Each rank's random bytes (sizes[rank] of them, drawn from seed
+    rank) sent to rank + 1 through the staged loop, its chunk buffers on
+    `device`, while rank - 1's arrive: what arrived (test_gpu_ranks.py
+    runs it on a GPU over NCCL)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    transport = snapshot_transport.StagedTransport(torch.distributed.group.WORLD, device, chunk)
+    mine = torch.randint(0, 256, (sizes[rank],), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
+    into = torch.zeros(sizes[(rank - 1) % world], dtype=torch.uint8)
+    transport.exchange(mine, (rank + 1) % world, into, (rank - 1) % world)
+    return into
+
+
+def test_the_staged_chunk_loop_moves_every_byte():
+    """3 ranks in a ring (each sends to one peer and receives from
+    another), of sizes drawn afresh: more chunks than the other side, a
+    chunk exactly, less than one, none; every byte arrives, in place."""
+    assert_moved_around_the_ring(run_ranks, {})
+
+
+def assert_moved_around_the_ring(run, options, device="cpu"):
+    """_exchanged_around_the_ring on 3 ranks started by `run` (run_ranks,
+    with `options`), of sizes drawn afresh, checked against each sender's bytes."""
+    chunk = 1000
+    sizes = [random.randint(5 * chunk, 9 * chunk), chunk * random.randint(1, 3), random.choice([0, 17])]
+    for rank, got in enumerate(run(_exchanged_around_the_ring, 3, sizes, chunk, device, **options)):
+        src = (rank - 1) % 3
+        want = torch.randint(0, 256, (sizes[src],), dtype=torch.uint8, generator=torch.Generator().manual_seed(src))
+        assert torch.equal(got, want), f"rank {rank}: rank {src}'s bytes arrived changed"
 
 
 def test_a_header_outgrowing_its_room_moves_the_data(tmp_path, monkeypatch):

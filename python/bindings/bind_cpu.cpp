@@ -64,6 +64,20 @@ void bind_cpu(nb::module_& m) {
       nb::arg("data"), nb::arg("crc") = 0,
       "The CRC-32C of data's bytes (a 1-D uint8 CPU array), continued from crc, the CRC-32C of the bytes before "
       "them. See kernels/crc32c.h.");
+  m.def(
+      "copy_crc32c",
+      [](nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> dst,
+         nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> src, uint32_t crc) {
+        if (dst.size() != src.size()) {
+          throw InvalidArgument("copy_crc32c: dst has " + std::to_string(dst.size()) + " bytes, src " +
+                                std::to_string(src.size()));
+        }
+        nb::gil_scoped_release release;
+        return copy_crc32c(dst.data(), src.data(), src.size(), crc);
+      },
+      nb::arg("dst"), nb::arg("src"), nb::arg("crc") = 0,
+      "Copies src's bytes into dst (1-D uint8 CPU arrays of one size) and returns their CRC-32C continued from "
+      "crc, in one pass (a snapshot's copy and checksum). See kernels/crc32c.h.");
   m.def("crc32c_in_hardware", &crc32c_in_hardware, "Whether crc32c runs SSE4.2's instruction here.");
   m.def("set_num_threads", &set_num_threads, nb::arg("threads"), "Threads used by the CPU optimizers.");
   m.def("num_threads", &num_threads);

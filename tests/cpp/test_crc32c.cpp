@@ -2,6 +2,7 @@
 // and SSE4.2's three streams, where the CPU has it) against a bit-at-a-time
 // reference over random bytes at every alignment and at lengths across the
 // hardware path's blocks, continued from an earlier CRC too.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -47,6 +48,18 @@ int main() {
       CHECK(crc32c(p + cut, n - cut, crc32c(p, cut)) == want);
       CHECK(crc32c_portable(p + cut, n - cut, crc32c_portable(p, cut)) == want);
     }
+  }
+  // The copy and checksum in one pass: the bytes copied exactly, their CRC the reference's, across its blocks
+  // (16 KiB: lengths up to four of them and a tail) and continued from a CRC given.
+  std::vector<uint8_t> big(4 * 16384 + 100);
+  for (auto& b : big) b = uint8_t(rng());
+  for (size_t n : {size_t(0), size_t(5), size_t(16384), size_t(16385), big.size() - 3}) {
+    std::vector<uint8_t> copy(n + 2, 0xA5);
+    const size_t cut = size_t(rng() % (n + 1));
+    const uint32_t head = crc32c(big.data(), cut);
+    CHECK(copy_crc32c(copy.data() + 1, big.data() + cut, n - cut, head) == reference(big.data(), n));
+    CHECK(std::equal(big.data() + cut, big.data() + n, copy.data() + 1));
+    CHECK(copy[0] == 0xA5 && copy[n - cut + 1] == 0xA5);  // nothing written outside
   }
   std::printf("crc32c in hardware: %s\n", crc32c_in_hardware() ? "yes (SSE4.2)" : "no (tables)");
   return test::finish("test_crc32c");

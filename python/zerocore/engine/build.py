@@ -36,6 +36,7 @@ from zerocore.state.placement import Placement
 from zerocore.comm.positions import Positions
 from zerocore.comm.process_group import private_group
 from zerocore.hooks.stage3 import UnitScheduler
+from zerocore.io import snapshot_transport as snapshot_transports
 from zerocore.state import guards
 from zerocore.state.flat_group import TORCH_DTYPES
 
@@ -85,7 +86,8 @@ class EngineParts:
     root_numel: int  # stage 3: the root unit's trainable params, gathered once per backward (accounting.py)
     padding_elems: int
     buffer_dtypes: dict  # the module's buffers' own dtypes, which close() gives back
-    snapshot_group: object  # Config(snapshot="memory"): the snapshots' mirror process group
+    snapshot_group: object  # Config(snapshot="memory"): the snapshots' gloo process group (restores, mirrors on gloo)
+    snapshot_transport: object  # and how their mirrors travel (io/snapshot_transport.py)
 
 
 def build_parts(module, optimizer, config=None, *, group=None, units=None, init=None, device=None,
@@ -168,6 +170,9 @@ def build_parts(module, optimizer, config=None, *, group=None, units=None, init=
     # and the step in one native call (the reduction's end, the sum of
     # squares, the exchange with the late grads, the decision with the
     # loss scaler, the update and the gather or stage 3's end-of-step round).
+    snapshot_group = engine_process_group(process_group, cfg.timeout, "gloo") if cfg.snapshot else None
+    snapshot_transport = snapshot_transports.for_engine(snapshot_group, process_group, where.device, cfg.timeout,
+                                                        cfg.nccl) if cfg.snapshot else None
     offload = placement.optimizer_on_host
     group_index = {id(g): i for i, g in enumerate(groups)}
     core = EngineCore(
@@ -196,7 +201,7 @@ def build_parts(module, optimizer, config=None, *, group=None, units=None, init=
         root_numel=sum(s.numel for g in units[0].groups if g.trainable for s in g.slots) if units else 0,
         padding_elems=sum(g.plan.padding_elems for g in groups if g.trainable),
         buffer_dtypes=buffer_dtypes,
-        snapshot_group=engine_process_group(process_group, cfg.timeout, "gloo") if cfg.snapshot else None)
+        snapshot_group=snapshot_group, snapshot_transport=snapshot_transport)
 
 
 def _unit_grads_attacher(reducer) -> Callable:

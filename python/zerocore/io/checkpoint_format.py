@@ -46,6 +46,12 @@ def checksum(t: torch.Tensor) -> int:
     return _native.crc32c(t.reshape(-1).view(torch.uint8))
 
 
+def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """Copies contiguous CPU tensor src's bytes into dst (CPU bytes of the
+    same size) and returns their CRC-32C (checksum), in one pass."""
+    return _native.copy_crc32c(dst, src.reshape(-1).view(torch.uint8))
+
+
 # A rank file's checksums are under the name of their algorithm.
 _CHECKSUMS = {"crc32c": checksum, "crc32": lambda t: zlib.crc32(safetensors_file.tensor_bytes(t))}
 

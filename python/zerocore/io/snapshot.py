@@ -6,17 +6,19 @@ After every snapshot_every-th completed step each rank copies what it owns
 fp32 params and optimizer states, its RNG states, rank 0 the module's
 buffers), on the training thread, straight into the data of the file it
 writes next, in shared memory that outlives the process
-(snapshot_files.py: the files, their names, the two kept of each rank). At
+(snapshot_files.py: the files, their names, the two kept of each rank),
+checksummed in the same pass where it is in host memory (CRC-32C, in
+hardware where the CPU has it: checkpoint_format.copy_with_checksum). At
 the next forward (where the loop has stepped its lr scheduler) the
 snapshot is sealed with the checkpoint manifest of that step (step and loss
-scale counters, hyperparameters, the named lr scheduler's state): its data
-checksummed (CRC-32C, in hardware where the CPU has it), its header
-written, the file renamed into place; then it is sent to its mirrors
-(snapshot_mirror.py: the next snapshot_copies nodes, mirror_offsets): on
-the training thread where the engine runs on the CPU, behind that forward
-and backward on a thread where it runs on a device (seal). Its checksums
-(one per tensor, one of the manifest) find any change before anything is
-used (io/snapshot_restore.py).
+scale counters, hyperparameters, the named lr scheduler's state), by a
+thread of its own, behind that forward and backward: the checksums not
+taken yet (a device's tensors, copied down) computed, its header written,
+the file renamed into place, then sent to its mirrors (snapshot_mirror.py:
+the next snapshot_copies nodes, mirror_offsets; snapshot_transport.py: how
+the bytes travel). The thread is waited for at the next snapshot. Its
+checksums (one per tensor, one of the manifest) find any change before
+anything is used (io/snapshot_restore.py).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import threading
 
 import torch
 
-from zerocore.io.checkpoint_format import checksum, rank_file_metadata
+from zerocore.io.checkpoint_format import checksum, copy_with_checksum, rank_file_metadata
 from zerocore.io.safetensors_file import plan
 from zerocore.io.save_load import manifest_of, rank_tensors, set_hyperparameters
 from zerocore.io.snapshot_files import KeptFiles, file_name, holder_dir, manifest_crc, prune, runs, save_id
@@ -74,20 +76,12 @@ def mirror_offsets(nodes: list, copies: int) -> list:
     return [k * stride for k in range(1, min(copies, world // stride - 1) + 1)]
 
 
-def writes_behind(parts) -> bool:
-    """Whether an engine's snapshots are written and mirrored by a thread
-    behind its next forward and backward (Snapshots.seal): where its work
-    (parts: its EngineParts) runs on a device, so the training thread
-    mostly waits for it."""
-    return parts.device.type != "cpu"
-
-
 class Snapshots:
-    """One engine's snapshots: taken after its steps (stepping), sealed
-    and mirrored at the next forward (on a device, behind it: seal). The
-    mirrors go over parts.snapshot_group, a gloo process group of the
-    engine's ranks for them alone (snapshot_mirror.py says why; None: a
-    rank alone, no mirrors)."""
+    """One engine's snapshots: taken after its steps (step), sealed and
+    mirrored behind the next forward and backward (seal). The restores
+    use parts.snapshot_group, a gloo process group of the engine's ranks
+    for the snapshots alone; the mirrors parts.snapshot_transport
+    (snapshot_transport.py; None: a rank alone, no mirrors)."""
 
     def __init__(self, parts, loop):
         cfg = parts.config
@@ -107,10 +101,11 @@ class Snapshots:
         self.restored_param_groups = None  # the optimizer's hyperparameters restored
         self.fetched = []  # the ranks whose files of the step restored came from other nodes
         self._own = KeptFiles(self.dir, self.rank)
-        self._mirrors = Mirrors(self.group, self.rank, self.world_size, self.offsets, self.dir)
+        self._mirrors = Mirrors(parts.snapshot_transport, self.rank, self.world_size, self.offsets, self.dir)
         # The own file's layout: its tensors (key, dtype, shape), the room for its header, where each one's
         # data starts, its size.
         self._entries, self._head_bytes, self._placed, self._size = None, 0, None, 0
+        self._crcs = {}  # the checksums of the tensors taken, those copied from host memory (take)
         self._unsealed = None  # the step whose snapshot was taken and not sealed yet
         self._thread = None
         self._error = None
@@ -141,8 +136,8 @@ class Snapshots:
     # Taking ------------------------------------------------------------------
     def take(self):
         """The snapshot of the step just completed: its tensors copied now
-        into the data of the file written next; sealed (seal) before the
-        next forward."""
+        into the data of the file written next, those in host memory
+        checksummed in the same pass; sealed (seal) at the next forward."""
         self.wait()
         self.loop.finish_update()  # a delayed offload update is part of the state
         tensors = rank_tensors(self.parts)
@@ -155,14 +150,25 @@ class Snapshots:
                                                        self._manifest_metadata(self.steps_done)))
             self._lay_out(HEAD_ROOM * len(head))
         file = self._own.open(self._size)
-        backend = self.parts.backend
-        for first, t in runs([(first, tensors[key].detach()) for (key, _, _), first in self._placed]):
-            if t.dtype in _BACKEND_DTYPES:  # the engine's master and states (not the RNG's bytes, torch's own)
-                # torch copies on the compute stream: the checking backend finds a read no wait orders after
-                # the update that wrote it.
-                backend.declare_access(backend.compute_stream(), t, "read", f"the snapshot of step {self.steps_done}")
+        self._crcs, copied_by_torch = {}, []
+        for (key, _, _), first in self._placed:
+            t = tensors[key].detach()
+            if t.device.type != "cpu" or not t.is_contiguous():
+                copied_by_torch.append((first, t))  # copied below, a run at a time; checksummed at the seal
+                continue
+            self._declare_read(t)
+            self._crcs[key] = copy_with_checksum(file[first:first + t.numel() * t.element_size()], t)
+        for first, t in runs(copied_by_torch):
+            self._declare_read(t)
             self._data(file, first, t.dtype, t.shape).copy_(t)
         self._unsealed = self.steps_done
+
+    def _declare_read(self, t):
+        if t.dtype in _BACKEND_DTYPES:  # the engine's master and states (not the RNG's bytes, torch's own)
+            # The copy runs on the compute stream: the checking backend finds a read no wait orders after
+            # the update that wrote it.
+            backend = self.parts.backend
+            backend.declare_access(backend.compute_stream(), t, "read", f"the snapshot of step {self.steps_done}")
 
     def _lay_out(self, head_bytes: int):
         """The own file's layout, with `head_bytes` (rounded up to a page) of room for its header."""
@@ -188,24 +194,16 @@ class Snapshots:
 
     def seal(self):
         """The snapshot taken at the last step gets its manifest and is
-        written and mirrored: behind this forward and backward, by a
-        thread, where the engine's work runs on a device; at once, on the
-        training thread, where it runs on the CPU (a thread would take the
-        training's own core, and the mirrors' traffic beside the step's
-        collectives, on a thread or posted and left to gloo's threads until
-        the next snapshot, cost more CPU than the mirrors alone:
-        bench/RESULTS.md). Not at the step itself: the loop steps its lr
-        scheduler after the optimizer, which sets the lr of the step that
-        follows, so the scheduler's state and the hyperparameters are read
-        here, at the next forward (or wait)."""
+        written and mirrored behind this forward and backward, by a thread
+        (the training thread only starts it; wait joins it). Not at the
+        step itself: the loop steps its lr scheduler after the optimizer,
+        which sets the lr of the step that follows, so the scheduler's
+        state and the hyperparameters are read here, at the next forward
+        (or wait)."""
         if self._unsealed is None:
             return
         step, self._unsealed = self._unsealed, None
         args = (step, self._manifest_metadata(step))
-        if not writes_behind(self.parts):
-            self._write_and_mirror(*args)
-            self._raise_error()
-            return
         self._thread = threading.Thread(target=self._write_and_mirror, args=args, name="zerocore-snapshot",
                                         daemon=True)
         self._thread.start()
@@ -229,18 +227,19 @@ class Snapshots:
         # peer died) exits without waiting for a mirror that will never come.
         try:
             self._seal_file(step, manifest_metadata)
-            self._mirrors.post(self._own.newest(), self.generation, step)
-            self._mirrors.finish()
+            self._mirrors.send(self._own.newest(), self.generation, step)
             prune(self.dir)
             self.bytes_held = sum(os.path.getsize(os.path.join(self.dir, f)) for f in os.listdir(self.dir))
         except BaseException as e:  # noqa: BLE001 - raised on the training thread at the next wait
             self._error = (step, e)
 
     def _seal_file(self, step, manifest_metadata):
-        """The own file of `step`, its data written (take): checksummed,
-        its header written, renamed into place."""
+        """The own file of `step`, its data written (take): the checksums
+        take left (a device's tensors) computed, its header written,
+        renamed into place."""
         file = self._own.open(self._size)
-        crcs = {key: checksum(file[first:first + nbytes]) for key, first, nbytes in self._extents()}
+        crcs = {key: self._crcs[key] if key in self._crcs else checksum(file[first:first + nbytes])
+                for key, first, nbytes in self._extents()}
         sid = save_id(self.generation, step, self.world_size)
         metadata = rank_file_metadata(sid, self.rank, self.world_size, crcs, manifest_metadata)
         head, _ = plan(self._entries, metadata, self._head_bytes)

@@ -16,6 +16,12 @@ namespace zerocore {
 // dispatch picks the hardware path where the CPU has SSE4.2.
 uint32_t crc32c(const void* data, size_t bytes, uint32_t crc = 0);
 
+// Copies `bytes` bytes from `src` to `dst` (not overlapping) and returns their
+// CRC-32C continued from `crc`: in one pass over memory, a cache-sized block at a
+// time (the checksum reads each block while the copy left it in cache), so a
+// snapshot reads the partition it keeps once, not twice.
+uint32_t copy_crc32c(void* dst, const void* src, size_t bytes, uint32_t crc = 0);
+
 // The table-driven path (slicing by 8 bytes), which runs on any CPU: the
 // reference the hardware path is tested against.
 uint32_t crc32c_portable(const void* data, size_t bytes, uint32_t crc = 0);
