@@ -87,12 +87,13 @@ phase_done "the Python tests"
 # checkpoints, coalesced units, the partition store, the host waits a step
 # makes, a stream-order violation in a unit's hook raising on every rank,
 # grads accumulated in place in the reduce staging, stage 3's
-# reductions running behind backward, and snapshots' reads of the master
-# and optimizer states (declared on the compute stream) after the update.
+# reductions running behind backward, snapshots' reads of the master
+# and optimizer states (declared on the compute stream) after the update,
+# and deterministic mode's grads put on their grids in the reduce staging.
 ZEROCORE_BACKEND=checking "$venv/python" -m pytest -q -p no:cacheprovider "${workers[@]}" \
   tests/test_engine_equivalence.py tests/test_offload.py tests/test_divergent_units.py tests/test_moe_example.py \
   tests/test_activation_checkpoint.py tests/test_coalesced_units.py tests/test_host_waits.py \
   tests/test_stream_order_failure.py tests/test_partition_store.py tests/test_grad_views.py \
   tests/test_reduction_overlap.py tests/test_snapshots.py::test_restored_in_process_equals_the_uninterrupted_run \
-  tests/test_snapshots.py::test_a_lost_node_of_two_ranks_is_restored_from_the_next_node
+  tests/test_snapshots.py::test_a_lost_node_of_two_ranks_is_restored_from_the_next_node tests/test_deterministic.py
 phase_done "the checked subset"
