@@ -152,8 +152,9 @@ def main():
         print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
               f"({held / owned:.2f}x: two steps of its own file and of its mirror's); peak RSS {rss / 2**20:.0f} MiB (both engines)")
     for r, (*_, (take, seal, wait)) in enumerate(rows):
-        print(f"rank {r}: a snapshot alone, CPU: copy and checksums {take * 1e3:.1f} ms, seal {seal * 1e3:.1f} ms (the manifest), "
-              f"wait {wait * 1e3:.1f} ms (the thread: header, mirrors): {(take + seal + wait) * 1e3:.1f} ms")
+        print(f"rank {r}: a snapshot alone, CPU: copy and checksums {take * 1e3:.1f} ms, "
+              f"seal {seal * 1e3:.1f} ms (the manifest), wait {wait * 1e3:.1f} ms (the thread: header, mirrors): "
+              f"{(take + seal + wait) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":
