@@ -150,7 +150,8 @@ def main():
               f"(all threads): ratio {cpu_snap / cpu_plain:.3f}")
     for r, (owned, held, rss, *_) in enumerate(rows):
         print(f"rank {r}: partition copied {owned / 2**20:.1f} MiB; snapshots hold {held / 2**20:.1f} MiB "
-              f"({held / owned:.2f}x: two steps of its own file and of its mirror's); peak RSS {rss / 2**20:.0f} MiB (both engines)")
+              f"({held / owned:.2f}x: two steps of its own file and of its mirror's); "
+              f"peak RSS {rss / 2**20:.0f} MiB (both engines)")
     for r, (*_, (take, seal, wait)) in enumerate(rows):
         print(f"rank {r}: a snapshot alone, CPU: copy and checksums {take * 1e3:.1f} ms, "
               f"seal {seal * 1e3:.1f} ms (the manifest), wait {wait * 1e3:.1f} ms (the thread: header, mirrors): "
