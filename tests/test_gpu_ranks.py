@@ -37,6 +37,7 @@ from gpu_data_planes import PLANES, skip_reason
 from mixed_precision_reference import assert_moved_like, mp_reference_train
 from models import assert_state_close, engine_train, lm_batch, lm_loss, local, make, reference_train
 from test_divergent_units import DataRouted, assert_as_close_as_torch, random_codes, routed
+from zerocore.io import snapshot_transport
 
 STEPS, ACCUM = 3, 2
 STAGES = (0, 1, 2, 3)
@@ -301,7 +302,8 @@ def test_a_rank_alone_in_full_state_dict_is_named_on_every_rank(plane):
 def _snapshot_folders(rank, world, plane_config, folder):
     """STEPS steps at stage 3 with a snapshot each, each rank a node of its
     own (a mirror sent each step): (the mirrors' transport, {file name:
-    bytes} of this rank's snapshot folder)."""
+    bytes} of this rank's snapshot folder, the device bytes memory_report
+    gives the snapshots)."""
     device = _gpu()
     model = make().to(device)
     engine = zerocore.wrap(model, _adamw(model.parameters()), zerocore.Config(
@@ -314,19 +316,22 @@ def _snapshot_folders(rank, world, plane_config, folder):
         with open(os.path.join(held, name), "rb") as f:
             files[name] = f.read()
     transport = type(engine.parts.snapshot_transport).__name__
+    device_bytes = engine.memory_report()["by_device"]["device"]["snapshots"]
     engine.close()
-    return transport, files
+    return transport, files, device_bytes
 
 
 def test_snapshot_mirrors_travel_over_the_data_plane(tmp_path, plane):
     """A GPU engine's mirrors: staged through device chunks over an NCCL
     group of their own where the data plane is NCCL, over gloo on a gloo
     data plane; each rank's mirror of its peer's snapshot is the peer's own
-    file, byte for byte, for each of the two steps kept."""
+    file, byte for byte, for each of the two steps kept; the staged
+    transport's four chunk buffers are in the memory report."""
     results = run_ranks(_snapshot_folders, 2, plane.config, str(tmp_path / "node-{rank}"), timeout=TIMEOUT,
                         start="spawn", group=plane.group)
-    for rank, (transport, files) in enumerate(results):
+    for rank, (transport, files, device_bytes) in enumerate(results):
         assert transport == ("HostTransport" if plane.name == "gloo" else "StagedTransport")
+        assert device_bytes == (0 if plane.name == "gloo" else 4 * snapshot_transport.CHUNK_BYTES)
         peer_files = results[1 - rank][1]
         mirrors = [name for name in files if f"rank-{1 - rank:05d}-of" in name]
         assert len(mirrors) == 2 and len(peer_files) == 4, (sorted(files), sorted(peer_files))

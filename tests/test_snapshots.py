@@ -285,14 +285,22 @@ def _snapshot_files_and_report(rank, world, folder):
     return report, files, owned
 
 
-def test_the_memory_report_counts_the_snapshot_and_the_mirror(tmp_path):
-    """memory_report()["snapshots"] (host memory: /dev/shm) is every byte
-    of the rank's snapshot folder: the two newest files of its own and of
-    the peer it mirrors, each what the rank owns plus a header."""
+@pytest.mark.parametrize("staged", [False, True], ids=["host", "staged"])
+def test_the_memory_report_counts_the_snapshot_and_the_mirror(tmp_path, monkeypatch, staged):
+    """memory_report()["snapshots"] is every byte of the rank's snapshot
+    folder (host memory: /dev/shm), the two newest files of its own and of
+    the peer it mirrors, each what the rank owns plus a header; and, where
+    the mirrors are staged through chunk buffers where the engine runs (a
+    GPU's StagedTransport, here on the CPU with chunks of a size drawn
+    afresh), those four buffers."""
+    chunk = random.randint(1, 64) * 1024 if staged else 0
+    if staged:
+        monkeypatch.setattr(snapshot_transport, "for_engine", lambda host_group, *_: (
+            snapshot_transport.StagedTransport(host_group, torch.device("cpu"), chunk_bytes=chunk)))
     for rank, (report, files, owned) in enumerate(run_ranks(_snapshot_files_and_report, 2,
                                                             str(tmp_path / "node-{rank}"))):
-        assert report["snapshots"] == report["by_device"]["host"]["snapshots"] == sum(files.values())
-        assert report["by_device"]["device"]["snapshots"] == 0
+        host, device = report["by_device"]["host"]["snapshots"], report["by_device"]["device"]["snapshots"]
+        assert host == sum(files.values()) and device == 4 * chunk and report["snapshots"] == host + device
         held = sorted((int(m[3]), int(m[2])) for m in map(snapshot_files.FILE.fullmatch, files))
         assert held == sorted([((rank + 1) % 2, 2), ((rank + 1) % 2, 3), (rank, 2), (rank, 3)]), files
         for name, size in files.items():  # the peer owns as much (an even split of this model)

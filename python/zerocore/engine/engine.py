@@ -241,7 +241,8 @@ class Engine:
         Config.offload_optimizer/offload_params, zerocore.checkpoint's
         offload="cpu"). "snapshots" (with Config(snapshot="memory")): the
         host and shared memory the in-memory snapshots hold on this rank, as
-        of the last one written (Snapshots.bytes_held)."""
+        of the last one written (Snapshots.bytes_held), and on a GPU the
+        device buffers their mirrors are staged through."""
         return self._reports.memory_report()
 
     def comm_stats(self) -> dict:

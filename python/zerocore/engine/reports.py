@@ -39,8 +39,10 @@ class Reports:
         by["host"]["comm_buffers"] = parts.zero_step.buffer_bytes + getattr(parts.reducer, "landing_bytes", 0)
         by["device"]["activations"] = checkpoint_buffers.buffer_bytes(offloaded=False)
         by["host"]["activations"] = checkpoint_buffers.buffer_bytes(offloaded=True)
-        if self.snapshots:  # Config(snapshot="memory"): their files (own and mirrors')
-            by["device"]["snapshots"], by["host"]["snapshots"] = 0, self.snapshots.bytes_held
+        if self.snapshots:  # Config(snapshot="memory"): their files (own and mirrors'), the mirrors' buffers
+            transport = parts.snapshot_transport
+            by["device"]["snapshots"] = transport.device_bytes if transport else 0
+            by["host"]["snapshots"] = self.snapshots.bytes_held
         return {**{k: by["device"][k] + by["host"][k] for k in by["device"]}, "by_device": by}
 
     def comm_stats(self) -> dict:

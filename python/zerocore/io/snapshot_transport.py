@@ -33,6 +33,8 @@ CHUNK_BYTES = 4 << 20  # a staging chunk: 4 buffers of it on the device (2 to se
 class HostTransport:
     """The mirrors' bytes sent as they are, host memory to host memory, over `group` (gloo)."""
 
+    device_bytes = 0  # it holds no buffer of its own
+
     def __init__(self, group):
         self.group = group
 
@@ -51,6 +53,7 @@ class StagedTransport:
         self.send_buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.recv_buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.device_bytes = sum(b.numel() for b in self.send_buffers + self.recv_buffers)  # memory_report counts them
 
     def exchange(self, out: torch.Tensor, dst: int, into: torch.Tensor, src: int):
         """Chunk i of `out` (copied up into send buffer i % 2) goes while
