@@ -323,14 +323,14 @@ def _snapshot_folders(rank, world, plane_config, folder):
 
 def test_snapshot_mirrors_travel_over_the_data_plane(tmp_path, plane):
     """A GPU engine's mirrors: staged through device chunks over an NCCL
-    group of their own where the data plane is NCCL, over gloo on a gloo
+    group of their own where the data plane is NCCL, over sockets on a gloo
     data plane; each rank's mirror of its peer's snapshot is the peer's own
     file, byte for byte, for each of the two steps kept; the staged
     transport's four chunk buffers are in the memory report."""
     results = run_ranks(_snapshot_folders, 2, plane.config, str(tmp_path / "node-{rank}"), timeout=TIMEOUT,
                         start="spawn", group=plane.group)
     for rank, (transport, files, device_bytes) in enumerate(results):
-        assert transport == ("HostTransport" if plane.name == "gloo" else "StagedTransport")
+        assert transport == ("SocketTransport" if plane.name == "gloo" else "StagedTransport")
         assert device_bytes == (0 if plane.name == "gloo" else 4 * snapshot_transport.CHUNK_BYTES)
         peer_files = results[1 - rank][1]
         mirrors = [name for name in files if f"rank-{1 - rank:05d}-of" in name]

@@ -9,6 +9,7 @@ ranks without snapshots (the same reduction order: the same bits). The
 runs share one set-up: the 4-rank run that dies and its 3-rank relaunch,
 whose snapshots the last two cases copy and damage.
 """
+import datetime
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ import torch
 import snapshot_job
 import zerocore
 from dist_harness import run_ranks
-from zerocore.io import snapshot, snapshot_files, snapshot_transport
+from zerocore.io import snapshot, snapshot_files, snapshot_sockets, snapshot_transport
 from zerocore.io.save_load import rank_tensors
 
 STEPS = 7
@@ -208,37 +210,87 @@ def test_mirrored_through_the_staged_chunk_loop(tmp_path, monkeypatch):
     _assert_restored_in_process(tmp_path, {"stage": 3, "snapshot_dir": str(tmp_path / "node-{rank}")})
 
 
-def _exchanged_around_the_ring(rank, world, sizes, chunk, device="cpu"):
+def _exchanged_around_the_ring(rank, world, sizes, chunk, device):
     """Each rank's random bytes (sizes[rank] of them, drawn from seed
-    rank) sent to rank + 1 through the staged loop, its chunk buffers on
-    `device`, while rank - 1's arrive: what arrived (test_gpu_ranks.py
-    runs it on a GPU over NCCL)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    transport = snapshot_transport.StagedTransport(torch.distributed.group.WORLD, device, chunk)
+    rank) sent to rank + 1 while rank - 1's arrive, through the staged loop
+    with its chunk buffers on `device` (test_gpu_ranks.py runs it on a GPU
+    over NCCL), or over sockets (device None): what arrived."""
+    group = torch.distributed.group.WORLD
+    if device is None:
+        transport = snapshot_sockets.SocketTransport(group)
+    else:
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        transport = snapshot_transport.StagedTransport(group, device, chunk)
     mine = torch.randint(0, 256, (sizes[rank],), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
     into = torch.zeros(sizes[(rank - 1) % world], dtype=torch.uint8)
     transport.exchange(mine, (rank + 1) % world, into, (rank - 1) % world)
+    transport.close()
     return into
 
 
-def test_the_staged_chunk_loop_moves_every_byte():
+@pytest.mark.parametrize("device", ["cpu", None], ids=["staged", "sockets"])
+def test_the_transports_move_every_byte(device):
     """3 ranks in a ring (each sends to one peer and receives from
     another), of sizes drawn afresh: more chunks than the other side, a
-    chunk exactly, less than one, none; every byte arrives, in place."""
-    assert_moved_around_the_ring(run_ranks, {})
+    chunk exactly, less than one, none; every byte arrives, in place,
+    through the staged loop and over the sockets (megabytes: many sends
+    and receipts each, both ways at once)."""
+    assert_moved_around_the_ring(run_ranks, {}, device, chunk=1000 if device else 2**20)
 
 
-def assert_moved_around_the_ring(run, options, device="cpu"):
+def assert_moved_around_the_ring(run, options, device="cpu", chunk=1000):
     """_exchanged_around_the_ring on 3 ranks started by `run` (run_ranks,
-    with `options`), of sizes drawn afresh, checked against each sender's bytes."""
-    chunk = 1000
+    with `options`), of sizes in units of `chunk` drawn afresh, checked
+    against each sender's bytes."""
     sizes = [random.randint(5 * chunk, 9 * chunk), chunk * random.randint(1, 3), random.choice([0, 17])]
     for rank, got in enumerate(run(_exchanged_around_the_ring, 3, sizes, chunk, device, **options)):
         src = (rank - 1) % 3
         want = torch.randint(0, 256, (sizes[src],), dtype=torch.uint8, generator=torch.Generator().manual_seed(src))
         assert torch.equal(got, want), f"rank {rank}: rank {src}'s bytes arrived changed"
+
+
+def _mirror_with_a_peer_that_fails(rank, world, how):
+    """Rank 0 exchanges a megabyte with rank 1 over the sockets (a 2 s
+    timeout); rank 1 connects and closes ("closed"), or never connects
+    ("silent"): what rank 0 raised."""
+    transport = snapshot_sockets.SocketTransport(torch.distributed.group.WORLD, datetime.timedelta(seconds=2))
+    if rank == 1:
+        if how == "closed":
+            transport._connection_to(0)
+            transport._connection_from(0)
+            transport.close()
+        time.sleep(4)  # past rank 0's timeout
+        return None
+    try:
+        transport.exchange(torch.ones(2**20, dtype=torch.uint8), 1, torch.empty(2**20, dtype=torch.uint8), 1)
+    except (ConnectionError, TimeoutError) as e:
+        return type(e).__name__, str(e)
+    finally:
+        transport.close()
+    return None
+
+
+@pytest.mark.parametrize("how, error", [("closed", ConnectionError), ("silent", TimeoutError)])
+def test_a_mirror_peer_that_fails_is_named_not_waited_for(how, error):
+    """A peer that closes its connection mid-mirror, or never makes one:
+    the exchange raises (the snapshot's error, raised at the next one on
+    the training thread), naming the rank, within the timeout."""
+    start = time.monotonic()
+    raised = run_ranks(_mirror_with_a_peer_that_fails, 2, how)[0]
+    assert raised is not None and raised[0] == error.__name__ and "rank 1" in raised[1], raised
+    assert time.monotonic() - start < 30
+
+
+def test_the_mirror_sockets_listen_where_gloo_does(monkeypatch):
+    """GLOO_SOCKET_IFNAME's interface's address (gloo's choice there too),
+    and a clear error where it names none."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert snapshot_sockets.listening_address() == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-nic0")
+    with pytest.raises(ValueError, match="GLOO_SOCKET_IFNAME names 'no-such-nic0'"):
+        snapshot_sockets.listening_address()
 
 
 def test_a_header_outgrowing_its_room_moves_the_data(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ hardware where the CPU has it: checkpoint_format.copy_with_checksum). At
 the next forward (where the loop has stepped its lr scheduler) the
 snapshot is sealed with the checkpoint manifest of that step (step and loss
 scale counters, hyperparameters, the named lr scheduler's state), by a
-thread of its own, behind that forward and backward: the checksums not
+thread of its own at the lowest priority, behind that forward and backward: the checksums not
 taken yet (a device's tensors, copied down) computed, its header written,
 the file renamed into place, then sent to its mirrors (snapshot_mirror.py:
 the next snapshot_copies nodes, mirror_offsets; snapshot_transport.py: how
@@ -26,6 +26,7 @@ import json
 import mmap
 import os
 import socket
+import sys
 import threading
 
 import torch
@@ -40,6 +41,7 @@ DEFAULT_DIR = "/dev/shm/zerocore-snapshots"
 MANIFEST_KEY = "zerocore-snapshot"  # the step's checkpoint manifest, in each file's header
 _BACKEND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a backend's buffers hold
 HEAD_ROOM = 2  # a file's header gets room for twice the first one's size: its manifest may grow
+BACKGROUND_NICE = 19  # the snapshots' thread's: the lowest priority (_yield_to_training)
 
 
 def run_dir(config) -> str:
@@ -74,6 +76,17 @@ def mirror_offsets(nodes: list, copies: int) -> list:
     if len(set(nodes)) == 1:
         return []
     return [k * stride for k in range(1, min(copies, world // stride - 1) + 1)]
+
+
+def _yield_to_training():
+    """The calling thread (the snapshots') at the lowest priority: where
+    the training threads keep every core busy (the CPU bench) its work (the
+    mirror's network stack above all) fills their waits rather than taking
+    from their compute; where a core is to spare it changes nothing. At
+    worst it is done when the next snapshot waits for it, as if inline.
+    Linux only (a thread's own nice value)."""
+    if sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 class Snapshots:
@@ -226,6 +239,7 @@ class Snapshots:
         # On a daemon thread: a process whose training ends by an error (a
         # peer died) exits without waiting for a mirror that will never come.
         try:
+            _yield_to_training()
             self._seal_file(step, manifest_metadata)
             self._mirrors.send(self._own.newest(), self.generation, step)
             prune(self.dir)
@@ -260,3 +274,4 @@ class Snapshots:
     def close(self):
         self.wait()
         self._sealing.remove()
+        self._mirrors.close()

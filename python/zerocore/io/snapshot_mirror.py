@@ -8,8 +8,8 @@ snapshots' own thread, behind the next step's forward and backward
 (snapshot.Snapshots.seal), never on the training thread.
 
 The bytes travel over a transport of their own (io/snapshot_transport.py:
-over gloo on a CPU engine, staged through device chunks over NCCL on a
-GPU), not the engine's data plane queue (comm/communicator.py's
+over TCP sockets on a CPU engine, staged through device chunks over NCCL
+on a GPU), not the engine's data plane queue (comm/communicator.py's
 CommQueue), which cannot carry them well:
 - a mirror is one rank's bytes to one peer; the queue carries collectives
   only, and the one that could carry it, an all-gather, would move every
@@ -51,3 +51,8 @@ class Mirrors:
             incoming = self._files[k].open(int(incoming_size))
             self.transport.exchange(outgoing, dst, incoming, src)
             self._files[k].commit(file_name(generation, step, src, self.world_size))
+
+    def close(self):
+        """The transport's connections and buffers released (engine.close)."""
+        if self.transport is not None:
+            self.transport.close()

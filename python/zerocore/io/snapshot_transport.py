@@ -2,12 +2,13 @@
 (io/snapshot_mirror.py sends them; docs/snapshots.md): one exchange at a
 time, `out` (host bytes: this rank's snapshot file, in shared memory) to
 rank `dst` while rank `src`'s arrive into `into` (the map of the file
-kept of it), over a process group of the engine's ranks for the mirrors
-alone. Called on the mirrors' own thread, never the training thread.
+kept of it), over connections among the engine's ranks for the mirrors
+alone. Called on the snapshots' own thread, never the training thread.
 
 Two transports, one a data plane:
-- HostTransport: a gloo data group (CPU engines): a gloo group of the same
-  ranks is the same network; the host bytes are sent as they are.
+- SocketTransport (io/snapshot_sockets.py): a gloo data group (CPU
+  engines): TCP connections of the snapshots' thread at gloo's address,
+  the host bytes sent as they are.
 - StagedTransport: an NCCL data group (torch's, or the native transport's
   communicator) on a GPU: the mirror goes over an NCCL group of its own
   made from the data group's ranks (the data plane's fast network, never
@@ -26,22 +27,9 @@ import torch
 import torch.distributed as dist
 
 from zerocore.comm.process_group import private_group
+from zerocore.io.snapshot_sockets import SocketTransport
 
 CHUNK_BYTES = 4 << 20  # a staging chunk: 4 buffers of it on the device (2 to send, 2 to receive)
-
-
-class HostTransport:
-    """The mirrors' bytes sent as they are, host memory to host memory, over `group` (gloo)."""
-
-    device_bytes = 0  # it holds no buffer of its own
-
-    def __init__(self, group):
-        self.group = group
-
-    def exchange(self, out: torch.Tensor, dst: int, into: torch.Tensor, src: int):
-        works = [dist.isend(out, group=self.group, group_dst=dst), dist.irecv(into, group=self.group, group_src=src)]
-        for w in works:
-            w.wait()
 
 
 class StagedTransport:
@@ -54,6 +42,10 @@ class StagedTransport:
         self.recv_buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.device_bytes = sum(b.numel() for b in self.send_buffers + self.recv_buffers)  # memory_report counts them
+
+    def close(self):
+        """Its device buffers freed now (engine.close)."""
+        self.send_buffers, self.recv_buffers, self.device_bytes = [], [], 0
 
     def exchange(self, out: torch.Tensor, dst: int, into: torch.Tensor, src: int):
         """Chunk i of `out` (copied up into send buffer i % 2) goes while
@@ -99,10 +91,11 @@ def for_engine(host_group, group, device: torch.device, timeout, nccl: str):
     ranks of its own (private_group; `timeout`: Config.timeout, as the
     engine's other groups) where the engine runs on a GPU over an NCCL
     data group (torch's, or the native transport's: Config.nccl, `nccl`);
-    over `host_group` (the snapshots' gloo group, which the restores use
-    too) otherwise. None without a group (a rank alone)."""
+    over sockets of their own otherwise (`host_group`, the snapshots' gloo
+    group, which the restores use too, gathers their addresses). None
+    without a group (a rank alone)."""
     if group is None:
         return None
     if device.type == "cuda" and (nccl == "native" or "nccl" in dist.get_backend_config(group)):
         return StagedTransport(private_group(group, timeout, "nccl"), device)
-    return HostTransport(host_group)
+    return SocketTransport(host_group, timeout)
