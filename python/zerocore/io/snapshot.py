@@ -12,8 +12,9 @@ hardware where the CPU has it: checkpoint_format.copy_with_checksum). At
 the next forward (where the loop has stepped its lr scheduler) the
 snapshot is sealed with the checkpoint manifest of that step (step and loss
 scale counters, hyperparameters, the named lr scheduler's state), by a
-thread of its own at the lowest priority, behind that forward and backward: the checksums not
-taken yet (a device's tensors, copied down) computed, its header written,
+thread of its own at the lowest priority, behind that forward and
+backward: the checksums not taken yet (a device's tensors, copied down)
+computed, its header written,
 the file renamed into place, then sent to its mirrors (snapshot_mirror.py:
 the next snapshot_copies nodes, mirror_offsets; snapshot_transport.py: how
 the bytes travel). The thread is waited for at the next snapshot. Its
