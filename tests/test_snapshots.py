@@ -254,7 +254,7 @@ def assert_moved_around_the_ring(run, options, device="cpu", chunk=1000):
 def _mirror_with_a_peer_that_fails(rank, world, how):
     """Rank 0 exchanges a megabyte with rank 1 over the sockets (a 2 s
     timeout); rank 1 connects and closes ("closed"), or never connects
-    ("silent"): what rank 0 raised."""
+    ("silent"): what rank 0's two exchanges raised."""
     transport = snapshot_sockets.SocketTransport(torch.distributed.group.WORLD, datetime.timedelta(seconds=2))
     if rank == 1:
         if how == "closed":
@@ -263,23 +263,26 @@ def _mirror_with_a_peer_that_fails(rank, world, how):
             transport.close()
         time.sleep(4)  # past rank 0's timeout
         return None
-    try:
-        transport.exchange(torch.ones(2**20, dtype=torch.uint8), 1, torch.empty(2**20, dtype=torch.uint8), 1)
-    except (ConnectionError, TimeoutError) as e:
-        return type(e).__name__, str(e)
-    finally:
-        transport.close()
-    return None
+    raised = []
+    for _ in range(2):  # the second exchange raises the first one's failure again
+        try:
+            transport.exchange(torch.ones(2**20, dtype=torch.uint8), 1, torch.empty(2**20, dtype=torch.uint8), 1)
+        except (ConnectionError, TimeoutError) as e:
+            raised.append((type(e).__name__, str(e)))
+    transport.close()
+    return raised
 
 
 @pytest.mark.parametrize("how, error", [("closed", ConnectionError), ("silent", TimeoutError)])
 def test_a_mirror_peer_that_fails_is_named_not_waited_for(how, error):
     """A peer that closes its connection mid-mirror, or never makes one:
     the exchange raises (the snapshot's error, raised at the next one on
-    the training thread), naming the rank, within the timeout."""
+    the training thread), naming the rank, within the timeout; a later
+    exchange raises it again rather than read a stream left mid-file."""
     start = time.monotonic()
     raised = run_ranks(_mirror_with_a_peer_that_fails, 2, how)[0]
-    assert raised is not None and raised[0] == error.__name__ and "rank 1" in raised[1], raised
+    assert len(raised) == 2 and raised[0][0] == error.__name__ and "rank 1" in raised[0][1], raised
+    assert raised[1][0] == "ConnectionError" and "earlier failure" in raised[1][1] and raised[0][1] in raised[1][1]
     assert time.monotonic() - start < 30
 
 

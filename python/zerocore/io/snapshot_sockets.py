@@ -81,11 +81,23 @@ class SocketTransport:
         self.addresses = [None] * dist.get_world_size(group)
         dist.all_gather_object(self.addresses, (host, self._listener.getsockname()[1]), group=group)
         self._to, self._from = {}, {}  # peer rank -> its connection, one each way
+        self._failed = None  # the error an exchange raised
 
     def exchange(self, out: torch.Tensor, dst: int, into: torch.Tensor, src: int):
         """Sends `out` to rank `dst` while rank `src`'s bytes arrive into
-        `into` (as many as it holds), both sockets non-blocking under one
-        selector; returns when both are done."""
+        `into` (as many as it holds); returns when both are done. After a
+        failure the connections are mid-stream: every later exchange
+        raises it again."""
+        if self._failed is not None:
+            raise ConnectionError(f"zerocore: the snapshot mirrors stopped at an earlier failure ({self._failed})")
+        try:
+            self._exchange(out, dst, into, src)
+        except (OSError, TimeoutError) as e:
+            self._failed = e
+            raise
+
+    def _exchange(self, out, dst, into, src):
+        """exchange's bytes, both sockets non-blocking under one selector."""
         sending, receiving = self._connection_to(dst), self._connection_from(src)
         outgoing, incoming = memoryview(out.numpy()), memoryview(into.numpy())
         sent = received = 0
