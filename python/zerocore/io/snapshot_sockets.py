@@ -92,7 +92,7 @@ class SocketTransport:
             raise ConnectionError(f"zerocore: the snapshot mirrors stopped at an earlier failure ({self._failed})")
         try:
             self._exchange(out, dst, into, src)
-        except (OSError, TimeoutError) as e:
+        except OSError as e:  # ConnectionError and TimeoutError are OSErrors
             self._failed = e
             raise
 
@@ -106,13 +106,15 @@ class SocketTransport:
                 selector.register(sending, selectors.EVENT_WRITE)
             if len(incoming):
                 selector.register(receiving, selectors.EVENT_READ)
-            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            moved_at = time.monotonic()  # the timeout counts from the last byte moved
             while selector.get_map():
-                if not selector.select(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                wait = None if self.timeout is None else max(0.0, moved_at + self.timeout - time.monotonic())
+                if not selector.select(wait):
                     waiting = f"rank {dst} to take" if sent < len(outgoing) else f"rank {src} to send"
                     raise TimeoutError(f"zerocore: a snapshot mirror waited {self.timeout:.0f} s for {waiting} "
-                                       f"its bytes ({sent} of {len(outgoing)} sent, {received} of {len(incoming)} "
-                                       f"received)")
+                                       f"more of its bytes ({sent} of {len(outgoing)} sent, {received} of "
+                                       f"{len(incoming)} received)")
+                moved = sent + received
                 if sent < len(outgoing):
                     sent += self._sent(sending, outgoing[sent:], dst)
                     if sent == len(outgoing):
@@ -121,6 +123,8 @@ class SocketTransport:
                     received += self._received(receiving, incoming[received:], src)
                     if received == len(incoming):
                         selector.unregister(receiving)
+                if sent + received > moved:
+                    moved_at = time.monotonic()
 
     def _sent(self, connection, data, peer) -> int:
         try:
