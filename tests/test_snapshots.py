@@ -253,13 +253,15 @@ def assert_moved_around_the_ring(run, options, device="cpu", chunk=1000):
 
 def _mirror_with_a_peer_that_fails(rank, world, how):
     """Rank 0 exchanges a megabyte with rank 1 over the sockets (a 2 s
-    timeout); rank 1 connects and closes ("closed"), or never connects
-    ("silent"): what rank 0's two exchanges raised."""
+    timeout); rank 1 connects and closes ("closed"), connects and sends
+    nothing ("stalled"), or never connects ("silent"): what rank 0's two
+    exchanges raised."""
     transport = snapshot_sockets.SocketTransport(torch.distributed.group.WORLD, datetime.timedelta(seconds=2))
     if rank == 1:
-        if how == "closed":
+        if how != "silent":
             transport._connection_to(0)
             transport._connection_from(0)
+        if how == "closed":
             transport.close()
         time.sleep(4)  # past rank 0's timeout
         return None
@@ -273,9 +275,10 @@ def _mirror_with_a_peer_that_fails(rank, world, how):
     return raised
 
 
-@pytest.mark.parametrize("how, error", [("closed", ConnectionError), ("silent", TimeoutError)])
+@pytest.mark.parametrize("how, error", [("closed", ConnectionError), ("stalled", TimeoutError),
+                                        ("silent", TimeoutError)])
 def test_a_mirror_peer_that_fails_is_named_not_waited_for(how, error):
-    """A peer that closes its connection mid-mirror, or never makes one:
+    """A peer that closes its connection mid-mirror, stops, or never makes one:
     the exchange raises (the snapshot's error, raised at the next one on
     the training thread), naming the rank, within the timeout; a later
     exchange raises it again rather than read a stream left mid-file."""
