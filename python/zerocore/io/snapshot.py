@@ -14,12 +14,12 @@ snapshot is sealed with the checkpoint manifest of that step (step and loss
 scale counters, hyperparameters, the named lr scheduler's state), by a
 thread of its own at the lowest priority, behind that forward and
 backward: the checksums not taken yet (a device's tensors, copied down)
-computed, its header written,
-the file renamed into place, then sent to its mirrors (snapshot_mirror.py:
-the next snapshot_copies nodes, mirror_offsets; snapshot_transport.py: how
-the bytes travel). The thread is waited for at the next snapshot. Its
-checksums (one per tensor, one of the manifest) find any change before
-anything is used (io/snapshot_restore.py).
+computed, its header written, the file renamed into place, then sent to
+its mirrors (snapshot_mirror.py: the next snapshot_copies nodes,
+mirror_offsets; snapshot_transport.py: how the bytes travel). The thread
+is waited for at the next snapshot. Its checksums (one per tensor, one of
+the manifest) find any change before anything is used
+(io/snapshot_restore.py).
 """
 from __future__ import annotations
 
@@ -87,7 +87,10 @@ def _yield_to_training():
     worst it is done when the next snapshot waits for it, as if inline.
     Linux only (a thread's own nice value)."""
     if sys.platform.startswith("linux"):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        except OSError:
+            pass  # a sandbox that refuses it: the thread runs at the training's priority, the snapshot goes on
 
 
 class Snapshots:
