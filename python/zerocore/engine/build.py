@@ -86,7 +86,7 @@ class EngineParts:
     root_numel: int  # stage 3: the root unit's trainable params, gathered once per backward (accounting.py)
     padding_elems: int
     buffer_dtypes: dict  # the module's buffers' own dtypes, which close() gives back
-    snapshot_group: object  # Config(snapshot="memory"): the snapshots' gloo process group (restores; the mirror sockets' addresses)
+    snapshot_group: object  # Config(snapshot="memory"): the snapshots' gloo group (restores, the mirrors' addresses)
     snapshot_transport: object  # and how their mirrors travel (io/snapshot_transport.py)
 
 
